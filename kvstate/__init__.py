@@ -1,0 +1,42 @@
+"""kvstate: per-room KV-transfer state for disaggregated LLM serving, kept in Redis."""
+
+from kvstate.codec import TransferInfo
+from kvstate.connection import Options
+from kvstate.errors import (
+    CorruptStateError,
+    InvalidIndicesError,
+    InvalidNameError,
+    InvalidRoomError,
+    InvalidStatusError,
+    InvalidURLError,
+    KVStateError,
+    KVTransferError,
+    PeerNotFoundError,
+    StateConnectionError,
+)
+from kvstate.poll import KVPoll
+from kvstate.roles import KVManager, KVReceiver, KVSender
+from kvstate.store import Store, connect
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CorruptStateError",
+    "InvalidIndicesError",
+    "InvalidNameError",
+    "InvalidRoomError",
+    "InvalidStatusError",
+    "InvalidURLError",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "KVStateError",
+    "KVTransferError",
+    "Options",
+    "PeerNotFoundError",
+    "StateConnectionError",
+    "Store",
+    "TransferInfo",
+    "connect",
+]

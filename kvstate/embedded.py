@@ -1,0 +1,41 @@
+"""The private redis-server used when no URL is given (SPEC section 7).
+
+Started once per process tree on a unix socket in a temporary directory; its URL
+goes into ``$KVSTATE_REDIS_URL`` so spawned workers share it; it stops when the
+process that started it exits (and dies with it on SIGKILL).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+
+from kvstate.connection import ENV_URL
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_server = None
+
+
+def ensure_server() -> str:
+    """URL of this process tree's embedded Redis, starting it on first use."""
+    global _server
+    with _lock:
+        if _server is None:
+            from kvstate.servers import RedisProcess
+
+            proc = RedisProcess(unix_socket=True, port=0, die_with_parent=True)
+            proc.start()
+            owner = os.getpid()
+
+            def stop() -> None:
+                if os.getpid() == owner:
+                    proc.stop()
+
+            atexit.register(stop)
+            _server = proc
+            os.environ[ENV_URL] = proc.url
+            log.info("started embedded redis-server at %s", proc.url)
+        return str(_server.url)

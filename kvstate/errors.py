@@ -1,0 +1,59 @@
+"""Every exception kvstate raises shares one base, so callers can catch it all.
+
+Messages name what was wrong and what to do next; none ever carries a password.
+"""
+
+from __future__ import annotations
+
+
+class KVStateError(Exception):
+    """Base class of every kvstate error."""
+
+
+class InvalidRoomError(KVStateError, ValueError):
+    """A room id that is not an integer in [0, 2**63)."""
+
+
+class InvalidStatusError(KVStateError, ValueError):
+    """A status that is not a KVPoll member."""
+
+
+class InvalidNameError(KVStateError, ValueError):
+    """A namespace, engine id or address with characters a key cannot carry."""
+
+
+class InvalidIndicesError(KVStateError, ValueError):
+    """A page-index array that is not 1-D non-negative integers that fit the buffers."""
+
+
+class InvalidURLError(KVStateError, ValueError):
+    """A Redis URL kvstate cannot use."""
+
+
+class StateConnectionError(KVStateError, ConnectionError):
+    """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted."""
+
+
+class CorruptStateError(KVStateError):
+    """A stored value that does not decode; names the key and field so it can be inspected."""
+
+    def __init__(self, key: str, field: str, detail: str) -> None:
+        self.key = key
+        self.field = field
+        super().__init__(
+            f"corrupt state in {key!r} field {field!r}: {detail} "
+            f"(inspect with: redis-cli HGET {key} {field}; `kvstate abort` fails the room)"
+        )
+
+
+class PeerNotFoundError(KVStateError, LookupError):
+    """No live engine is registered at a bootstrap address."""
+
+
+class KVTransferError(KVStateError):
+    """A room that failed; carries the reason recorded in Redis."""
+
+    def __init__(self, room: int, reason: str) -> None:
+        self.room = room
+        self.reason = reason
+        super().__init__(f"room {room} failed: {reason}")

@@ -1,0 +1,124 @@
+"""The one place that spells Redis key names (SPEC section 3).
+
+Every per-room key carries the hash tag ``{<room>}`` so that all keys of a room
+share one Cluster slot and one Lua script can move both sides of it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from kvstate.errors import InvalidNameError, InvalidRoomError
+
+Side = Literal["tx", "rx"]
+SIDES: tuple[Side, ...] = ("tx", "rx")
+MAX_ROOM = 2**63
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# Engine ids and bootstrap addresses end up inside key names and Lua-built
+# messages: allow what host:port, IPv6 brackets and rank suffixes need, no
+# whitespace, braces (hash tags) or glob characters (SCAN patterns).
+_NAME = re.compile(r"[A-Za-z0-9_.:@/\[\]-]{1,200}")
+
+
+def check_room(room: object) -> int:
+    """Return ``room`` if it is a valid bootstrap room, else raise InvalidRoomError."""
+    if isinstance(room, bool) or not isinstance(room, int):
+        raise InvalidRoomError(
+            f"room must be an int in [0, 2**63), got {type(room).__name__} {room!r}"
+        )
+    if not 0 <= room < MAX_ROOM:
+        raise InvalidRoomError(f"room must be in [0, 2**63), got {room}")
+    return room
+
+
+def check_name(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise InvalidNameError(
+            f"{what} must be 1-200 characters of letters, digits and _.:@/[]-, got {value!r}"
+        )
+    return value
+
+
+def check_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+        raise InvalidNameError(
+            f"namespace must be 1-64 characters of letters, digits and _.-, got {namespace!r}"
+        )
+    return namespace
+
+
+class Keys:
+    """Key builder for one namespace."""
+
+    def __init__(self, namespace: str = "default") -> None:
+        self.namespace = check_namespace(namespace)
+        self.prefix = f"kvstate:{self.namespace}:"
+
+    # -- per room (one slot) -------------------------------------------------
+    def room_prefix(self, room: int) -> str:
+        return f"{self.prefix}{{{check_room(room)}}}:"
+
+    def participant(self, room: int, side: Side, engine: str) -> str:
+        return f"{self.room_prefix(room)}{side}:{engine}"
+
+    def xfer(self, room: int, sender_engine: str) -> str:
+        """Transfer infos addressed to one sender; field = receiver engine."""
+        return f"{self.room_prefix(room)}xfer:{sender_engine}"
+
+    def acks(self, room: int, receiver_engine: str) -> str:
+        """Sender engines that finished their part for one receiver."""
+        return f"{self.room_prefix(room)}acks:{receiver_engine}"
+
+    def parts(self, room: int) -> str:
+        """Set of the room's participants (``tx:<engine>``, ``rx:<engine>``): abort and
+        ``kvstate show`` find them without SCAN."""
+        return f"{self.room_prefix(room)}parts"
+
+    @staticmethod
+    def part_member(side: Side, engine: str) -> str:
+        return f"{side}:{engine}"
+
+    # -- shared ----------------------------------------------------------------
+    def addr(self, bootstrap_addr: str) -> str:
+        """Rooms bound to a peer address, scored by deadline (ms)."""
+        return f"{self.prefix}addr:{bootstrap_addr}"
+
+    def engine(self, engine: str) -> str:
+        return f"{self.prefix}engine:{engine}"
+
+    @property
+    def ledger(self) -> str:
+        return f"{self.prefix}ledger"
+
+    # -- patterns and parsing (for SCAN-based tools) ---------------------------
+    @property
+    def all_pattern(self) -> str:
+        return f"{self.prefix}*"
+
+    @property
+    def participant_pattern(self) -> str:
+        return f"{self.prefix}{{*}}:[tr]x:*"
+
+    @property
+    def engine_pattern(self) -> str:
+        return f"{self.prefix}engine:*"
+
+    @property
+    def addr_pattern(self) -> str:
+        return f"{self.prefix}addr:*"
+
+    def parse_room_key(self, key: str) -> tuple[int, str, str] | None:
+        """Split a per-room key into (room, kind, rest): kind is tx, rx, xfer, acks or parts."""
+        if not key.startswith(self.prefix + "{"):
+            return None
+        tag_end = key.find("}:", len(self.prefix))
+        if tag_end < 0:
+            return None
+        try:
+            room = int(key[len(self.prefix) + 1 : tag_end])
+        except ValueError:
+            return None
+        kind, _, rest = key[tag_end + 2 :].partition(":")
+        return room, kind, rest

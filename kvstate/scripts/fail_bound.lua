@@ -1,0 +1,23 @@
+-- fail_bound.lua: dead-peer fan-out for one receiver. Fails it with the reason
+-- if it is bound to the peer engine (field peer:<engine>) and, when an
+-- incarnation is given, to that incarnation: a peer restarted at the same
+-- address with a new incarnation does not fail rooms bound to the new one.
+-- Terminal participants are left alone.
+-- KEYS[1] receiver participant hash
+-- ARGV[1] ttl in ms
+-- ARGV[2] reason
+-- ARGV[3] peer engine, or '' for any peer (every receiver tracked at an address
+--         is bound to some engine there)
+-- ARGV[4] peer incarnation, or '' for any
+-- Returns 1 if it failed the participant, else 0.
+local key = KEYS[1]
+local h = redis.call('HMGET', key, 'status', 'peer:' .. ARGV[3])
+if not h[1] then return 0 end
+local rank = rank_of(key, h[1])
+if rank == 0 or rank == 4 then return 0 end
+if ARGV[3] ~= '' then
+  if not h[2] then return 0 end
+  if ARGV[4] ~= '' and h[2] ~= ARGV[4] then return 0 end
+end
+set_status(key, 'Failed', now_ms(), ARGV[1], ARGV[2])
+return 1

@@ -1,0 +1,30 @@
+-- finish.lua: a sender finished moving its pages. Sender -> Success; for each
+-- receiver still waiting, add this sender to its acks and flip it to Success when
+-- every required sender has acked. A Failed or missing sender acks nothing; a
+-- missing receiver (cleared) gets no acks set (no resurrection). Idempotent.
+-- KEYS[1] sender participant hash
+-- KEYS[2j], KEYS[2j+1] (j = 1..m) receiver j's participant hash, its acks set
+-- ARGV[1] ttl in ms
+-- ARGV[2] sender engine (the member added to each acks set)
+-- Returns the sender's {status, reason}; status '' means missing.
+local tx = KEYS[1]
+local ttl = ARGV[1]
+local cur = read_status(tx)
+if cur[1] == '' or cur[1] == 'Failed' then return cur end
+local now = now_ms()
+if cur[1] ~= 'Success' then set_status(tx, 'Success', now, ttl, nil) end
+for j = 1, (#KEYS - 1) / 2 do
+  local rx, acks = KEYS[2 * j], KEYS[2 * j + 1]
+  local r = redis.call('HMGET', rx, 'status', 'peers')
+  if r[1] then
+    local rank = rank_of(rx, r[1])
+    if rank ~= 0 and rank ~= 4 then
+      redis.call('SADD', acks, ARGV[2])
+      redis.call('PEXPIRE', acks, ttl)
+      if redis.call('SCARD', acks) >= number_of(rx, 'peers', r[2]) then
+        set_status(rx, 'Success', now, ttl, nil)
+      end
+    end
+  end
+end
+return {'Success', ''}

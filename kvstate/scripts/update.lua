@@ -1,0 +1,22 @@
+-- update.lua: move one participant's status by the merge rule (SPEC rule 3):
+-- forward only, Failed is sticky, Success is final here (only abort.lua fails
+-- it). A missing participant is never re-created (rule 2). Idempotent.
+-- KEYS[1] participant hash
+-- ARGV[1] new status name
+-- ARGV[2] reason (recorded when the new status is Failed)
+-- ARGV[3] ttl in ms, refreshed whenever the status changes
+-- Returns {status, reason} after the update; status '' means missing.
+local key = KEYS[1]
+local new = RANK[ARGV[1]]
+if new == nil then return redis.error_reply('ERR unknown status ' .. tostring(ARGV[1])) end
+local cur = read_status(key)
+if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
+if new == 0 then
+  set_status(key, 'Failed', now_ms(), ARGV[3], ARGV[2])
+  return {'Failed', ARGV[2]}
+end
+if new > RANK[cur[1]] then
+  set_status(key, ARGV[1], now_ms(), ARGV[3], nil)
+  return {ARGV[1], cur[2]}
+end
+return cur

@@ -1,0 +1,383 @@
+"""Every Redis call about room state, and the Lua scripts that make them atomic.
+
+Roles describe what they want as ``Call`` objects and hand a batch of them to
+``Store.execute``: on a standalone server a batch is one pipeline (one round
+trip); on a Cluster it is one pipeline per node (or per slot, for
+transactions), sent straight to the node that owns the keys. Scripts run by
+EVALSHA and are reloaded after NOSCRIPT (server restart, failover, SCRIPT
+FLUSH), so a batch must be safe to send twice: every script here is idempotent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    ClusterDownError,
+    MovedError,
+    NoPermissionError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
+
+from kvstate import embedded
+from kvstate.connection import (
+    ENV_NAMESPACE,
+    ENV_URL,
+    Client,
+    Options,
+    check_url,
+    make_client,
+    redact,
+)
+from kvstate.errors import CorruptStateError, KVStateError, StateConnectionError
+from kvstate.keys import Keys, Side, check_name, check_room
+from kvstate.poll import KVPoll
+
+SCRIPT_NAMES = ("create", "poll", "update", "publish", "finish", "abort", "fail_bound", "track")
+_CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
+_REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
+
+
+def _load_scripts() -> dict[str, str]:
+    folder = resources.files("kvstate") / "scripts"
+    lib = (folder / "_lib.lua").read_text()
+    return {name: lib + "\n" + (folder / f"{name}.lua").read_text() for name in SCRIPT_NAMES}
+
+
+_SOURCES = _load_scripts()
+_SHAS = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in _SOURCES.items()}
+
+
+@dataclass(frozen=True)
+class Status:
+    """A script's answer about one participant; ``status`` None means it does not exist."""
+
+    status: KVPoll | None
+    reason: str
+    infos: dict[str, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: Any) -> Status:
+        name = raw[0].decode()
+        reason = raw[1].decode("utf-8", "replace")
+        infos: dict[str, bytes] = {}
+        if len(raw) > 2:
+            flat = raw[2]
+            infos = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+        return cls(KVPoll[name] if name else None, "" if not name else reason, infos)
+
+
+def _identity(raw: Any) -> Any:
+    return raw
+
+
+@dataclass(frozen=True)
+class Call:
+    """One command or script invocation, with how to read its reply."""
+
+    keys: tuple[str, ...]
+    args: tuple[Any, ...]
+    script: str | None = None
+    command: str | None = None
+    parse: Callable[[Any], Any] = _identity
+
+
+class Store:
+    """Room state of one namespace in one Redis (standalone or Cluster)."""
+
+    def __init__(
+        self,
+        client: Client,
+        url: str,
+        namespace: str = "default",
+        room_ttl: float = 900.0,
+    ) -> None:
+        if room_ttl <= 0:
+            raise ValueError(f"room_ttl must be positive, got {room_ttl}")
+        self.client = client
+        self.url = redact(url)
+        self.keys = Keys(namespace)
+        self.namespace = self.keys.namespace
+        self.room_ttl = float(room_ttl)
+        self.cluster = not isinstance(client, redis.Redis)
+
+    def __repr__(self) -> str:
+        kind = "cluster" if self.cluster else "standalone"
+        return f"<kvstate.Store {self.url} namespace={self.namespace!r} {kind}>"
+
+    @property
+    def ttl_ms(self) -> int:
+        return int(self.room_ttl * 1000)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- execution ----------------------------------------------------------------
+    @contextmanager
+    def errors(self) -> Iterator[None]:
+        """Turn redis-py's connection and auth errors into StateConnectionError that
+        names the redacted URL and says what to do next."""
+        try:
+            yield
+        except AuthenticationError:
+            raise StateConnectionError(
+                f"authentication to Redis at {self.url} failed: check the user and password"
+            ) from None
+        except NoPermissionError as exc:
+            raise StateConnectionError(
+                f"Redis at {self.url} refused a command under its ACL ({exc}); "
+                "see the README for the ACL SETUSER line kvstate needs"
+            ) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StateConnectionError(
+                f"cannot reach Redis at {self.url} ({exc}); is redis-server running? "
+                f"Set {ENV_URL} or --url"
+            ) from None
+
+    def ping(self) -> None:
+        with self.errors():
+            self.client.ping()
+
+    def execute(self, calls: Sequence[Call], transaction: bool = False) -> list[Any]:
+        """Run ``calls`` in as few round trips as the deployment allows; parsed replies."""
+        if not calls:
+            return []
+        with self.errors():
+            if self.cluster:
+                raw = self._execute_cluster(calls, transaction)
+            else:
+                raw = self._execute_on(self.client, list(calls), transaction)  # type: ignore[arg-type]
+        return [call.parse(reply) for call, reply in zip(calls, raw, strict=True)]
+
+    def _execute_on(self, conn: redis.Redis, calls: list[Call], transaction: bool) -> list[Any]:
+        for attempt in range(2):
+            pipe = conn.pipeline(transaction=transaction)
+            for call in calls:
+                if call.script is not None:
+                    pipe.evalsha(_SHAS[call.script], len(call.keys), *call.keys, *call.args)
+                else:
+                    pipe.execute_command(call.command, *call.keys, *call.args)
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except NoScriptError:  # raised whole when the pipeline is a transaction
+                replies = [NoScriptError()]
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                for name in {c.script for c in calls if c.script}:
+                    conn.script_load(_SOURCES[name])
+                continue
+            for call, reply in zip(calls, replies, strict=True):
+                if isinstance(reply, Exception):
+                    raise self._translate(call, reply)
+            return list(replies)
+        raise AssertionError("unreachable")
+
+    def _execute_cluster(self, calls: Sequence[Call], transaction: bool) -> list[Any]:
+        replies: list[Any] = [None] * len(calls)
+        pending = list(range(len(calls)))
+        cluster = self.client
+        assert not isinstance(cluster, redis.Redis)
+        for attempt in range(5):
+            groups: dict[Any, list[int]] = {}
+            for i in pending:
+                key = calls[i].keys[0]
+                node = cluster.get_node_from_key(key)
+                group = (node.name, cluster.keyslot(key) if transaction else 0)
+                groups.setdefault(group, []).append(i)
+            failed: list[int] = []
+            for (name, _), idxs in groups.items():
+                conn = cluster.get_node(node_name=name).redis_connection
+                try:
+                    out = self._execute_on(conn, [calls[i] for i in idxs], transaction)
+                except (*_REDIRECTS, redis.ConnectionError, redis.TimeoutError):
+                    if attempt == 4:
+                        raise
+                    failed.extend(idxs)
+                    continue
+                for i, reply in zip(idxs, out, strict=True):
+                    replies[i] = reply
+            if not failed:
+                return replies
+            pending = failed
+            time.sleep(0.1 * (attempt + 1))
+            cluster.nodes_manager.initialize()
+        raise AssertionError("unreachable")
+
+    def _translate(self, call: Call, exc: Exception) -> Exception:
+        text = str(exc)
+        if isinstance(exc, _REDIRECTS):
+            return exc
+        match = _CORRUPT.search(text)
+        if match:
+            return CorruptStateError(match[1], match[2], f"holds {match[3].strip()!r}")
+        if "WRONGTYPE" in text:
+            key = call.keys[0] if call.keys else "?"
+            return CorruptStateError(key, "*", "the key holds the wrong Redis type")
+        if isinstance(exc, NoPermissionError):
+            return exc
+        if isinstance(exc, ResponseError):
+            return KVStateError(f"Redis rejected {call.script or call.command}: {text}")
+        return exc
+
+    def script(self, name: str, keys: Iterable[str], args: Iterable[Any],
+               parse: Callable[[Any], Any] = _identity) -> Call:
+        return Call(tuple(keys), tuple(args), script=name, parse=parse)
+
+    @staticmethod
+    def command(name: str, *keys: str, args: Iterable[Any] = (),
+                parse: Callable[[Any], Any] = _identity) -> Call:
+        return Call(tuple(keys), tuple(args), command=name, parse=parse)
+
+    # -- participant calls ----------------------------------------------------------
+    def create(self, room: int, side: Side, engine: str, fields: dict[str, Any]) -> Call:
+        k = self.keys
+        keys = [k.participant(room, side, engine), k.parts(room)]
+        if side == "tx":
+            keys.append(k.xfer(room, engine))
+        flat: list[Any] = ["side", side, "engine", engine]
+        for name, value in fields.items():
+            flat += [name, value]
+        return self.script("create", keys, [self.ttl_ms, k.part_member(side, engine), *flat],
+                           Status.parse)
+
+    def poll(self, room: int, side: Side, engine: str, with_infos: bool = False) -> Call:
+        keys = [self.keys.participant(room, side, engine)]
+        if with_infos:
+            keys.append(self.keys.xfer(room, engine))
+        return self.script("poll", keys, [self.ttl_ms], Status.parse)
+
+    def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
+        key = self.keys.participant(room, side, engine)
+        return self.script("update", [key], [KVPoll.parse(status).name, reason, self.ttl_ms],
+                           Status.parse)
+
+    def publish(self, room: int, receiver: str, payloads: dict[str, bytes]) -> Call:
+        k = self.keys
+        keys = [k.participant(room, "rx", receiver)]
+        for sender in payloads:
+            keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
+        return self.script("publish", keys, [self.ttl_ms, receiver, *payloads.values()],
+                           Status.parse)
+
+    def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
+        k = self.keys
+        keys = [k.participant(room, "tx", sender)]
+        for receiver in receivers:
+            keys += [k.participant(room, "rx", receiver), k.acks(room, receiver)]
+        return self.script("finish", keys, [self.ttl_ms, sender], Status.parse)
+
+    def track(self, bootstrap_addr: str, member: str) -> Call:
+        return self.script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
+
+    def clear(self, room: int, side: Side, engine: str, senders: Iterable[str] = (),
+              peer_addr: str | None = None) -> None:
+        """Delete everything one participant created: one MULTI/EXEC on a standalone
+        server; on a Cluster the room's slot in one MULTI/EXEC, then the tracker."""
+        k = self.keys
+        me = k.participant(room, side, engine)
+        calls = [
+            self.command("DEL", me, k.xfer(room, engine) if side == "tx" else k.acks(room, engine)),
+            self.command("SREM", k.parts(room), args=[k.part_member(side, engine)]),
+        ]
+        calls += [self.command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
+        tracker = []
+        if peer_addr is not None:
+            tracker = [self.command("ZREM", k.addr(peer_addr), args=[me])]
+        if self.cluster:
+            self.execute(calls, transaction=True)
+            self.execute(tracker)
+        else:
+            self.execute(calls + tracker, transaction=True)
+
+    # -- room-wide ---------------------------------------------------------------
+    def members(self, room: int) -> list[str]:
+        raw = self.execute([self.command("SMEMBERS", self.keys.parts(room))])[0]
+        return sorted(m.decode() for m in raw)
+
+    def abort(self, room: int, reason: str) -> int:
+        """Fail every participant of the room; returns how many moved to Failed."""
+        k = self.keys
+        for _ in range(20):
+            members = self.members(room)
+            keys = [k.parts(room)]
+            for member in members:
+                side, _, engine = member.partition(":")
+                if side not in ("tx", "rx"):
+                    raise CorruptStateError(k.parts(room), member, "not a tx:/rx: member")
+                keys.append(k.participant(room, side, engine))  # type: ignore[arg-type]
+            n = self.execute([self.script("abort", keys, [self.ttl_ms, reason, *members])])[0]
+            if n >= 0:
+                return int(n)
+        raise KVStateError(f"room {room} kept changing while aborting it; try again")
+
+    def fail_bound(self, bootstrap_addr: str, peer_engine: str, incarnation: str,
+                   reason: str) -> int:
+        """Fail the receivers bound to ``peer_engine`` (that incarnation, or any if '')
+        among the rooms tracked for ``bootstrap_addr``; returns how many failed."""
+        tracker = self.keys.addr(bootstrap_addr)
+        now = self.server_time_ms()
+        members = self.execute(
+            [self.command("ZRANGE", tracker, args=[now, "+inf", "BYSCORE"])]
+        )[0]
+        calls = [
+            self.script("fail_bound", [m.decode()], [self.ttl_ms, reason, peer_engine, incarnation])
+            for m in members
+        ]
+        return sum(int(n) for n in self.execute(calls))
+
+    def scan(self, pattern: str, count: int = 1000) -> Iterator[str]:
+        """Keys matching ``pattern`` on every primary (SCAN, never KEYS)."""
+        with self.errors():
+            if self.cluster:
+                nodes = [n.redis_connection for n in self.client.get_primaries()]  # type: ignore[union-attr]
+            else:
+                nodes = [self.client]
+            for node in nodes:
+                for key in node.scan_iter(match=pattern, count=count):
+                    yield key.decode()
+
+    def server_time_ms(self) -> int:
+        if self.cluster:
+            secs, micros = self.client.time(target_nodes="random")  # type: ignore[call-arg]
+        else:
+            secs, micros = self.client.time()  # type: ignore[misc]
+        return int(secs) * 1000 + int(micros) // 1000
+
+
+def connect(
+    url: str | None = None,
+    namespace: str | None = None,
+    room_ttl: float = 900.0,
+    *,
+    cluster: bool | None = None,
+    options: Options | None = None,
+) -> Store:
+    """Open the state store: ``url``, else ``$KVSTATE_REDIS_URL``, else a private
+    redis-server started for this process tree (SPEC section 7)."""
+    url = url or os.environ.get(ENV_URL) or embedded.ensure_server()
+    namespace = namespace or os.environ.get(ENV_NAMESPACE) or "default"
+    keys = Keys(namespace)  # validate before connecting
+    check_url(url, cluster)
+    client = make_client(url, cluster, options)
+    store = Store(client, url, keys.namespace, room_ttl)
+    try:
+        store.ping()
+    except BaseException:
+        client.close()
+        raise
+    return store
+
+
+__all__ = ["Call", "Status", "Store", "connect", "check_name", "check_room"]
