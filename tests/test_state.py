@@ -1,0 +1,228 @@
+"""SPEC section 2 rules on real Redis, standalone and a 3-primary Cluster."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvstate
+from kvstate import KVPoll
+from kvstate.store import Store
+from tests.helpers import (
+    PREFILL_ADDR,
+    assert_every_key_has_ttl,
+    keys_of,
+    managers,
+    room_keys,
+)
+
+
+@pytest.fixture
+def store(state_url: str) -> Iterator[Store]:
+    s = kvstate.connect(state_url, namespace="t")
+    yield s
+    assert_every_key_has_ttl(s)  # rule 1 after every scenario
+    s.close()
+
+
+def lifecycle(p: kvstate.KVManager, d: kvstate.KVManager, room: int) -> tuple:
+    snd = p.sender(room)
+    rcv = d.receiver(room, PREFILL_ADDR)
+    assert rcv.init(np.arange(40, 104)) == KVPoll.WaitingForInput
+    assert snd.poll() == KVPoll.WaitingForInput
+    assert snd.begin_transfer() == KVPoll.Transferring
+    assert snd.finish_transfer() == KVPoll.Success
+    assert rcv.poll() == KVPoll.Success
+    return snd, rcv
+
+
+def test_full_lifecycle_leaves_nothing(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd, rcv = lifecycle(p, d, 7)
+        assert room_keys(store, 7)  # the room really was in Redis
+        assert_every_key_has_ttl(store)
+        snd.clear()
+        rcv.clear()
+        assert room_keys(store, 7) == []
+        assert not store.client.zrange(store.keys.addr(PREFILL_ADDR), 0, -1)
+        snd.clear()  # clear twice is fine
+        rcv.clear()
+    assert keys_of(store) == []  # close() dropped both leases
+
+
+def test_sender_created_after_receiver_published(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        rcv = d.receiver(1, PREFILL_ADDR)
+        rcv.init([5, 6, 7])
+        snd = p.sender(1)
+        assert snd.poll() == KVPoll.WaitingForInput
+        assert snd.transfer_infos()["decode-b.tp0"].kv_indices.tolist() == [5, 6, 7]
+        snd.clear()
+        rcv.clear()
+        assert room_keys(store, 1) == []
+
+
+def test_late_updates_after_clear_create_nothing(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd, rcv = lifecycle(p, d, 9)
+        snd.clear()
+        rcv.clear()
+        s = store
+        late = [
+            s.update(9, "tx", p.engine, KVPoll.Transferring),
+            s.update(9, "rx", d.engine, KVPoll.Failed, "late"),
+            s.poll(9, "rx", d.engine),
+            s.publish(9, d.engine, {p.engine: b"x"}),
+            s.finish(9, p.engine, [d.engine]),
+            s.poll(9, "tx", p.engine),
+        ]
+        for reply in s.execute(late):
+            assert reply.status is None  # "found nothing"
+        assert room_keys(store, 9) == []
+        # the participant objects do not come back either
+        assert snd.poll() == KVPoll.Success and rcv.poll() == KVPoll.Success
+        assert room_keys(store, 9) == []
+
+
+def test_clear_of_state_already_gone_never_raises(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd = p.sender(3)
+        snd.clear()  # never created
+        rcv = d.receiver(4, PREFILL_ADDR)
+        rcv.init([1])
+        for key in room_keys(store, 4):
+            store.client.delete(key)  # expired / deleted by someone else
+        assert rcv.poll() == KVPoll.Failed
+        assert "state lost" in rcv.failure_exception().reason  # and clears
+        rcv.clear()
+        assert room_keys(store, 4) == []
+
+
+@pytest.mark.parametrize("later", list(KVPoll))
+def test_failed_is_sticky(store: Store, later: KVPoll) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd = p.sender(11)
+        snd.poll()
+        assert snd.fail("first reason") == KVPoll.Failed
+        reply = store.execute([store.update(11, "tx", p.engine, later, "second reason")])[0]
+        assert reply.status == KVPoll.Failed
+        assert reply.reason == "first reason"
+        assert snd.finish_transfer() == KVPoll.Failed
+        snd.clear()
+
+
+def test_status_only_moves_forward_and_success_only_yields_to_abort(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd, rcv = lifecycle(p, d, 12)
+        for status in (KVPoll.Bootstrapping, KVPoll.Transferring, KVPoll.Failed):
+            assert store.execute([store.update(12, "tx", p.engine, status)])[0].status == (
+                KVPoll.Success
+            )
+        snd.abort("operator said so")
+        assert rcv.poll() == KVPoll.Failed
+        assert "operator said so" in rcv.failure_exception().reason
+        assert snd.poll() == KVPoll.Failed
+        snd.clear()
+        assert room_keys(store, 12) == []
+
+
+def test_abort_reaches_the_other_side(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd = p.sender(13)
+        rcv = d.receiver(13, PREFILL_ADDR)
+        rcv.init([1, 2])
+        assert snd.poll() == KVPoll.WaitingForInput
+        rcv.abort("client went away")
+        assert snd.poll() == KVPoll.Failed
+        exc = snd.failure_exception()
+        assert isinstance(exc, kvstate.KVTransferError) and "client went away" in exc.reason
+        rcv.clear()
+        assert room_keys(store, 13) == []
+
+
+def test_timeouts_use_the_server_clock(store: Store) -> None:
+    p, d = managers(store, bootstrap_timeout=0.2, waiting_timeout=0.3)
+    with p, d:
+        snd = p.sender(21)
+        rcv = d.receiver(22, PREFILL_ADDR)
+        assert snd.poll() == KVPoll.Bootstrapping
+        rcv.init([1])
+        time.sleep(0.5)
+        assert snd.poll() == KVPoll.Failed
+        assert "bootstrap timeout" in snd.failure_exception().reason
+        assert rcv.poll() == KVPoll.Failed
+        assert "waiting timeout" in rcv.failure_exception().reason
+
+
+def test_poll_many_matches_single_polls(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        senders = [p.sender(r) for r in range(100, 130)]
+        for r in range(100, 110):
+            d.receiver(r, PREFILL_ADDR).init([r])
+        got = p.poll_many(range(100, 131))
+        assert got[130] == KVPoll.Failed  # no such participant
+        for r in range(100, 110):
+            assert got[r] == KVPoll.WaitingForInput
+        for r in range(110, 130):
+            assert got[r] == KVPoll.Bootstrapping
+        for s in senders:
+            s.clear()
+        for r in range(100, 110):
+            d._live[r].clear()
+        assert keys_of(store, store.keys.participant_pattern) == []
+
+
+def test_two_senders_one_receiver_needs_both_acks(store: Store) -> None:
+    p1 = kvstate.KVManager(store, "prefill", "prefill-a.tp0", PREFILL_ADDR)
+    p2 = kvstate.KVManager(store, "prefill", "prefill-a.tp1", PREFILL_ADDR)
+    d = kvstate.KVManager(store, "decode", "decode-b.tp0")
+    with p1, p2, d:
+        s1, s2 = p1.sender(5), p2.sender(5)
+        rcv = d.receiver(5, PREFILL_ADDR)
+        assert sorted(rcv.senders) == ["prefill-a.tp0", "prefill-a.tp1"]
+        rcv.init([9, 10])
+        assert s1.poll() == s2.poll() == KVPoll.WaitingForInput
+        s1.send([0, 1])
+        assert rcv.poll() == KVPoll.WaitingForInput  # one of two acks
+        s2.send([0, 1])
+        assert rcv.poll() == KVPoll.Success
+        for x in (s1, s2, rcv):
+            x.clear()
+        assert room_keys(store, 5) == []
+
+
+def test_redis_cli_shows_status_by_name(store: Store, state_url: str, redis_cli) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd, rcv = lifecycle(p, d, 31)
+        key = store.keys.participant(31, "rx", d.engine)
+        assert redis_cli(state_url, "HGET", key, "status").strip() == "Success"
+        fields = redis_cli(state_url, "HGETALL", key).split()
+        assert "created_ms" in fields and "peer:prefill-a.tp0" in fields
+        snd.clear()
+        rcv.clear()
+
+
+def test_compact_indices(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        rcv = d.receiver(41, PREFILL_ADDR)
+        rcv.init(np.arange(1000, 5096))
+        raw = store.client.hget(store.keys.xfer(41, p.engine), d.engine)
+        assert len(raw) < 100  # 4096 contiguous pages: one run, not 16 KiB
+        snd = p.sender(41)
+        snd.poll()
+        assert np.array_equal(snd.transfer_infos()[d.engine].kv_indices, np.arange(1000, 5096))
+        snd.clear()
+        rcv.clear()
