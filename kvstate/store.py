@@ -366,8 +366,10 @@ def connect(
 ) -> Store:
     """Open the state store: ``url``, else ``$KVSTATE_REDIS_URL``, else a private
     redis-server started for this process tree (SPEC section 7)."""
-    url = url or os.environ.get(ENV_URL) or embedded.ensure_server()
-    namespace = namespace or os.environ.get(ENV_NAMESPACE) or "default"
+    if url is None:
+        url = os.environ.get(ENV_URL) or embedded.ensure_server()
+    if namespace is None:
+        namespace = os.environ.get(ENV_NAMESPACE) or "default"
     keys = Keys(namespace)  # validate before connecting
     check_url(url, cluster)
     client = make_client(url, cluster, options)
