@@ -40,6 +40,8 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 __all__ = [
     "RedisCluster",
@@ -201,6 +203,10 @@ def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return preexec
+
+
+def _no_retry() -> Retry:
+    return Retry(NoBackoff(), 0)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -413,7 +419,9 @@ class RedisProcess:
                     f"command: {shlex.join(cmd)}\n{self._log_tail()}"
                 )
             try:
-                with self.client(socket_timeout=1.0, socket_connect_timeout=1.0) as c:
+                with self.client(
+                    socket_timeout=1.0, socket_connect_timeout=1.0, retry=_no_retry()
+                ) as c:
                     if c.ping():
                         return
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
@@ -582,7 +590,8 @@ class RedisCluster:
         return redis.cluster.RedisCluster(host=self.host, port=self.nodes[0].port, **kwargs)
 
     def _node_client(self, node: RedisProcess) -> redis.Redis:
-        return node.client(socket_timeout=5.0, socket_connect_timeout=2.0)
+        # No client-side retries: callers poll in their own loops with their own deadline.
+        return node.client(socket_timeout=5.0, socket_connect_timeout=2.0, retry=_no_retry())
 
     # ---- lifecycle
 
@@ -619,6 +628,11 @@ class RedisCluster:
                     str(node_dir / "nodes.conf"),
                     "--cluster-node-timeout",
                     str(self.node_timeout_ms),
+                    # replicas sync at once (the 7.x default waits 5 s for more replicas)
+                    "--repl-diskless-sync",
+                    "yes",
+                    "--repl-diskless-sync-delay",
+                    "0",
                     *self.extra_args,
                 ],
             )
@@ -691,6 +705,10 @@ class RedisCluster:
             problems = self._problems()
 
     def stop(self) -> None:
+        for node in self.nodes:  # signal every node first, so they shut down in parallel
+            if node.alive and node.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(node.pid, signal.SIGTERM)
         for node in self.nodes:
             node.stop()
         self.nodes = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -161,3 +162,48 @@ def test_failover_swaps_roles(
         assert redis_cli(cluster.url, "GET", key).strip() == "kept"
         assert rc.get(key) == b"kept"
     cluster.flushall()
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.cluster
+def test_cluster_tool_detach_and_stop(tmp_path: Path, redis_cli: Callable[..., str]) -> None:
+    tool = Path(__file__).resolve().parents[1] / "tools" / "redis_cluster.py"
+    state_dir = tmp_path / "c"
+    started = subprocess.run(
+        [sys.executable, str(tool), "start", "--detach", "--dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    url = started.stdout.strip()
+    assert url.startswith("redis+cluster://127.0.0.1:")
+    pids = [n["pid"] for n in json.loads((state_dir / "cluster.json").read_text())["nodes"]]
+    try:
+        assert redis_cli(url, "SET", "kvstate:test:{1}", "x").strip() == "OK"
+        status = subprocess.run(
+            [sys.executable, str(tool), "status", "--dir", str(state_dir)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert status.returncode == 0, status.stderr
+    finally:
+        subprocess.run(
+            [sys.executable, str(tool), "stop", "--dir", str(state_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    assert all(_gone(pid) for pid in pids)
+    assert not (state_dir / "cluster.json").exists()
