@@ -80,16 +80,13 @@ class TransferInfo:
     incarnation: str = ""  # the receiver engine's, so a sender never writes to a restarted one
 
     def encode(self) -> bytes:
-        return pack(
-            {
-                "kv": encode_runs(self.kv_indices),
-                "aux": self.aux_index,
-                "state": None if self.state_indices is None else encode_runs(self.state_indices),
-                "prefix": self.prefix_len,
-                "dummy": self.dummy,
-                "inc": self.incarnation,
-            }
-        )
+        doc: dict[str, Any] = {"kv": encode_runs(self.kv_indices), "prefix": self.prefix_len,
+                               "dummy": self.dummy, "inc": self.incarnation}
+        if self.aux_index is not None:  # absent fields keep small payloads under Redis's
+            doc["aux"] = self.aux_index  # 64-byte listpack limit
+        if self.state_indices is not None:
+            doc["state"] = encode_runs(self.state_indices)
+        return pack(doc)
 
     @classmethod
     def decode(cls, receiver: str, raw: bytes, key: str) -> TransferInfo:

@@ -72,8 +72,9 @@ class Keys:
         return f"{self.room_prefix(room)}acks:{receiver_engine}"
 
     def parts(self, room: int) -> str:
-        """Set of the room's participants (``tx:<engine>``, ``rx:<engine>``): abort and
-        ``kvstate show`` find them without SCAN."""
+        """The room's participants (field ``tx:<engine>`` / ``rx:<engine>``, value: created
+        ms): abort and ``kvstate show`` find them without SCAN. A hash, not a set: Redis
+        7.0 keeps small hashes as listpacks, sets of strings as hash tables (4x larger)."""
         return f"{self.room_prefix(room)}parts"
 
     @staticmethod

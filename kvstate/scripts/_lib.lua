@@ -29,9 +29,9 @@ end
 -- Move a participant to `status`, stamp it, and refresh its TTL in the same call.
 local function set_status(key, status, now, ttl, reason)
   if reason then
-    redis.call('HSET', key, 'status', status, 'since_ms', now, 'updated_ms', now, 'reason', reason)
+    redis.call('HSET', key, 'status', status, 'since_ms', now, 'reason', reason)
   else
-    redis.call('HSET', key, 'status', status, 'since_ms', now, 'updated_ms', now)
+    redis.call('HSET', key, 'status', status, 'since_ms', now)
   end
   redis.call('PEXPIRE', key, ttl)
 end

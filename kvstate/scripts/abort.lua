@@ -2,7 +2,7 @@
 -- (the explicit abort of SPEC rule 3). The caller read the parts set first; if it
 -- changed since (a participant joined or cleared), nothing is written and -1 is
 -- returned so the caller reads it again.
--- KEYS[1] room parts set
+-- KEYS[1] room parts hash
 -- KEYS[1+i] (i = 1..n) participant hash of parts member i
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason
@@ -10,9 +10,9 @@
 -- Returns the number of participants moved to Failed, or -1.
 local parts = KEYS[1]
 local n = #KEYS - 1
-if redis.call('SCARD', parts) ~= n then return -1 end
+if redis.call('HLEN', parts) ~= n then return -1 end
 for i = 1, n do
-  if redis.call('SISMEMBER', parts, ARGV[2 + i]) == 0 then return -1 end
+  if redis.call('HEXISTS', parts, ARGV[2 + i]) == 0 then return -1 end
 end
 local now = now_ms()
 local failed = 0

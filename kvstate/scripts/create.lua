@@ -2,12 +2,13 @@
 -- script that creates a participant; a no-op returning the current status if it
 -- already exists (a retried create changes nothing).
 -- KEYS[1] participant hash   kvstate:<ns>:{<room>}:<tx|rx>:<engine>
--- KEYS[2] room parts set     kvstate:<ns>:{<room>}:parts
+-- KEYS[2] room parts hash    kvstate:<ns>:{<room>}:parts (member -> created ms)
 -- KEYS[3] (sender only) the sender's transfer infos hash, to start in
 --         WaitingForInput when every receiver published before the sender existed
 -- ARGV[1] ttl in ms
 -- ARGV[2] parts member (tx:<engine> | rx:<engine>)
--- ARGV[3..] field, value pairs (side, engine, addr, peers, timeouts, peer bindings)
+-- ARGV[3..] field, value pairs (addr, peers, timeouts, peer bindings); side and
+--           engine are in the key name, not repeated in the hash
 -- Returns {status, reason}.
 local key = KEYS[1]
 local ttl = ARGV[1]
@@ -22,6 +23,6 @@ if KEYS[3] then
   if redis.call('HLEN', KEYS[3]) >= peers then status = 'WaitingForInput' end
 end
 set_status(key, status, now, ttl, nil)
-redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[2], now)
 redis.call('PEXPIRE', KEYS[2], ttl)
 return {status, ''}

@@ -1,0 +1,374 @@
+"""The audit: find, name and (where safe) repair every kind of leaked room state.
+
+One SCAN of ``kvstate:<ns>:*`` on every primary, then batched reads. Ages use the
+server clock. ``fix=True`` repairs only what cannot hurt a live request:
+
+============================  ================================================
+finding                       fix
+============================  ================================================
+no_ttl (PTTL -1)              PEXPIRE with the room TTL (the ledger: 7 days)
+terminal_uncleared            none: the owner may still read it; TTL reaps it
+stuck (past its timeout)      the poll script fails it with the timeout reason
+orphan_tracker                ZREM the member whose participant is gone
+unclaimed_xfer (idle>=grace)  DEL the transfer infos no sender will read
+dead_engine                   fail the receiver bound to the dead peer
+corrupt                       none: inspect it, ``kvstate abort`` the room
+server_setting                none: an operator changes server config
+============================  ================================================
+
+A live participant is never deleted. Every repair is appended to the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from redis.exceptions import NoPermissionError
+
+from kvstate.errors import KVStateError
+from kvstate.inspect import BATCH, Participant, fmt_ms, nodes, read_participants
+from kvstate.keys import SIDES
+from kvstate.ledger import LEDGER_TTL_MS, Entry, Ledger, config_value
+from kvstate.metrics import FINDING_KINDS
+from kvstate.poll import KVPoll
+from kvstate.store import Status, Store
+
+DEFAULT_GRACE = 60.0
+
+
+@dataclass
+class Finding:
+    """One leak or risk: ``kind`` (see FINDING_KINDS), the key it is about, what is wrong,
+    and, after a fix, what was done (``fixed``) or why nothing was (``left``)."""
+
+    kind: str
+    key: str
+    detail: str
+    room: int | None = None
+    side: str = ""
+    engine: str = ""
+    status: str = ""
+    age_ms: int | None = None
+    fixed: str = ""
+    left: str = ""
+    target: tuple[str, ...] = ()  # what a fix acts on (tracker member; peer, incarnation)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "key": self.key, "detail": self.detail, "room": self.room,
+            "side": self.side, "engine": self.engine, "status": self.status,
+            "age_ms": self.age_ms, "fixed": self.fixed, "left": self.left,
+        }
+
+
+def _about(kind: str, p: Participant, detail: str) -> Finding:
+    return Finding(kind, p.key, detail, room=p.room, side=p.side, engine=p.engine,
+                   status=p.status, age_ms=p.age_ms)
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    scanned: int = 0
+
+    @property
+    def remaining(self) -> list[Finding]:
+        """Findings not repaired."""
+        return [f for f in self.findings if not f.fixed]
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(FINDING_KINDS, 0)
+        for f in self.findings:
+            out[f.kind] = out.get(f.kind, 0) + 1
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "clean": not self.remaining,
+            "scanned_keys": self.scanned,
+            "findings": [f.to_json() for f in self.findings],
+            "fixed": sum(1 for f in self.findings if f.fixed),
+            "notes": self.notes,
+        }
+
+
+class Auditor:
+    """Audits one namespace. ``grace``: seconds a terminal participant may wait for
+    its clear, and an unclaimed transfer info for its sender, before they count."""
+
+    def __init__(self, store: Store, grace: float = DEFAULT_GRACE) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.grace_ms = int(grace * 1000)
+
+    # -- driver ------------------------------------------------------------------
+    def run(self, fix: bool = False) -> Report:
+        report = Report()
+        self._server_settings(report)
+        now = self.store.server_time_ms()
+        all_keys = sorted(set(self.store.scan(self.keys.all_pattern)))
+        report.scanned = len(all_keys)
+        groups = self._classify(all_keys)
+        self._no_ttl(all_keys, report)
+        parts = read_participants(self.store, groups["participant"], now)
+        self._participants(parts, now, report)
+        self._dead_engines(parts, report)
+        self._trackers(groups["addr"], report)
+        self._xfers(groups["xfer"], report)
+        if fix:
+            self._fix(report)
+        return report
+
+    def _classify(self, all_keys: Sequence[str]) -> dict[str, list[str]]:
+        k = self.keys
+        addr_prefix, engine_prefix = k.addr(""), k.engine("")
+        groups: dict[str, list[str]] = {
+            "participant": [], "xfer": [], "addr": [], "engine": [], "other": []
+        }
+        for key in all_keys:
+            parsed = k.parse_room_key(key)
+            if parsed is not None and parsed[1] in SIDES:
+                groups["participant"].append(key)
+            elif parsed is not None and parsed[1] == "xfer":
+                groups["xfer"].append(key)
+            elif key.startswith(addr_prefix):
+                groups["addr"].append(key)
+            elif key.startswith(engine_prefix):
+                groups["engine"].append(key)
+            else:
+                groups["other"].append(key)
+        return groups
+
+    # -- checks ------------------------------------------------------------------
+    def _server_settings(self, report: Report) -> None:
+        for name, client in nodes(self.store):
+            try:
+                policy = self._config(client, "maxmemory-policy")
+            except NoPermissionError:
+                report.notes.append(
+                    f"{name}: CONFIG GET is not allowed for this user; eviction policy not "
+                    "checked (give the audit a user with +config|get)")
+                continue
+            except redis.ResponseError as exc:
+                report.notes.append(f"{name}: CONFIG GET failed ({exc}); eviction policy "
+                                    "not checked")
+                continue
+            if policy and policy != "noeviction":
+                report.findings.append(Finding(
+                    "server_setting", name,
+                    f"maxmemory-policy is {policy}: Redis may evict room state under memory "
+                    "pressure (volatile-* evicts exactly the keys with a TTL: all of kvstate's); "
+                    "set it to noeviction"))
+
+    def _config(self, client: redis.Redis, name: str) -> str:
+        """CONFIG GET; ACL refusals reach the caller as NoPermissionError, connection
+        trouble as StateConnectionError."""
+        try:
+            return config_value(client, name)
+        except (NoPermissionError, redis.ResponseError):
+            raise
+        except redis.RedisError:
+            with self.store.errors():
+                raise
+        raise AssertionError("unreachable")
+
+    def _no_ttl(self, all_keys: Sequence[str], report: Report) -> None:
+        s = self.store
+        for start in range(0, len(all_keys), BATCH):
+            chunk = all_keys[start : start + BATCH]
+            ttls = s.execute([s.command("PTTL", key) for key in chunk])
+            for key, ttl in zip(chunk, ttls, strict=True):
+                if int(ttl) == -1:
+                    f = Finding("no_ttl", key, "key has no TTL: nothing will ever reap it")
+                    parsed = self.keys.parse_room_key(key)
+                    if parsed is not None:
+                        f.room = parsed[0]
+                        if parsed[1] in SIDES:
+                            f.side, f.engine = parsed[1], parsed[2]
+                    report.findings.append(f)
+
+    def _participants(self, parts: list[Participant], now: int, report: Report) -> None:
+        for p in parts:
+            if not p.valid or p.since_ms is None:
+                report.findings.append(_about(
+                    "corrupt", p,
+                    f"status {p.status!r} / since_ms {p.fields.get('since_ms')!r} do not parse; "
+                    f"inspect with redis-cli HGETALL, fail the room with kvstate abort {p.room}"))
+                continue
+            waited = now - p.since_ms
+            if p.terminal:
+                if waited > self.grace_ms:
+                    report.findings.append(_about(
+                        "terminal_uncleared", p,
+                        f"{p.status} for {fmt_ms(waited)} and never cleared (grace "
+                        f"{fmt_ms(self.grace_ms)}): its owner did not call clear(); "
+                        f"TTL reaps it in {fmt_ms(p.pttl_ms)}"))
+                continue
+            limit = p.timeout_ms()
+            if limit is not None and waited > limit[1]:
+                report.findings.append(_about(
+                    "stuck", p,
+                    f"{p.status} for {fmt_ms(waited)}, past its {limit[0]} timeout of "
+                    f"{fmt_ms(limit[1])} (nobody polled it since)"))
+
+    def _dead_engines(self, parts: list[Participant], report: Report) -> None:
+        bound = [p for p in parts if p.side == "rx" and p.valid and not p.terminal and p.bindings]
+        engines = sorted({e for p in bound for e in p.bindings})
+        if not engines:
+            return
+        s = self.store
+        raw = s.execute([s.command("HGET", self.keys.engine(e), args=["incarnation"])
+                         for e in engines])
+        alive = {e: None if r is None else r.decode() for e, r in zip(engines, raw, strict=True)}
+        for p in bound:
+            for engine, inc in sorted(p.bindings.items()):
+                now_inc = alive.get(engine)
+                if now_inc == inc:
+                    continue
+                why = ("has no lease (engine key gone)" if now_inc is None
+                       else f"restarted (incarnation {inc} -> {now_inc})")
+                f = _about("dead_engine", p,
+                           f"bound to peer {engine} (incarnation {inc}), which {why}")
+                f.target = (engine, inc, p.fields.get("peer_addr", ""))
+                report.findings.append(f)
+                break
+
+    def _trackers(self, trackers: Sequence[str], report: Report) -> None:
+        s = self.store
+        if not trackers:
+            return
+        members_raw = s.execute([s.command("ZRANGE", t, args=[0, -1]) for t in trackers])
+        pairs = [(t, m.decode()) for t, ms in zip(trackers, members_raw, strict=True) for m in ms]
+        for start in range(0, len(pairs), BATCH):
+            chunk = pairs[start : start + BATCH]
+            exists = s.execute([s.command("EXISTS", m) for _, m in chunk])
+            for (tracker, member), n in zip(chunk, exists, strict=True):
+                if int(n):
+                    continue
+                f = Finding("orphan_tracker", tracker,
+                            f"member {member} names a participant that is gone "
+                            "(a clear interrupted between the room and the tracker)")
+                parsed = self.keys.parse_room_key(member)
+                if parsed is not None:
+                    f.room, f.side, f.engine = parsed
+                f.target = (member,)
+                report.findings.append(f)
+
+    def _xfers(self, xfers: Sequence[str], report: Report) -> None:
+        k = self.keys
+        for start in range(0, len(xfers), BATCH):
+            chunk = [x for x in xfers[start : start + BATCH] if k.parse_room_key(x)]
+            raw = self._xfer_reads(chunk)
+            for x, (exists, member, idle_s, n) in zip(chunk, raw, strict=True):
+                if exists or member or n == 0:
+                    continue
+                if idle_s is not None and idle_s * 1000 < self.grace_ms:
+                    continue  # a receiver may publish before its sender exists
+                room, _, sender = k.parse_room_key(x)  # type: ignore[misc]
+                idle = "unknown" if idle_s is None else fmt_ms(idle_s * 1000)
+                report.findings.append(Finding(
+                    "unclaimed_xfer", x,
+                    f"{n} transfer info(s) for sender {sender}, which does not exist and is not "
+                    f"in the room; untouched for {idle}", room=room, engine=sender))
+
+    def _xfer_reads(self, chunk: Sequence[str]) -> list[tuple[bool, bool, int | None, int]]:
+        """(sender exists, sender in parts, idle seconds or None, fields) per xfer key."""
+        s = self.store
+        k = self.keys
+        calls = []
+        for x in chunk:
+            room, _, sender = k.parse_room_key(x)  # type: ignore[misc]
+            calls += [
+                s.command("EXISTS", k.participant(room, "tx", sender)),
+                s.command("SISMEMBER", k.parts(room), args=[k.part_member("tx", sender)]),
+                s.command("HLEN", x),
+            ]
+        raw = s.execute(calls)
+        idles = self._idle_seconds(chunk)
+        return [
+            (bool(int(raw[3 * i])), bool(int(raw[3 * i + 1])), idles[i], int(raw[3 * i + 2]))
+            for i in range(len(chunk))
+        ]
+
+    def _idle_seconds(self, chunk: Sequence[str]) -> list[int | None]:
+        """OBJECT IDLETIME per key (None where the server's LFU policy refuses it).
+        EXISTS and PTTL do not touch a key's access time, so our own reads above
+        leave it intact."""
+        out: list[int | None] = []
+        for x in chunk:
+            try:
+                client = self._client_for(x)
+                out.append(int(client.object("idletime", x) or 0))
+            except redis.ResponseError:
+                out.append(None)
+        return out
+
+    def _client_for(self, key: str) -> redis.Redis:
+        if not self.store.cluster:
+            return self.store.client  # type: ignore[return-value]
+        node = self.store.client.get_node_from_key(key)  # type: ignore[union-attr]
+        return node.redis_connection  # type: ignore[no-any-return]
+
+    # -- repairs -----------------------------------------------------------------
+    def _fix(self, report: Report) -> None:
+        done: list[Finding] = []
+        for f in report.findings:
+            try:
+                self._fix_one(f)
+            except KVStateError as exc:
+                f.left = f"fix failed: {exc}"
+            if f.fixed:
+                done.append(f)
+        Ledger(self.store).append([
+            Entry(f"audit:{f.kind}", f.room, f.side, f.engine, f.status or "", f.age_ms, f.key,
+                  f.fixed)
+            for f in done
+        ])
+
+    def _fix_one(self, f: Finding) -> None:
+        s = self.store
+        if f.kind == "no_ttl":
+            ttl = LEDGER_TTL_MS if f.key == self.keys.ledger else s.ttl_ms
+            n = s.execute([s.command("PEXPIRE", f.key, args=[ttl])])[0]
+            if int(n):
+                f.fixed = f"set a TTL of {fmt_ms(ttl)}"
+            else:
+                f.left = "key vanished before the fix"
+        elif f.kind == "stuck":
+            assert f.room is not None
+            st: Status = s.execute([s.poll(f.room, f.side, f.engine)])[0]  # type: ignore[arg-type]
+            if st.status == KVPoll.Failed:
+                f.fixed = f"failed it: {st.reason}"
+            else:
+                f.left = f"it moved on ({st.status.name if st.status else 'gone'})"
+        elif f.kind == "orphan_tracker":
+            (member,) = f.target
+            s.execute([s.command("ZREM", f.key, args=[member])])
+            f.fixed = f"removed {member} from the tracker"
+        elif f.kind == "unclaimed_xfer":
+            assert f.room is not None
+            exists = s.execute([s.command("EXISTS", s.keys.participant(f.room, "tx", f.engine))])
+            if int(exists[0]):
+                f.left = "its sender appeared meanwhile"
+            else:
+                s.execute([s.command("DEL", f.key)])
+                f.fixed = "deleted the unclaimed transfer infos"
+        elif f.kind == "dead_engine":
+            engine, inc, addr = f.target
+            reason = (f"peer {engine} at {addr or '?'} is gone (incarnation {inc}); "
+                      "failed by kvstate audit")
+            n = s.execute([s.script("fail_bound", [f.key], [s.ttl_ms, reason, engine, inc])])[0]
+            if int(n):
+                f.fixed = f"failed it: {reason}"
+            else:
+                f.left = "it reached a terminal status meanwhile"
+        elif f.kind == "terminal_uncleared":
+            f.left = "left for its TTL: the owner may still read the status"
+        elif f.kind == "corrupt":
+            f.left = f"inspect it, then kvstate abort {f.room}"
+        else:
+            f.left = "needs an operator (server configuration)"

@@ -1,0 +1,319 @@
+"""Read-side views of room state for operators: participants, rooms, engines, census.
+
+Nothing here writes. Ages are computed against the Redis server clock (``TIME``),
+never this host's (SPEC rule 9), so a view taken from a laptop with a skewed
+clock still shows true ages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from kvstate.codec import TransferInfo
+from kvstate.errors import CorruptStateError
+from kvstate.keys import SIDES
+from kvstate.poll import KVPoll
+from kvstate.store import Store
+
+BATCH = 500
+# Upper bounds (ms) of the age buckets that `top` and the metrics share.
+AGE_BUCKETS: tuple[tuple[int | None, str], ...] = (
+    (10_000, "<10s"),
+    (60_000, "10s-1m"),
+    (300_000, "1m-5m"),
+    (None, ">5m"),
+)
+STATUSES: tuple[str, ...] = tuple(KVPoll.__members__)
+
+
+def age_bucket(age_ms: int) -> str:
+    for limit, name in AGE_BUCKETS:
+        if limit is None or age_ms < limit:
+            return name
+    return AGE_BUCKETS[-1][1]
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Participant:
+    """One participant hash as read at ``now_ms`` (server clock)."""
+
+    key: str
+    room: int
+    side: str
+    engine: str
+    fields: dict[str, str]
+    pttl_ms: int
+    now_ms: int
+
+    @property
+    def status(self) -> str:
+        return self.fields.get("status", "")
+
+    @property
+    def valid(self) -> bool:
+        return self.status in KVPoll.__members__
+
+    @property
+    def poll(self) -> KVPoll | None:
+        return KVPoll[self.status] if self.valid else None
+
+    @property
+    def terminal(self) -> bool:
+        p = self.poll
+        return p is not None and p.terminal
+
+    @property
+    def reason(self) -> str:
+        return self.fields.get("reason", "")
+
+    @property
+    def created_ms(self) -> int | None:
+        return _int(self.fields.get("created_ms"))
+
+    @property
+    def since_ms(self) -> int | None:
+        return _int(self.fields.get("since_ms"))
+
+    @property
+    def age_ms(self) -> int | None:
+        c = self.created_ms
+        return None if c is None else max(0, self.now_ms - c)
+
+    @property
+    def in_status_ms(self) -> int | None:
+        s = self.since_ms
+        return None if s is None else max(0, self.now_ms - s)
+
+    @property
+    def bindings(self) -> dict[str, str]:
+        """Peer engine -> incarnation this receiver is bound to."""
+        return {k[5:]: v for k, v in self.fields.items() if k.startswith("peer:")}
+
+    def timeout_ms(self) -> tuple[str, int] | None:
+        """(name, limit) of the timeout that applies in the current status, if any."""
+        name = {"Bootstrapping": "bootstrap", "WaitingForInput": "waiting"}.get(self.status)
+        if name is None:
+            return None
+        limit = _int(self.fields.get(f"{name}_timeout_ms"))
+        return None if not limit or limit <= 0 else (name, limit)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "room": self.room,
+            "side": self.side,
+            "engine": self.engine,
+            "status": self.status,
+            "reason": self.reason,
+            "age_ms": self.age_ms,
+            "in_status_ms": self.in_status_ms,
+            "ttl_ms": self.pttl_ms,
+            "addr": self.fields.get("addr", ""),
+            "peer_addr": self.fields.get("peer_addr", ""),
+            "peers": _int(self.fields.get("peers")),
+            "bindings": self.bindings,
+            "fields": self.fields,
+        }
+
+
+def _text(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
+
+
+def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[Participant]:
+    """HGETALL + PTTL of participant keys, in batches (one round trip per node each);
+    keys that are gone, or not participant keys, are left out."""
+    out: list[Participant] = []
+    for start in range(0, len(keys), BATCH):
+        chunk = keys[start : start + BATCH]
+        calls = []
+        for key in chunk:
+            calls += [store.command("HGETALL", key), store.command("PTTL", key)]
+        raw = store.execute(calls)
+        for i, key in enumerate(chunk):
+            h, pttl = raw[2 * i], raw[2 * i + 1]
+            parsed = store.keys.parse_room_key(key)
+            if not h or parsed is None or parsed[1] not in SIDES:
+                continue
+            room, side, engine = parsed
+            out.append(Participant(key, room, side, engine, _text(h), int(pttl), now_ms))
+    return out
+
+
+def scan_participants(store: Store) -> Iterator[Participant]:
+    """Every participant of the namespace (SCAN, never KEYS), batch by batch."""
+    now = store.server_time_ms()
+    batch: list[str] = []
+    for key in store.scan(store.keys.participant_pattern):
+        batch.append(key)
+        if len(batch) >= BATCH:
+            yield from read_participants(store, batch, now)
+            batch = []
+    if batch:
+        yield from read_participants(store, batch, now)
+
+
+@dataclass
+class Census:
+    """Counts of participants by (side, status) and of non-terminal ones by age bucket."""
+
+    by_status: dict[tuple[str, str], int] = field(default_factory=dict)
+    inflight_by_age: dict[str, int] = field(default_factory=dict)
+    total: int = 0
+
+    def add(self, p: Participant) -> None:
+        self.total += 1
+        k = (p.side, p.status if p.valid else "corrupt")
+        self.by_status[k] = self.by_status.get(k, 0) + 1
+        if p.valid and not p.terminal:
+            b = age_bucket(p.age_ms or 0)
+            self.inflight_by_age[b] = self.inflight_by_age.get(b, 0) + 1
+
+    @classmethod
+    def of(cls, participants: Iterable[Participant]) -> Census:
+        c = cls()
+        for p in participants:
+            c.add(p)
+        return c
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "by_status": {f"{s}:{st}": n for (s, st), n in sorted(self.by_status.items())},
+            "inflight_by_age": {name: self.inflight_by_age.get(name, 0) for _, name in AGE_BUCKETS},
+        }
+
+
+@dataclass
+class RoomView:
+    """Everything stored for one room, decoded for `kvstate show`."""
+
+    room: int
+    now_ms: int
+    members: list[str]
+    participants: list[Participant]
+    infos: dict[str, dict[str, TransferInfo | str]]  # sender -> receiver -> info or error
+    acks: dict[str, list[str]]  # receiver -> senders that acked
+
+    @property
+    def missing_members(self) -> list[str]:
+        """Parts members whose participant hash is gone (a clear half done)."""
+        present = {f"{p.side}:{p.engine}" for p in self.participants}
+        return [m for m in self.members if m not in present]
+
+    def to_json(self) -> dict[str, Any]:
+        infos: dict[str, dict[str, Any]] = {}
+        for sender, per in self.infos.items():
+            infos[sender] = {}
+            for receiver, info in per.items():
+                infos[sender][receiver] = (
+                    {"error": info} if isinstance(info, str) else info_json(info)
+                )
+        return {
+            "room": self.room,
+            "members": self.members,
+            "missing_members": self.missing_members,
+            "participants": [p.to_json() for p in self.participants],
+            "transfer_infos": infos,
+            "acks": self.acks,
+        }
+
+
+def info_json(info: TransferInfo) -> dict[str, Any]:
+    kv = info.kv_indices
+    return {
+        "pages": int(kv.size),
+        "first_page": int(kv[0]) if kv.size else None,
+        "last_page": int(kv[-1]) if kv.size else None,
+        "runs": _runs(kv),
+        "aux_index": info.aux_index,
+        "state_pages": None if info.state_indices is None else int(info.state_indices.size),
+        "prefix_len": info.prefix_len,
+        "dummy": info.dummy,
+        "incarnation": info.incarnation,
+    }
+
+
+def _runs(kv: Any) -> int:
+    if not kv.size:
+        return 0
+    return int(1 + ((kv[1:] - kv[:-1]) != 1).sum())
+
+
+def room_view(store: Store, room: int) -> RoomView:
+    """Read a room through its parts set and the keys its participants name (no SCAN)."""
+    k = store.keys
+    now = store.server_time_ms()
+    members = store.members(room)
+    keys = []
+    for m in members:
+        side, _, engine = m.partition(":")
+        if side in SIDES:
+            keys.append(k.participant(room, side, engine))  # type: ignore[arg-type]
+    parts = read_participants(store, keys, now)
+    senders = {p.engine for p in parts if p.side == "tx"}
+    receivers = {p.engine for p in parts if p.side == "rx"}
+    for p in parts:
+        senders.update(p.bindings)
+    sender_list, receiver_list = sorted(senders), sorted(receivers)
+    calls = [store.command("HGETALL", k.xfer(room, s)) for s in sender_list]
+    calls += [store.command("SMEMBERS", k.acks(room, r)) for r in receiver_list]
+    raw = store.execute(calls)
+    infos: dict[str, dict[str, TransferInfo | str]] = {}
+    for s, h in zip(sender_list, raw[: len(sender_list)], strict=True):
+        if not h:
+            continue
+        key = k.xfer(room, s)
+        per: dict[str, TransferInfo | str] = {}
+        for f, v in h.items():
+            receiver = f.decode("utf-8", "replace")
+            try:
+                per[receiver] = TransferInfo.decode(receiver, v, key)
+            except CorruptStateError as exc:
+                per[receiver] = str(exc)
+        infos[s] = per
+    acks = {
+        r: sorted(m.decode() for m in a)
+        for r, a in zip(receiver_list, raw[len(sender_list) :], strict=True)
+        if a
+    }
+    parts.sort(key=lambda p: (p.side != "tx", p.engine))
+    return RoomView(room, now, members, parts, infos, acks)
+
+
+def nodes(store: Store) -> list[tuple[str, redis.Redis]]:
+    """(name, client) of every primary: server-wide commands (INFO, CONFIG) go to each."""
+    if not store.cluster:
+        return [(store.url, store.client)]  # type: ignore[list-item]
+    with store.errors():
+        primaries = store.client.get_primaries()  # type: ignore[union-attr]
+    return [(n.name, n.redis_connection) for n in primaries]
+
+
+def fmt_ms(ms: int | None) -> str:
+    """A duration for people: 850ms, 12.3s, 4m05s, 2h10m."""
+    if ms is None:
+        return "-"
+    if ms < 0:
+        return {-1: "none", -2: "gone"}.get(ms, str(ms))
+    if ms < 1000:
+        return f"{ms}ms"
+    s = ms / 1000
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m"

@@ -1,0 +1,359 @@
+"""The leak ledger: which participants were reaped by TTL (never cleared), with the
+last status anyone saw, plus what the audit cleaned.
+
+Design
+------
+An expiry deletes the value before anyone can read it, and keyspace
+notifications carry only the key name, fire-and-forget. So the monitor keeps
+its own memory of the state and uses notifications only to *attribute* a
+disappearance:
+
+* Every ``interval`` it SCANs the participant keys and remembers, in memory,
+  each one's status, side, engine, created_ms and TTL deadline (server clock).
+* It subscribes to ``__keyevent@<db>__:expired`` on every primary (node-local
+  on a Cluster), enabling ``notify-keyspace-events Ex`` with CONFIG SET when
+  the server lacks it and the ACL allows it (existing flags are kept).
+* With notifications: a participant whose expiry event arrives is *reaped*;
+  the ledger gets its last seen status. A participant that vanished without an
+  event is held for one more sweep (its event may still be in flight on the
+  other connection), then counted as *cleared* and forgotten. An event for a
+  key never seen (created and expired between two sweeps) is recorded with
+  status ``unknown``.
+* Without notifications (CONFIG denied, or the subscription dropped): a
+  participant that vanished at or after its last seen TTL deadline (minus
+  ``slack``) is counted as reaped, one that vanished earlier as cleared. Limit:
+  a participant whose TTL was refreshed after the last sweep and that was then
+  cleared after the old deadline is misread as reaped; keep ``interval`` well
+  below the room TTL. A participant created and reaped between two sweeps is
+  not recorded at all in this mode.
+
+The ledger itself is ``kvstate:<ns>:ledger``, a stream capped with
+``XADD MAXLEN ~ 10000`` whose 7-day TTL is refreshed by each append (SPEC rule 1:
+every key has a TTL, even the long-lived ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from kvstate.errors import KVStateError
+from kvstate.inspect import Census, Participant, nodes, scan_participants
+from kvstate.keys import SIDES
+from kvstate.metrics import Metrics
+from kvstate.store import Store
+
+log = logging.getLogger(__name__)
+LEDGER_MAXLEN = 10_000
+LEDGER_TTL_MS = 7 * 24 * 3600 * 1000
+ENTRY_FIELDS = ("event", "room", "side", "engine", "status", "age_ms", "key", "detail")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One ledger line. ``event`` is ``expired`` (reaped by TTL) or ``audit:<kind>``."""
+
+    event: str
+    room: int | None
+    side: str
+    engine: str
+    status: str
+    age_ms: int | None
+    key: str
+    detail: str = ""
+    id: str = ""
+
+    def flat(self) -> list[Any]:
+        out: list[Any] = []
+        for name in ENTRY_FIELDS:
+            value = getattr(self, name)
+            out += [name, "" if value is None else value]
+        return out
+
+    @classmethod
+    def parse(cls, entry_id: bytes, raw: dict[bytes, bytes]) -> Entry:
+        h = {k.decode(): v.decode("utf-8", "replace") for k, v in raw.items()}
+        room, age = h.get("room", ""), h.get("age_ms", "")
+        return cls(
+            event=h.get("event", ""),
+            room=int(room) if room.isdigit() else None,
+            side=h.get("side", ""),
+            engine=h.get("engine", ""),
+            status=h.get("status", ""),
+            age_ms=int(age) if age.lstrip("-").isdigit() else None,
+            key=h.get("key", ""),
+            detail=h.get("detail", ""),
+            id=entry_id.decode(),
+        )
+
+    @property
+    def at_ms(self) -> int | None:
+        """When it was recorded (server clock: the stream id's time part)."""
+        head = self.id.partition("-")[0]
+        return int(head) if head.isdigit() else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("id", "at_ms", *ENTRY_FIELDS)}
+
+
+class Ledger:
+    """Appends to and reads the namespace's ledger stream."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.key = store.keys.ledger
+
+    def append(self, entries: Sequence[Entry]) -> None:
+        """XADD each entry (capped) and refresh the stream's TTL, in one transaction."""
+        if not entries:
+            return
+        s = self.store
+        calls = [
+            s.command("XADD", self.key, args=["MAXLEN", "~", LEDGER_MAXLEN, "*", *e.flat()])
+            for e in entries
+        ]
+        calls.append(s.command("PEXPIRE", self.key, args=[LEDGER_TTL_MS]))
+        s.execute(calls, transaction=True)
+
+    def recent(self, count: int = 10) -> list[Entry]:
+        """The newest ``count`` entries, newest first."""
+        s = self.store
+        raw = s.execute([s.command("XREVRANGE", self.key, args=["+", "-", "COUNT", count])])[0]
+        return [Entry.parse(i, h) for i, h in raw]
+
+
+@dataclass
+class Seen:
+    """What the monitor last saw of a participant."""
+
+    room: int
+    side: str
+    engine: str
+    status: str
+    created_ms: int | None
+    deadline_ms: int | None  # server clock; None when the key had no TTL
+
+    @classmethod
+    def of(cls, p: Participant) -> Seen:
+        deadline = p.now_ms + p.pttl_ms if p.pttl_ms >= 0 else None
+        return cls(p.room, p.side, p.engine, p.status or "unknown", p.created_ms, deadline)
+
+
+def config_value(client: redis.Redis, name: str) -> str:
+    """CONFIG GET of one setting as text ('' when unset); raises what redis-py raises
+    (NoPermissionError under a restrictive ACL)."""
+    raw: dict[Any, Any] = client.config_get(name)
+    for k, v in raw.items():
+        if (k.decode() if isinstance(k, bytes) else k) == name:
+            return v.decode() if isinstance(v, bytes) else str(v)
+    return ""
+
+
+class _Events:
+    """Expiry notifications from every primary; ``healthy`` turns False when a
+    subscription breaks, so the monitor knows its attribution has a gap."""
+
+    def __init__(self, store: Store, enable: bool) -> None:
+        self.store = store
+        self.enable = enable
+        self.subs: list[redis.client.PubSub] = []
+        self.healthy = False
+        self.note = ""
+
+    def start(self) -> bool:
+        self.close()
+        try:
+            for name, client in nodes(self.store):
+                if not self._ensure_flags(name, client):
+                    self.close()
+                    return False
+                db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
+                sub = client.pubsub(ignore_subscribe_messages=True)
+                sub.subscribe(f"__keyevent@{db}__:expired")
+                self.subs.append(sub)
+        except (redis.RedisError, OSError, KVStateError) as exc:
+            self.note = f"expiry notifications unavailable ({type(exc).__name__}: {exc})"
+            self.close()
+            return False
+        self.healthy = True
+        self.note = "expiry notifications on"
+        return True
+
+    def _ensure_flags(self, name: str, client: redis.Redis) -> bool:
+        try:
+            flags = config_value(client, "notify-keyspace-events")
+        except redis.RedisError as exc:
+            self.note = f"cannot read notify-keyspace-events on {name} ({exc})"
+            return False
+        if "E" in flags and ("x" in flags or "A" in flags):
+            return True
+        if not self.enable:
+            self.note = f"notify-keyspace-events lacks Ex on {name} (--no-notify: not changing it)"
+            return False
+        wanted = "".join(sorted(set(flags) | {"E", "x"}))
+        try:
+            client.config_set("notify-keyspace-events", wanted)
+        except redis.RedisError as exc:
+            self.note = f"cannot enable notify-keyspace-events Ex on {name} ({exc})"
+            return False
+        return True
+
+    def drain(self) -> set[str]:
+        """Keys whose expiry event arrived since the last drain."""
+        out: set[str] = set()
+        for sub in self.subs:
+            try:
+                while True:
+                    msg = sub.get_message(timeout=0.0)
+                    if msg is None:
+                        break
+                    if msg.get("type") == "message":
+                        data = msg["data"]
+                        out.add(data.decode() if isinstance(data, bytes) else str(data))
+            except (redis.RedisError, OSError) as exc:
+                log.warning("expiry subscription lost: %s", exc)
+                self.healthy = False
+        return out
+
+    def close(self) -> None:
+        for sub in self.subs:
+            with contextlib.suppress(redis.RedisError, OSError):
+                sub.close()
+        self.subs = []
+        self.healthy = False
+
+
+class Monitor:
+    """Keeps the ledger and the gauges; ``run()`` loops, ``sweep()`` is one step."""
+
+    def __init__(
+        self,
+        store: Store,
+        interval: float = 5.0,
+        *,
+        metrics: Metrics | None = None,
+        notifications: bool = True,
+        audit: Callable[[], dict[str, int]] | None = None,
+        audit_interval: float = 60.0,
+        slack: float = 0.5,
+        on_entry: Callable[[Entry], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.interval = interval
+        self.metrics = metrics
+        self.ledger = Ledger(store)
+        self.events = _Events(store, notifications)
+        self.audit = audit
+        self.audit_interval = audit_interval
+        self.slack_ms = int(slack * 1000)
+        self.on_entry = on_entry
+        self.known: dict[str, Seen] = {}
+        self._gone: dict[str, Seen] = {}
+        self._last_audit = float("-inf")
+        self._covered = False
+
+    def start(self) -> str:
+        """Subscribe to expiry events if possible; returns a note on the mode in use."""
+        self._covered = self.events.start()
+        return self.events.note
+
+    def sweep(self) -> list[Entry]:
+        """One SCAN of the participants; records what was reaped since the last one."""
+        covered = self._covered  # events flowed from the previous SCAN until now
+        if not self.events.healthy:
+            self.events.start()
+            covered = False
+        expired = self.events.drain()
+        current = {p.key: p for p in scan_participants(self.store)}
+        expired |= self.events.drain()
+        now = self.store.server_time_ms()
+        covered = covered and self.events.healthy
+        entries: list[Entry] = []
+        for key in sorted(expired):
+            parsed = self.store.keys.parse_room_key(key)
+            if parsed is None or parsed[1] not in SIDES:
+                continue
+            seen = self.known.pop(key, None) or self._gone.pop(key, None)
+            if seen is None and key in current:  # expired right after the SCAN read it
+                seen = Seen.of(current.pop(key))
+            if seen is None:
+                room, side, engine = parsed
+                seen = Seen(room, side, engine, "unknown", None, None)
+            entries.append(self._entry(key, seen, now, "expiry event"))
+        # Keys held in _gone a sweep ago and still without an event were cleared.
+        self._gone = {}
+        for key, seen in self.known.items():
+            if key in current:
+                continue
+            if covered:
+                self._gone[key] = seen  # its event may still be in flight: wait a sweep
+            elif seen.deadline_ms is not None and now >= seen.deadline_ms - self.slack_ms:
+                entries.append(self._entry(key, seen, now, "vanished at its TTL deadline"))
+        self.known = {k: Seen.of(p) for k, p in current.items()}
+        self._covered = self.events.healthy
+        self.ledger.append(entries)
+        if self.metrics is not None:
+            self._export(current.values(), entries)
+        for e in entries:
+            if self.on_entry is not None:
+                self.on_entry(e)
+        return entries
+
+    def _entry(self, key: str, seen: Seen, now: int, how: str) -> Entry:
+        age = None if seen.created_ms is None else max(0, now - seen.created_ms)
+        return Entry("expired", seen.room, seen.side, seen.engine, seen.status, age, key,
+                     f"reaped by TTL ({how})")
+
+    def _export(self, participants: Iterable[Participant], entries: list[Entry]) -> None:
+        m = self.metrics
+        assert m is not None
+        m.set_census(Census.of(participants))
+        for e in entries:
+            m.reaped.labels(e.status).inc()
+        roles: dict[str, int] = {}
+        s = self.store
+        engine_keys = list(s.scan(s.keys.engine_pattern))
+        if engine_keys:
+            raw = s.execute([s.command("HGET", k, args=["role"]) for k in engine_keys])
+            for role in raw:
+                if role is not None:
+                    r = role.decode("utf-8", "replace")
+                    roles[r] = roles.get(r, 0) + 1
+        m.set_engines(roles)
+        m.sweeps.inc()
+
+    def _maybe_audit(self) -> None:
+        if self.audit is None or self.metrics is None:
+            return
+        if time.monotonic() - self._last_audit < self.audit_interval:
+            return
+        self._last_audit = time.monotonic()
+        self.metrics.set_findings(self.audit())
+
+    def run(self, stop: threading.Event | None = None, duration: float | None = None) -> None:
+        """Sweep every ``interval`` until ``stop`` is set or ``duration`` passes.
+        A Redis outage is logged and retried, never fatal: the monitor outlives it."""
+        stop = stop or threading.Event()
+        end = None if duration is None else time.monotonic() + duration
+        try:
+            while not stop.is_set():
+                try:
+                    self.sweep()
+                    self._maybe_audit()
+                except KVStateError as exc:
+                    log.warning("monitor sweep failed: %s", exc)
+                    self.events.healthy = False
+                if end is not None and time.monotonic() >= end:
+                    break
+                wait = self.interval if end is None else min(self.interval,
+                                                             max(0.0, end - time.monotonic()))
+                stop.wait(wait)
+        finally:
+            self.events.close()
