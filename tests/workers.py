@@ -44,3 +44,74 @@ def prefill_engine(url: str, ns: str, engine: str, addr: str, lease: float,
     ready.set()
     while True:
         time.sleep(1)
+
+
+def _pool(layers: int, pages: int, page_bytes: int, fill: int | None) -> list:
+    import numpy as np
+
+    pool = [np.zeros((pages, page_bytes), dtype=np.uint8) for _ in range(layers)]
+    if fill is not None:  # a pattern every (layer, page) can be checked against
+        for layer, arr in enumerate(pool):
+            arr[:] = (np.arange(pages)[:, None] * 7 + layer * 31 + fill) % 251
+    return pool
+
+
+def expected_page(layer: int, src_page: int, page_bytes: int, fill: int):  # noqa: ANN201
+    import numpy as np
+
+    return np.full(page_bytes, (src_page * 7 + layer * 31 + fill) % 251, dtype=np.uint8)
+
+
+def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[int]],
+                receivers: int, layers: int, page_bytes: int, results: Queue) -> None:
+    """A prefill rank: sends each room's source pages once every receiver published."""
+    from transports.ucx import UCXTransport
+
+    store = kvstate.connect(url, namespace=ns)
+    transport = UCXTransport()
+    transport.register_buffers(_pool(layers, 256, page_bytes, fill=3), [page_bytes] * layers)
+    with kvstate.KVManager(store, "prefill", engine, addr, transport=transport) as mgr:
+        results.put(("ready", engine))
+        out = {}
+        for room, src in rooms.items():
+            snd = mgr.sender(room, required_receivers=receivers)
+            deadline = time.monotonic() + 60
+            while snd.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+                time.sleep(0.01)
+            snd.send(src, last=True)
+            out[room] = (snd.poll().name, snd._reason)
+            snd.clear()
+        results.put(("prefill", out))
+    transport.close()
+
+
+def ucx_decode(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[int]],
+               layers: int, page_bytes: int, dummy: bool, results: Queue) -> None:
+    """A decode rank: publishes destination pages, waits for Success, returns its pool."""
+    from transports.ucx import UCXTransport
+
+    store = kvstate.connect(url, namespace=ns)
+    transport = UCXTransport()
+    pool = _pool(layers, 256, page_bytes, fill=None)
+    transport.register_buffers(pool, [page_bytes] * layers)
+    with kvstate.KVManager(store, "decode", engine, transport=transport) as mgr:
+        rcvs = {}
+        for room, dst in rooms.items():
+            for _ in range(600):
+                try:
+                    rcvs[room] = mgr.receiver(room, addr)
+                    break
+                except kvstate.PeerNotFoundError:
+                    time.sleep(0.05)
+            rcvs[room].init([] if dummy else dst, dummy=dummy)
+        out = {}
+        for room, rcv in rcvs.items():
+            deadline = time.monotonic() + 60
+            while rcv.poll() not in (KVPoll.Success, KVPoll.Failed):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            out[room] = rcv.status.name
+            rcv.clear()
+        results.put(("decode", engine, out, [a.copy() for a in pool]))
+    transport.close()

@@ -1,0 +1,93 @@
+"""KVSender.send() moves real pages over UCX between processes; completion via Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvstate
+from kvstate.store import Store
+from tests import workers
+from tests.helpers import assert_every_key_has_ttl, keys_of
+
+LAYERS, PAGE = 3, 512
+ADDR = "10.1.1.1:8998"
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[Store]:
+    s = kvstate.connect(redis_url, namespace="ucx")
+    yield s
+    assert_every_key_has_ttl(s)
+    s.close()
+
+
+def run(spawn_ctx, url: str, rooms_src: dict, decoders: list[tuple[str, dict, bool]]) -> tuple:
+    results = spawn_ctx.Queue()
+    pre = spawn_ctx.Process(target=workers.ucx_prefill, args=(
+        url, "ucx", "prefill-u.tp0", ADDR, rooms_src, len(decoders), LAYERS, PAGE, results))
+    pre.start()
+    procs = [pre]
+    assert results.get(timeout=60) == ("ready", "prefill-u.tp0")
+    for engine, rooms_dst, dummy in decoders:
+        p = spawn_ctx.Process(target=workers.ucx_decode, args=(
+            url, "ucx", engine, ADDR, rooms_dst, LAYERS, PAGE, dummy, results))
+        p.start()
+        procs.append(p)
+    got = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    prefill = next(g[1] for g in got if g[0] == "prefill")
+    decode = {g[1]: (g[2], g[3]) for g in got if g[0] == "decode"}
+    return prefill, decode
+
+
+def check_pages(pool: list, src: list[int], dst: list[int]) -> None:
+    for layer in range(LAYERS):
+        for s, d in zip(src, dst, strict=True):
+            assert np.array_equal(pool[layer][d], workers.expected_page(layer, s, PAGE, 3)), \
+                (layer, s, d)
+
+
+def untouched(pool: list, written: set[int]) -> None:
+    for layer in range(LAYERS):
+        others = [i for i in range(len(pool[layer])) if i not in written]
+        assert not pool[layer][others].any()
+
+
+def test_contiguous_and_fragmented_pages_arrive_byte_exact(store: Store, redis_url: str,
+                                                           spawn_ctx) -> None:
+    rng = np.random.default_rng(7)
+    frag_src = sorted(rng.choice(200, 40, replace=False).tolist())
+    frag_dst = rng.choice(np.arange(100, 256), 40, replace=False).tolist()
+    src = {1: list(range(10, 74)), 2: frag_src}
+    dst = {1: list(range(0, 64)), 2: frag_dst}
+    prefill, decode = run(spawn_ctx, redis_url, src, [("decode-u.tp0", dst, False)])
+    assert prefill == {1: ("Success", ""), 2: ("Success", "")}
+    states, pool = decode["decode-u.tp0"]
+    assert states == {1: "Success", 2: "Success"}
+    check_pages(pool, src[1], dst[1])
+    check_pages(pool, src[2], dst[2])
+    untouched(pool, set(dst[1]) | set(dst[2]))
+    assert keys_of(store) == []
+
+
+def test_two_receivers_and_a_dummy(store: Store, redis_url: str, spawn_ctx) -> None:
+    src = {5: [3, 4, 5, 9, 11]}
+    a, b = {5: [20, 21, 22, 40, 41]}, {5: [7, 1, 2, 3, 100]}
+    prefill, decode = run(spawn_ctx, redis_url, src, [
+        ("decode-a.tp0", a, False), ("decode-b.tp0", b, False), ("decode-c.tp0", {5: []}, True),
+    ])
+    assert prefill[5][0] == "Success"
+    for engine, dst in (("decode-a.tp0", a), ("decode-b.tp0", b)):
+        states, pool = decode[engine]
+        assert states == {5: "Success"}
+        check_pages(pool, src[5], dst[5])
+        untouched(pool, set(dst[5]))
+    states, pool = decode["decode-c.tp0"]
+    assert states == {5: "Success"}  # acked, though nothing was written
+    untouched(pool, set())
+    assert keys_of(store) == []
