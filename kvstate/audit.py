@@ -284,7 +284,7 @@ class Auditor:
             room, _, sender = k.parse_room_key(x)  # type: ignore[misc]
             calls += [
                 s.command("EXISTS", k.participant(room, "tx", sender)),
-                s.command("SISMEMBER", k.parts(room), args=[k.part_member("tx", sender)]),
+                s.command("HEXISTS", k.parts(room), args=[k.part_member("tx", sender)]),
                 s.command("HLEN", x),
             ]
         raw = s.execute(calls)

@@ -1,0 +1,714 @@
+"""The ``kvstate`` command: inspect rooms, abort them, audit leaks, keep the ledger.
+
+Every subcommand that reads or writes room state needs ``--url`` (or
+``$KVSTATE_REDIS_URL``): starting a private embedded Redis to "inspect" it would
+show an empty, fresh server. Errors print one line saying what to do next and
+exit with status 2; a password in the URL is never printed (SPEC rule 8).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import click
+import redis
+from redis.exceptions import NoPermissionError
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from kvstate.audit import DEFAULT_GRACE, Auditor
+from kvstate.connection import ENV_NAMESPACE, ENV_URL
+from kvstate.errors import InvalidRoomError, KVStateError
+from kvstate.inspect import (
+    AGE_BUCKETS,
+    STATUSES,
+    Census,
+    Participant,
+    fmt_ms,
+    info_json,
+    nodes,
+    room_view,
+    scan_participants,
+)
+from kvstate.keys import check_room
+from kvstate.ledger import Entry, Ledger, Monitor, config_value
+from kvstate.metrics import Metrics
+from kvstate.poll import KVPoll
+from kvstate.registry import EngineInfo, Registry
+from kvstate.store import Store, connect
+
+EXIT_FINDINGS = 1
+EXIT_ERROR = 2
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+class Failure(click.ClickException):
+    """One clear line on stderr, exit status 2."""
+
+    exit_code = EXIT_ERROR
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"kvstate: error: {self.format_message()}", err=True)
+
+
+class Duration(click.ParamType):
+    """``30s``, ``5m``, ``1h``, ``250ms``; a bare number is seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        m = _DURATION.match(str(value))
+        if not m:
+            self.fail(f"{value!r} is not a duration (examples: 30s, 5m, 1h, 250ms)", param, ctx)
+        return float(m[1]) * _UNITS[m[2]]
+
+
+DURATION = Duration()
+
+
+@dataclass
+class Ctx:
+    url: str | None
+    namespace: str | None
+
+    @property
+    def secret(self) -> str | None:
+        """The URL's password, only so that error text can be scrubbed of it."""
+        if not self.url:
+            return None
+        try:
+            pw = urlsplit(self.url).password
+        except ValueError:
+            return None
+        return unquote(pw) if pw else None
+
+    def store(self, need_url: bool = True, room_ttl: float = 900.0) -> Store:
+        if need_url and not self.url:
+            raise Failure(
+                f"no Redis URL: pass --url redis://HOST:PORT or set {ENV_URL} (inspecting "
+                "commands never start an embedded server; it would be empty)")
+        return connect(self.url, self.namespace, room_ttl)
+
+
+def scrub(text: str, secret: str | None) -> str:
+    """Belt and braces: no error text leaves with the password in it."""
+    if secret:
+        text = text.replace(secret, "***")
+    return text
+
+
+class KVGroup(click.Group):
+    """Turns kvstate and redis-py errors into one line and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (KVStateError, redis.RedisError, OSError) as exc:
+            obj = ctx.find_object(Ctx)
+            secret = obj.secret if obj else None
+            raise Failure(scrub(_describe(exc), secret)) from None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, KVStateError):
+        return str(exc)
+    if isinstance(exc, NoPermissionError):
+        return f"Redis refused a command under its ACL ({exc}); use a user with more rights"
+    if isinstance(exc, redis.RedisError):
+        return f"Redis error: {exc} (is the URL right and the server healthy?)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def console() -> Console:
+    """Rich output on stdout; wide when piped so keys are not cut."""
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
+    return Console(width=width, highlight=False, soft_wrap=False)
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
+
+
+def parse_room(value: str) -> int:
+    try:
+        return check_room(int(value))
+    except ValueError:
+        raise InvalidRoomError(f"room must be an integer in [0, 2**63), got {value!r}") from None
+
+
+@contextmanager
+def opened(obj: Ctx, need_url: bool = True, room_ttl: float = 900.0) -> Iterator[Store]:
+    store = obj.store(need_url, room_ttl)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _status_style(status: str) -> str:
+    return {"Failed": "red", "Success": "green", "Transferring": "cyan",
+            "WaitingForInput": "yellow", "Bootstrapping": "yellow"}.get(status, "magenta")
+
+
+# --------------------------------------------------------------------------- the group
+
+
+@click.group(cls=KVGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--url", metavar="URL", envvar=ENV_URL,
+              help=f"Redis URL: redis://, rediss://, unix://, redis+cluster:// [${ENV_URL}]")
+@click.option("--namespace", "-n", metavar="NS", envvar=ENV_NAMESPACE, default="default",
+              show_default=True, help=f"kvstate namespace [${ENV_NAMESPACE}]")
+@click.version_option(package_name="kvstate")
+@click.pass_context
+def main(ctx: click.Context, url: str | None, namespace: str) -> None:
+    """Inspect and repair kvstate room state in Redis."""
+    ctx.obj = Ctx(url or None, namespace or None)
+
+
+# --------------------------------------------------------------------------- show
+
+
+def _participants_table(parts: list[Participant], with_room: bool) -> Table:
+    t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    if with_room:
+        t.add_column("room", justify="right")
+    for name in ("side", "engine", "status", "age", "in status", "ttl", "reason / peers"):
+        t.add_column(name)
+    for p in parts:
+        extra = p.reason or ""
+        if not extra and p.side == "rx":
+            extra = f"peer {p.fields.get('peer_addr', '?')}: " + ", ".join(
+                f"{e}@{inc}" for e, inc in sorted(p.bindings.items()))
+        status = Text(p.status or "?", style=_status_style(p.status))
+        row: list[str | Text] = [p.side, p.engine, status, fmt_ms(p.age_ms),
+                                 fmt_ms(p.in_status_ms), fmt_ms(p.pttl_ms), extra]
+        t.add_row(*([str(p.room)] if with_room else []), *row)
+    return t
+
+
+@main.command()
+@click.argument("room")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def show(obj: Ctx, room: str, as_json: bool) -> None:
+    """Every participant of ROOM, its status, age, TTL, and decoded transfer infos.
+    Exit status 1 when nothing is stored for the room."""
+    r = parse_room(room)
+    with opened(obj) as store:
+        view = room_view(store, r)
+    if as_json:
+        emit_json(view.to_json())
+        sys.exit(0 if view.members or view.participants else EXIT_FINDINGS)
+    out = console()
+    if not view.members and not view.participants:
+        out.print(f"room {r}: nothing stored (cleared, reaped by TTL, or never created)")
+        sys.exit(EXIT_FINDINGS)
+    out.print(f"[bold]room {r}[/bold]  namespace {store.namespace}  {store.url}")
+    out.print(_participants_table(view.participants, with_room=False))
+    for member in view.missing_members:
+        out.print(f"[red]parts lists {member} but its participant hash is gone[/red]")
+    if view.infos:
+        t = Table(title="transfer infos", title_justify="left", box=None, header_style="bold")
+        for name in ("sender", "receiver", "pages", "runs", "first..last", "aux", "prefix",
+                     "dummy", "incarnation"):
+            t.add_column(name)
+        for sender, per in sorted(view.infos.items()):
+            for receiver, info in sorted(per.items()):
+                if isinstance(info, str):
+                    t.add_row(sender, receiver, Text(info, style="red"))
+                    continue
+                j = info_json(info)
+                t.add_row(sender, receiver, str(j["pages"]), str(j["runs"]),
+                          f"{j['first_page']}..{j['last_page']}", str(j["aux_index"]),
+                          str(j["prefix_len"]), str(j["dummy"]), j["incarnation"] or "-")
+        out.print(t)
+    for receiver, senders in sorted(view.acks.items()):
+        out.print(f"acks for {receiver}: {', '.join(senders)}")
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def _status_names(values: tuple[str, ...]) -> set[str]:
+    names = set()
+    for v in values:
+        for part in v.split(","):
+            if not part:
+                continue
+            names.add(KVPoll.parse(part.strip()).name if not part.isdigit()
+                      else KVPoll.parse(int(part)).name)
+    return names
+
+
+@main.command(name="ls")
+@click.option("--status", "statuses", multiple=True, metavar="S",
+              help="Only this status (name or number; repeat or comma-separate).")
+@click.option("--side", type=click.Choice(["tx", "rx"]), help="Only senders or receivers.")
+@click.option("--older-than", type=DURATION, metavar="AGE",
+              help="Only participants created at least AGE ago (30s, 5m...).")
+@click.option("--engine", metavar="ENGINE", help="Only this engine's participants.")
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def ls(obj: Ctx, statuses: tuple[str, ...], side: str | None, older_than: float | None,
+       engine: str | None, limit: int, as_json: bool) -> None:
+    """List participants (SCAN, never KEYS), oldest first."""
+    wanted = _status_names(statuses)
+    min_age = None if older_than is None else int(older_than * 1000)
+    with opened(obj) as store:
+        found = [
+            p for p in scan_participants(store)
+            if (not wanted or p.status in wanted) and (side is None or p.side == side)
+            and (engine is None or p.engine == engine)
+            and (min_age is None or (p.age_ms or 0) >= min_age)
+        ]
+    found.sort(key=lambda p: (-(p.age_ms or 0), p.room, p.side, p.engine))
+    shown = found[:limit]
+    if as_json:
+        emit_json({"count": len(found), "participants": [p.to_json() for p in shown]})
+        return
+    out = console()
+    if not found:
+        out.print("no participants match")
+        return
+    out.print(_participants_table(shown, with_room=True))
+    more = f" (showing {limit})" if len(found) > limit else ""
+    out.print(f"{len(found)} participant(s){more}")
+
+
+# --------------------------------------------------------------------------- top
+
+
+def _census(store: Store) -> tuple[Census, dict[str, int]]:
+    census = Census.of(scan_participants(store))
+    roles: dict[str, int] = {}
+    for info in Registry(store).all():
+        roles[info.role] = roles.get(info.role, 0) + 1
+    return census, roles
+
+
+def _top_view(store: Store, census: Census, roles: dict[str, int]) -> Group:
+    t = Table(title="participants by status", title_justify="left", box=None,
+              header_style="bold")
+    for name in ("status", "tx", "rx", "total"):
+        t.add_column(name, justify="right" if name != "status" else "left")
+    extra = sorted({st for _, st in census.by_status} - set(STATUSES))
+    for st in (*STATUSES, *extra):
+        tx, rx = census.by_status.get(("tx", st), 0), census.by_status.get(("rx", st), 0)
+        t.add_row(Text(st, style=_status_style(st)), str(tx), str(rx), str(tx + rx))
+    a = Table(title="in flight by age", title_justify="left", box=None, header_style="bold")
+    for _, name in AGE_BUCKETS:
+        a.add_column(name, justify="right")
+    a.add_row(*(str(census.inflight_by_age.get(name, 0)) for _, name in AGE_BUCKETS))
+    engines = ", ".join(f"{n} {r}" for r, n in sorted(roles.items())) or "none"
+    head = Text(f"kvstate top  {store.url}  namespace {store.namespace}  "
+                f"{census.total} participant(s)  engines: {engines}")
+    return Group(head, t, a)
+
+
+@main.command()
+@click.option("--once", is_flag=True, help="Print one snapshot and exit (for scripts).")
+@click.option("--interval", type=DURATION, default=2.0, show_default=True,
+              help="Refresh period.")
+@click.option("--json", "as_json", is_flag=True, help="Print one snapshot as JSON.")
+@click.pass_obj
+def top(obj: Ctx, once: bool, interval: float, as_json: bool) -> None:
+    """Live counts of participants by status and of in-flight ones by age."""
+    with opened(obj) as store:
+        census, roles = _census(store)
+        if as_json:
+            emit_json({**census.to_json(), "engines": roles})
+            return
+        out = console()
+        if once:
+            out.print(_top_view(store, census, roles))
+            return
+        try:
+            with Live(_top_view(store, census, roles), console=out, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(_top_view(store, *_census(store)), refresh=True)
+        except KeyboardInterrupt:
+            pass
+
+
+# --------------------------------------------------------------------------- abort
+
+
+@main.command()
+@click.argument("room")
+@click.option("--reason", default="aborted by operator (kvstate abort)", show_default=True,
+              help="Failure reason both sides will see.")
+@click.pass_obj
+def abort(obj: Ctx, room: str, reason: str) -> None:
+    """Fail every participant of ROOM; each side sees Failed with REASON on its next
+    poll. Exit status 1 when the room has no participants."""
+    r = parse_room(room)
+    with opened(obj) as store:
+        members = store.members(r)
+        if not members:
+            click.echo(f"room {r}: no participants (cleared, reaped, or never created)")
+            sys.exit(EXIT_FINDINGS)
+        n = store.abort(r, reason)
+    click.echo(f"room {r}: failed {n} of {len(members)} participant(s) "
+               f"({', '.join(members)}); reason: {reason}")
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def _engine_json(e: EngineInfo) -> dict[str, Any]:
+    return {
+        "engine": e.engine, "role": e.role, "addr": e.addr, "incarnation": e.incarnation,
+        "lease_left_ms": e.lease_left_ms, "endpoint_bytes": len(e.endpoint),
+        "endpoint_kind": str(e.layout.get("transport", "none")) if e.endpoint else "none",
+        "buffers": len(e.layout.get("buffers", []) or []), "host": e.host, "pid": e.pid,
+        "gpus": e.gpus,
+    }
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def engines(obj: Ctx, as_json: bool) -> None:
+    """Registered engines: lease left, endpoint, incarnation, host, GPUs."""
+    with opened(obj) as store:
+        infos = Registry(store).all()
+    docs = [_engine_json(e) for e in infos]
+    if as_json:
+        emit_json({"engines": docs})
+        return
+    out = console()
+    if not docs:
+        out.print("no engines registered (none holds a lease)")
+        return
+    t = Table(box=None, header_style="bold")
+    for name in ("engine", "role", "addr", "incarnation", "lease left", "endpoint", "host:pid",
+                 "gpus"):
+        t.add_column(name)
+    for d in docs:
+        gpus = ", ".join(f"{g.get('index')}:{g.get('name')}" for g in d["gpus"]) or "-"
+        t.add_row(d["engine"], d["role"], d["addr"], d["incarnation"],
+                  fmt_ms(d["lease_left_ms"]),
+                  f"{d['endpoint_kind']} ({d['endpoint_bytes']} B, {d['buffers']} buffers)",
+                  f"{d['host']}:{d['pid']}", gpus)
+    out.print(t)
+
+
+# --------------------------------------------------------------------------- audit
+
+
+@main.command()
+@click.option("--fix", is_flag=True, help="Repair what is safe to repair, and say what.")
+@click.option("--grace", type=DURATION, default=DEFAULT_GRACE, show_default=True,
+              help="How long a terminal participant may wait for its clear, and unclaimed "
+                   "transfer infos for their sender.")
+@click.option("--room-ttl", type=DURATION, default=900.0, show_default=True,
+              help="TTL --fix gives a room key that has none.")
+@click.option("--ledger", "ledger_n", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Recent ledger entries to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def audit(obj: Ctx, fix: bool, grace: float, room_ttl: float, ledger_n: int,
+          as_json: bool) -> None:
+    """Find leaked or risky state. Exit status 0 when clean, 1 when anything (left
+    unrepaired) was found."""
+    with opened(obj, room_ttl=room_ttl) as store:
+        report = Auditor(store, grace).run(fix=fix)
+        recent = Ledger(store).recent(ledger_n) if ledger_n else []
+    if as_json:
+        emit_json({**report.to_json(), "ledger": [e.to_json() for e in recent]})
+        sys.exit(EXIT_FINDINGS if report.remaining else 0)
+    out = console()
+    for note in report.notes:
+        out.print(f"[yellow]note:[/yellow] {note}")
+    if report.findings:
+        t = Table(box=None, header_style="bold")
+        for name in ("kind", "key", "detail", "action" if fix else "fix"):
+            t.add_column(name, overflow="fold")
+        for f in report.findings:
+            action = f.fixed or f.left or ("" if fix else _fix_hint(f.kind))
+            t.add_row(Text(f.kind, style="red" if not f.fixed else "green"), f.key, f.detail,
+                      action)
+        out.print(t)
+    fixed = sum(1 for f in report.findings if f.fixed)
+    if not report.findings:
+        out.print(f"clean: {report.scanned} key(s) checked in namespace {store.namespace}")
+    else:
+        out.print(f"{len(report.findings)} finding(s), {fixed} fixed, "
+                  f"{len(report.remaining)} left ({report.scanned} key(s) checked)")
+    if recent:
+        out.print(_ledger_table(recent))
+    sys.exit(EXIT_FINDINGS if report.remaining else 0)
+
+
+def _fix_hint(kind: str) -> str:
+    return {
+        "no_ttl": "--fix sets a TTL", "stuck": "--fix fails it", "orphan_tracker": "--fix ZREMs",
+        "unclaimed_xfer": "--fix deletes", "dead_engine": "--fix fails it",
+        "terminal_uncleared": "TTL reaps it; fix the owner's clear()",
+        "corrupt": "inspect; kvstate abort", "server_setting": "CONFIG SET by an operator",
+    }.get(kind, "")
+
+
+def _ledger_table(entries: list[Entry]) -> Table:
+    t = Table(title="ledger (newest first)", title_justify="left", box=None,
+              header_style="bold")
+    for name in ("id", "event", "room", "side", "engine", "last status", "age", "detail"):
+        t.add_column(name)
+    for e in entries:
+        t.add_row(e.id, e.event, "" if e.room is None else str(e.room), e.side, e.engine,
+                  e.status, fmt_ms(e.age_ms), e.detail)
+    return t
+
+
+# --------------------------------------------------------------------------- monitor
+
+
+@main.command()
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-addr", default="0.0.0.0", show_default=True,
+              help="Address the metrics server binds.")
+@click.option("--interval", type=DURATION, default=5.0, show_default=True,
+              help="Sweep period; keep it well below the room TTL.")
+@click.option("--audit-interval", type=DURATION, default=60.0, show_default=True,
+              help="How often the audit gauges are refreshed (0: every sweep).")
+@click.option("--grace", type=DURATION, default=DEFAULT_GRACE, show_default=True,
+              help="Grace period for the audit gauges.")
+@click.option("--no-notify", is_flag=True,
+              help="Never CONFIG SET notify-keyspace-events (use it only if already on).")
+@click.option("--duration", type=DURATION, help="Stop after this long (default: run until "
+              "interrupted).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON line per ledger entry.")
+@click.pass_obj
+def monitor(obj: Ctx, metrics_port: int | None, metrics_addr: str, interval: float,
+            audit_interval: float, grace: float, no_notify: bool, duration: float | None,
+            as_json: bool) -> None:
+    """Keep the leak ledger (participants reaped by TTL, with their last status) and
+    export Prometheus metrics."""
+    with opened(obj) as store:
+        metrics = Metrics()
+        auditor = Auditor(store, grace)
+
+        def show_entry(e: Entry) -> None:
+            if as_json:
+                click.echo(json.dumps(e.to_json()))
+            else:
+                click.echo(f"reaped: room {e.room} {e.side}:{e.engine} last status {e.status} "
+                           f"age {fmt_ms(e.age_ms)} ({e.detail})")
+
+        mon = Monitor(store, interval, metrics=metrics, notifications=not no_notify,
+                      audit=lambda: auditor.run().counts(), audit_interval=audit_interval,
+                      on_entry=show_entry)
+        note = mon.start()
+        server = None
+        if metrics_port is not None:
+            server = metrics.serve(metrics_port, metrics_addr)
+            port = server.server_port if hasattr(server, "server_port") else metrics_port
+            note += f"; metrics on http://{metrics_addr}:{port}/metrics"
+        click.echo(f"monitoring namespace {store.namespace} at {store.url} every "
+                   f"{interval:g}s: {note}", err=as_json)
+        sys.stdout.flush()
+        stop = threading.Event()
+        try:
+            mon.run(stop, duration)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if server is not None and hasattr(server, "shutdown"):
+                server.shutdown()
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+@dataclass
+class Check:
+    name: str
+    state: str  # ok | warn | fail | info
+    detail: str
+
+
+def _redis_checks(store: Store, checks: list[Check]) -> None:
+    t0 = time.perf_counter()
+    store.ping()
+    checks.append(Check("redis", "ok", f"{store.url} answers PING in "
+                        f"{(time.perf_counter() - t0) * 1000:.1f} ms "
+                        f"({'cluster' if store.cluster else 'standalone'})"))
+    for name, client in nodes(store):
+        try:
+            info = client.info("server")
+            version = str(info.get("redis_version", "?"))
+            major = int(version.split(".")[0]) if version[0].isdigit() else 0
+            checks.append(Check(f"version {name}", "ok" if major >= 6 else "warn",
+                                f"Redis {version}" + ("" if major >= 7 else
+                                                       " (6.2 works; 7+ recommended)")))
+        except NoPermissionError:
+            checks.append(Check(f"version {name}", "warn", "INFO not allowed for this user"))
+        for setting, good, why in (
+            ("maxmemory-policy", "noeviction", "anything else may evict room state"),
+            ("notify-keyspace-events", None, "`monitor` needs Ex (it sets it if allowed)"),
+        ):
+            try:
+                value = config_value(client, setting)
+            except NoPermissionError:
+                checks.append(Check(f"{setting} {name}", "warn",
+                                    "CONFIG GET not allowed: audit and monitor degrade"))
+                continue
+            if good is not None:
+                ok = value == good
+                checks.append(Check(f"{setting} {name}", "ok" if ok else "warn",
+                                    value + ("" if ok else f": set {good}; {why}")))
+            else:
+                has = "E" in value and ("x" in value or "A" in value)
+                checks.append(Check(f"{setting} {name}", "ok" if has else "info",
+                                    (value or "(off)") + ("" if has else f"; {why}")))
+    checks.append(_acl_check(store))
+
+
+def _acl_check(store: Store) -> Check:
+    """Probe what kvstate does: SCAN, a script (no write: poll of a missing room),
+    a stream read. A refusal names the command that failed."""
+    s = store
+    probes: list[tuple[str, Callable[[], object]]] = [
+        ("SCAN", lambda: next(iter(s.scan(s.keys.all_pattern, count=10)), None)),
+        ("EVALSHA", lambda: s.execute([s.poll(0, "tx", "kvstate-doctor")])),
+        ("XREVRANGE", lambda: Ledger(s).recent(1)),
+    ]
+    denied = []
+    for name, probe in probes:
+        try:
+            probe()
+        except KVStateError as exc:
+            if "ACL" not in str(exc) and "permission" not in str(exc).lower():
+                raise
+            denied.append(name)
+        except NoPermissionError:
+            denied.append(name)
+    user = "?"
+    try:
+        client = nodes(s)[0][1]
+        raw = client.execute_command("ACL WHOAMI")
+        user = raw.decode() if isinstance(raw, bytes) else str(raw)
+    except redis.RedisError:
+        pass
+    if denied:
+        return Check("acl", "fail", f"user {user}: denied {', '.join(denied)}")
+    return Check("acl", "ok", f"user {user}: SCAN, EVALSHA, stream reads allowed")
+
+
+def _ucx_checks(checks: list[Check]) -> None:
+    try:
+        import ucxx
+
+        version = ".".join(str(v) for v in ucxx.get_ucx_version())
+        checks.append(Check("ucx", "ok", f"ucxx {getattr(ucxx, '__version__', '?')}, "
+                            f"UCX {version}"))
+    except Exception as exc:  # a broken native library raises anything
+        checks.append(Check("ucx", "fail", f"ucxx not importable ({type(exc).__name__}: "
+                            f"{exc}); install ucxx-cu12"))
+        return
+    spec = importlib.util.find_spec("libucx")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    info = next((Path(r) / "bin" / "ucx_info" for r in roots
+                 if (Path(r) / "bin" / "ucx_info").exists()), None)
+    if info is None:
+        checks.append(Check("ucx transports", "info", "ucx_info not found; not listed"))
+        return
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = f"{info.parent.parent / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}"
+    try:
+        proc = subprocess.run([str(info), "-d"], capture_output=True, text=True, timeout=20,
+                              env=env, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        checks.append(Check("ucx transports", "info", f"ucx_info -d failed ({exc})"))
+        return
+    tls = sorted(set(re.findall(r"Transport:\s*(\S+)", proc.stdout)))
+    rdma = any(t.startswith(("rc", "ud", "dc")) for t in tls)
+    checks.append(Check("ucx transports", "ok" if tls else "warn",
+                        (", ".join(tls) or "none found") + ("" if rdma else
+                                                           " (no RDMA transport seen)")))
+
+
+def _gpu_checks(checks: list[Check]) -> None:
+    from kvstate.gpu import gpu_facts
+
+    gpus = gpu_facts()
+    if not gpus:
+        checks.append(Check("gpus", "info", "NVML sees no GPU (host memory transfers only)"))
+    for g in gpus:
+        checks.append(Check(f"gpu {g['index']}", "ok",
+                            f"{g['name']} {g['memory_total'] / 2**30:.0f} GiB, "
+                            f"{g['pci_bus_id']}, NVLinks up {g['nvlinks_up']}"))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--no-ucx", is_flag=True, help="Skip the UCX checks.")
+@click.pass_obj
+def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
+    """Check Redis (reachable, version, eviction policy, ACL rights), UCX and GPUs.
+    Exit status 1 when a check fails. Without a URL it tries the embedded server."""
+    checks: list[Check] = []
+    if not obj.url:
+        checks.append(Check("url", "info", f"no --url / {ENV_URL}: using an embedded "
+                            "redis-server, as `demo` would"))
+    try:
+        with opened(obj, need_url=False) as store:
+            _redis_checks(store, checks)
+    except (KVStateError, redis.RedisError) as exc:
+        checks.append(Check("redis", "fail", scrub(_describe(exc), obj.secret)))
+    if not no_ucx:
+        _ucx_checks(checks)
+    _gpu_checks(checks)
+    failed = any(c.state == "fail" for c in checks)
+    if as_json:
+        emit_json({"ok": not failed, "checks": [c.__dict__ for c in checks]})
+    else:
+        out = console()
+        t = Table(box=None, header_style="bold")
+        for name in ("check", "state", "detail"):
+            t.add_column(name)
+        style = {"ok": "green", "warn": "yellow", "fail": "red", "info": "blue"}
+        for c in checks:
+            t.add_row(c.name, Text(c.state, style=style[c.state]), c.detail)
+        out.print(t)
+    sys.exit(EXIT_FINDINGS if failed else 0)
+
+
+# --------------------------------------------------------------------------- demo
+
+
+try:  # written by the demo's owner; the command appears once it exists
+    from kvstate.demo import demo as _demo
+
+    main.add_command(_demo)
+except ImportError:  # pragma: no cover - until kvstate/demo.py lands
+    pass
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,231 @@
+"""`kvstate audit`: every leak kind planted by hand is named (exit 1); `--fix` repairs
+what is safe (exit 0 after) and never touches a live room."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+
+import kvstate
+from kvstate.cli import main
+from kvstate.codec import TransferInfo
+from kvstate.ledger import Ledger
+from kvstate.poll import KVPoll
+from kvstate.store import Store
+
+ADDR = "10.0.0.1:8998"
+
+
+@pytest.fixture
+def store(state_url: str) -> Iterator[Store]:
+    s = kvstate.connect(state_url)
+    yield s
+    s.close()
+
+
+def audit(url: str, *args: str) -> tuple[Result, dict[str, Any]]:
+    result = CliRunner().invoke(main, ["--url", url, "audit", "--json", *args])
+    assert result.exit_code in (0, 1), result.output
+    return result, json.loads(result.stdout)
+
+
+def kinds(doc: dict[str, Any]) -> list[str]:
+    return sorted(f["kind"] for f in doc["findings"])
+
+
+def create(store: Store, room: int, side: str, engine: str, **fields: Any) -> str:
+    base: dict[str, Any] = {
+        "addr": ADDR,
+        "peers": 1,
+        "bootstrap_timeout_ms": 0,
+        "waiting_timeout_ms": 0,
+    }
+    store.execute([store.create(room, side, engine, {**base, **fields})])  # type: ignore[arg-type]
+    return store.keys.participant(room, side, engine)  # type: ignore[arg-type]
+
+
+def age_it(store: Store, key: str, seconds: float) -> None:
+    """Pretend the participant entered its status ``seconds`` ago (server clock)."""
+    now = store.server_time_ms()
+    store.client.hset(
+        key,
+        mapping={"since_ms": now - int(seconds * 1000), "created_ms": now - int(seconds * 1000)},
+    )
+
+
+def plant_no_ttl(store: Store) -> str:
+    key = store.keys.acks(5, "decode-z")
+    store.client.sadd(key, "prefill-a")
+    return key
+
+
+def plant_stuck(store: Store) -> str:
+    key = create(store, 6, "tx", "prefill-a", bootstrap_timeout_ms=1000)
+    age_it(store, key, 5)
+    return key
+
+
+def plant_orphan_tracker(store: Store) -> str:
+    tracker = store.keys.addr("10.9.9.9:1")
+    gone = store.keys.participant(8, "rx", "decode-gone")
+    store.client.zadd(tracker, {gone: store.server_time_ms() + 60_000})
+    store.client.pexpire(tracker, 60_000)
+    return tracker
+
+
+def plant_unclaimed_xfer(store: Store) -> str:
+    key = store.keys.xfer(9, "prefill-never")
+    info = TransferInfo("decode-y", np.arange(4, dtype=np.int32))
+    store.client.hset(key, "decode-y", info.encode())
+    store.client.pexpire(key, 60_000)
+    return key
+
+
+def plant_dead_engine(store: Store) -> str:
+    return create(store, 10, "rx", "decode-b", peer_addr=ADDR, **{"peer:prefill-dead": "inc1"})
+
+
+def plant_restarted_engine(store: Store) -> str:
+    key = create(store, 11, "rx", "decode-b", peer_addr=ADDR, **{"peer:prefill-r": "inc1"})
+    engine = store.keys.engine("prefill-r")
+    store.client.hset(engine, mapping={"role": "prefill", "incarnation": "inc2"})
+    store.client.pexpire(engine, 60_000)
+    return key
+
+
+FIXABLE: dict[str, Callable[[Store], str]] = {
+    "no_ttl": plant_no_ttl,
+    "stuck": plant_stuck,
+    "orphan_tracker": plant_orphan_tracker,
+    "unclaimed_xfer": plant_unclaimed_xfer,
+    "dead_engine": plant_dead_engine,
+    "dead_engine/restarted": plant_restarted_engine,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FIXABLE))
+def test_fixable_leak_is_named_then_fixed(store: Store, state_url: str, kind: str) -> None:
+    key = FIXABLE[kind](store)
+    result, doc = audit(state_url, "--grace", "0")
+    assert result.exit_code == 1
+    found = [f for f in doc["findings"] if f["key"] == key]
+    assert [f["kind"] for f in found] == [kind.split("/")[0]], doc
+    assert found[0]["detail"]
+
+    result, doc = audit(state_url, "--grace", "0", "--fix")
+    assert result.exit_code == 0, doc
+    fixed = [f for f in doc["findings"] if f["key"] == key]
+    assert fixed[0]["fixed"], fixed
+    assert doc["ledger"][0]["event"] == f"audit:{kind.split('/')[0]}"
+    assert doc["ledger"][0]["key"] == key
+
+    result, doc = audit(state_url, "--ledger", "0")
+    assert result.exit_code == 0, doc
+    assert doc["findings"] == []
+
+
+def test_fixes_do_what_they_say(store: Store, state_url: str) -> None:
+    keys = {kind: plant(store) for kind, plant in FIXABLE.items()}
+    result, doc = audit(state_url, "--grace", "0", "--fix")
+    assert result.exit_code == 0, doc
+    c = store.client
+    assert 0 < c.pttl(keys["no_ttl"]) <= 900_000
+    for kind in ("stuck", "dead_engine", "dead_engine/restarted"):
+        assert c.hget(keys[kind], "status") == b"Failed"
+        assert c.hget(keys[kind], "reason")
+    assert b"bootstrap timeout" in c.hget(keys["stuck"], "reason")
+    assert b"prefill-dead" in c.hget(keys["dead_engine"], "reason")
+    assert c.exists(keys["orphan_tracker"]) == 0
+    assert c.exists(keys["unclaimed_xfer"]) == 0
+    events = {e.event for e in Ledger(store).recent(20)}
+    assert {
+        "audit:no_ttl",
+        "audit:stuck",
+        "audit:orphan_tracker",
+        "audit:unclaimed_xfer",
+        "audit:dead_engine",
+    } <= events
+    assert c.pttl(store.keys.ledger) > 6 * 24 * 3600 * 1000
+
+
+def test_terminal_never_cleared_is_named_not_deleted(store: Store, state_url: str) -> None:
+    key = create(store, 12, "tx", "prefill-a")
+    store.execute([store.update(12, "tx", "prefill-a", KVPoll.Failed, "boom")])
+    age_it(store, key, 120)
+    result, doc = audit(state_url)
+    assert result.exit_code == 1
+    assert kinds(doc) == ["terminal_uncleared"]
+    result, doc = audit(state_url, "--fix")
+    assert result.exit_code == 1
+    assert doc["findings"][0]["left"]
+    assert store.client.exists(key) == 1
+    # within the grace period it is not a finding
+    result, doc = audit(state_url, "--grace", "10m")
+    assert result.exit_code == 0
+
+
+def test_young_unclaimed_xfer_is_normal(store: Store, state_url: str) -> None:
+    """A receiver may publish before its sender exists: only idle ones count."""
+    plant_unclaimed_xfer(store)
+    result, _ = audit(state_url)
+    assert result.exit_code == 0
+
+
+def test_live_rooms_are_clean_and_untouched(store: Store, state_url: str) -> None:
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-a", ADDR) as p,
+        kvstate.KVManager(store, "decode", "decode-b") as d,
+    ):
+        snd, rcv = p.sender(1), d.receiver(1, ADDR)
+        rcv.init(np.arange(8))
+        assert snd.poll() == KVPoll.WaitingForInput
+        before = {k: store.client.hgetall(k) for k in (snd.key, rcv.key)}
+        result, doc = audit(state_url, "--fix", "--grace", "0")
+        assert result.exit_code == 0, doc
+        assert {k: store.client.hgetall(k) for k in before} == before
+        snd.clear()
+        rcv.clear()
+
+
+def test_corrupt_participant_is_named(store: Store, state_url: str) -> None:
+    key = create(store, 13, "tx", "prefill-a")
+    store.client.hset(key, "status", "Weird")
+    result, doc = audit(state_url, "--fix")
+    assert result.exit_code == 1
+    assert kinds(doc) == ["corrupt"]
+    assert store.client.hget(key, "status") == b"Weird"
+
+
+def test_eviction_policy_is_a_finding(redis_url: str) -> None:
+    s = kvstate.connect(redis_url)
+    s.client.config_set("maxmemory-policy", "volatile-lru")
+    result, doc = audit(redis_url, "--fix")
+    assert result.exit_code == 1
+    assert kinds(doc) == ["server_setting"]
+    assert "volatile-lru" in doc["findings"][0]["detail"]
+    s.close()
+
+
+def test_config_denied_degrades_with_a_note(redis_url: str, redis_cli: Any) -> None:
+    redis_cli(
+        redis_url,
+        "ACL",
+        "SETUSER",
+        "auditor",
+        "on",
+        ">audit-pw-123",
+        "~*",
+        "&*",
+        "+@all",
+        "-config",
+    )
+    url = redis_url.replace("unix://", "unix://auditor:audit-pw-123@")
+    result, doc = audit(url)
+    assert result.exit_code == 0, result.output
+    assert any("CONFIG GET is not allowed" in n for n in doc["notes"])
+    assert "audit-pw-123" not in result.output
