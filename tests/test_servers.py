@@ -115,6 +115,16 @@ def test_redis_url_fixture_is_flushed_and_shared(
     assert redis_cli(redis_url, "TTL", "kvstate:test:x").strip().isdigit()
 
 
+def test_tls_url_verifies_the_server(redis_tls_url: str, redis_cli: Callable[..., str]) -> None:
+    assert redis_tls_url.startswith("rediss://")
+    with redis.Redis.from_url(redis_tls_url) as c:
+        c.set("kvstate:test:tls", "1", ex=60)
+    assert redis_cli(redis_tls_url, "GET", "kvstate:test:tls").strip() == "1"
+    without_ca = redis_tls_url.split("?")[0]  # system CAs do not know our test CA
+    with pytest.raises(redis.ConnectionError), redis.Redis.from_url(without_ca) as c:
+        c.ping()
+
+
 @pytest.mark.cluster
 def test_cluster_covers_all_slots_and_reads_back_with_redis_cli(
     redis_cluster: RedisCluster, redis_cluster_url: str, redis_cli: Callable[..., str]
