@@ -12,6 +12,7 @@ stuck (past its timeout)      the poll script fails it with the timeout reason
 orphan_tracker                ZREM the member whose participant is gone
 unclaimed_xfer (idle>=grace)  DEL the transfer infos no sender will read
 dead_engine                   fail the receiver bound to the dead peer
+dead_owner                    fail the participant whose own engine is gone
 corrupt                       none: inspect it, ``kvstate abort`` the room
 server_setting                none: an operator changes server config
 ============================  ================================================
@@ -216,16 +217,21 @@ class Auditor:
                     f"{fmt_ms(limit[1])} (nobody polled it since)"))
 
     def _dead_engines(self, parts: list[Participant], report: Report) -> None:
-        bound = [p for p in parts if p.side == "rx" and p.valid and not p.terminal and p.bindings]
-        engines = sorted({e for p in bound for e in p.bindings})
+        """Receivers bound to a peer whose lease is gone or whose incarnation changed
+        (dead_engine), and participants whose own engine holds no lease (dead_owner):
+        nobody will ever move them again. One finding per participant at most."""
+        flagged = {f.key for f in report.findings}
+        live = [p for p in parts if p.valid and not p.terminal and p.key not in flagged]
+        engines = sorted({e for p in live for e in p.bindings} | {p.engine for p in live})
         if not engines:
             return
         s = self.store
         raw = s.execute([s.command("HGET", self.keys.engine(e), args=["incarnation"])
                          for e in engines])
         alive = {e: None if r is None else r.decode() for e, r in zip(engines, raw, strict=True)}
-        for p in bound:
-            for engine, inc in sorted(p.bindings.items()):
+        for p in live:
+            f = None
+            for engine, inc in sorted(p.bindings.items()) if p.side == "rx" else []:
                 now_inc = alive.get(engine)
                 if now_inc == inc:
                     continue
@@ -234,8 +240,13 @@ class Auditor:
                 f = _about("dead_engine", p,
                            f"bound to peer {engine} (incarnation {inc}), which {why}")
                 f.target = (engine, inc, p.fields.get("peer_addr", ""))
-                report.findings.append(f)
                 break
+            if f is None and alive.get(p.engine) is None:
+                f = _about("dead_owner", p,
+                           f"{p.status} for {fmt_ms(p.in_status_ms)}, but its engine {p.engine} "
+                           "holds no lease: nobody will move it again")
+            if f is not None:
+                report.findings.append(f)
 
     def _trackers(self, trackers: Sequence[str], report: Report) -> None:
         s = self.store
@@ -366,6 +377,15 @@ class Auditor:
                 f.fixed = f"failed it: {reason}"
             else:
                 f.left = "it reached a terminal status meanwhile"
+        elif f.kind == "dead_owner":
+            assert f.room is not None
+            reason = f"engine {f.engine} lost its lease; failed by kvstate audit"
+            st2: Status = s.execute(
+                [s.update(f.room, f.side, f.engine, KVPoll.Failed, reason)])[0]  # type: ignore[arg-type]
+            if st2.status == KVPoll.Failed and st2.reason == reason:
+                f.fixed = f"failed it: {reason}"
+            else:
+                f.left = f"it moved on ({st2.status.name if st2.status else 'gone'})"
         elif f.kind == "terminal_uncleared":
             f.left = "left for its TTL: the owner may still read the status"
         elif f.kind == "corrupt":

@@ -32,7 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvstate.audit import DEFAULT_GRACE, Auditor
-from kvstate.connection import ENV_NAMESPACE, ENV_URL
+from kvstate.connection import ENV_NAMESPACE, ENV_URL, Options
 from kvstate.errors import InvalidRoomError, KVStateError
 from kvstate.inspect import (
     AGE_BUCKETS,
@@ -104,12 +104,17 @@ class Ctx:
             return None
         return unquote(pw) if pw else None
 
-    def store(self, need_url: bool = True, room_ttl: float = 900.0) -> Store:
+    def store(self, need_url: bool = True, room_ttl: float = 900.0,
+              patient: bool = False) -> Store:
+        """Connect. One-shot commands retry twice (an operator waits for an answer, and
+        a wrong password is never going to work); ``patient`` ones (monitor) keep the
+        engines' retry policy."""
         if need_url and not self.url:
             raise Failure(
                 f"no Redis URL: pass --url redis://HOST:PORT or set {ENV_URL} (inspecting "
                 "commands never start an embedded server; it would be empty)")
-        return connect(self.url, self.namespace, room_ttl)
+        options = None if patient else Options(retries=2, backoff_cap=0.2)
+        return connect(self.url, self.namespace, room_ttl, options=options)
 
 
 def scrub(text: str, secret: str | None) -> str:
@@ -159,8 +164,9 @@ def parse_room(value: str) -> int:
 
 
 @contextmanager
-def opened(obj: Ctx, need_url: bool = True, room_ttl: float = 900.0) -> Iterator[Store]:
-    store = obj.store(need_url, room_ttl)
+def opened(obj: Ctx, need_url: bool = True, room_ttl: float = 900.0,
+           patient: bool = False) -> Iterator[Store]:
+    store = obj.store(need_url, room_ttl, patient)
     try:
         yield store
     finally:
@@ -252,13 +258,17 @@ def show(obj: Ctx, room: str, as_json: bool) -> None:
 
 
 def _status_names(values: tuple[str, ...]) -> set[str]:
+    """Status names from --status values: names in any case, or numbers."""
+    by_lower = {name.lower(): name for name in KVPoll.__members__}
     names = set()
     for v in values:
-        for part in v.split(","):
+        for part in (p.strip() for p in v.split(",")):
             if not part:
                 continue
-            names.add(KVPoll.parse(part.strip()).name if not part.isdigit()
-                      else KVPoll.parse(int(part)).name)
+            if part.isdigit():
+                names.add(KVPoll.parse(int(part)).name)
+            else:
+                names.add(by_lower.get(part.lower()) or KVPoll.parse(part).name)
     return names
 
 
@@ -468,6 +478,7 @@ def _fix_hint(kind: str) -> str:
     return {
         "no_ttl": "--fix sets a TTL", "stuck": "--fix fails it", "orphan_tracker": "--fix ZREMs",
         "unclaimed_xfer": "--fix deletes", "dead_engine": "--fix fails it",
+        "dead_owner": "--fix fails it",
         "terminal_uncleared": "TTL reaps it; fix the owner's clear()",
         "corrupt": "inspect; kvstate abort", "server_setting": "CONFIG SET by an operator",
     }.get(kind, "")
@@ -509,7 +520,7 @@ def monitor(obj: Ctx, metrics_port: int | None, metrics_addr: str, interval: flo
             as_json: bool) -> None:
     """Keep the leak ledger (participants reaped by TTL, with their last status) and
     export Prometheus metrics."""
-    with opened(obj) as store:
+    with opened(obj, patient=True) as store:
         metrics = Metrics()
         auditor = Auditor(store, grace)
 
@@ -558,7 +569,8 @@ def _redis_checks(store: Store, checks: list[Check]) -> None:
     checks.append(Check("redis", "ok", f"{store.url} answers PING in "
                         f"{(time.perf_counter() - t0) * 1000:.1f} ms "
                         f"({'cluster' if store.cluster else 'standalone'})"))
-    for name, client in nodes(store):
+    for node, client in nodes(store):
+        name = node if store.cluster else "server"
         try:
             info = client.info("server")
             version = str(info.get("redis_version", "?"))

@@ -23,6 +23,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "orphan_tracker",
     "unclaimed_xfer",
     "dead_engine",
+    "dead_owner",
     "corrupt",
     "server_setting",
 )

@@ -98,6 +98,13 @@ def plant_restarted_engine(store: Store) -> str:
     return key
 
 
+def plant_dead_owner(store: Store) -> str:
+    """A sender whose prefill engine died (no registration): nobody will move it."""
+    key = create(store, 14, "tx", "prefill-crashed")
+    store.execute([store.update(14, "tx", "prefill-crashed", KVPoll.Transferring)])
+    return key
+
+
 FIXABLE: dict[str, Callable[[Store], str]] = {
     "no_ttl": plant_no_ttl,
     "stuck": plant_stuck,
@@ -105,6 +112,7 @@ FIXABLE: dict[str, Callable[[Store], str]] = {
     "unclaimed_xfer": plant_unclaimed_xfer,
     "dead_engine": plant_dead_engine,
     "dead_engine/restarted": plant_restarted_engine,
+    "dead_owner": plant_dead_owner,
 }
 
 
@@ -135,11 +143,12 @@ def test_fixes_do_what_they_say(store: Store, state_url: str) -> None:
     assert result.exit_code == 0, doc
     c = store.client
     assert 0 < c.pttl(keys["no_ttl"]) <= 900_000
-    for kind in ("stuck", "dead_engine", "dead_engine/restarted"):
+    for kind in ("stuck", "dead_engine", "dead_engine/restarted", "dead_owner"):
         assert c.hget(keys[kind], "status") == b"Failed"
         assert c.hget(keys[kind], "reason")
     assert b"bootstrap timeout" in c.hget(keys["stuck"], "reason")
     assert b"prefill-dead" in c.hget(keys["dead_engine"], "reason")
+    assert b"lost its lease" in c.hget(keys["dead_owner"], "reason")
     assert c.exists(keys["orphan_tracker"]) == 0
     assert c.exists(keys["unclaimed_xfer"]) == 0
     events = {e.event for e in Ledger(store).recent(20)}
