@@ -182,17 +182,17 @@ class Store:
         for attempt in range(2):
             pipe = conn.pipeline(transaction=transaction)
             for call in calls:
-                if call.script is not None:
-                    pipe.evalsha(_SHAS[call.script], len(call.keys), *call.keys, *call.args)
-                else:
+                if call.script is None:
                     pipe.execute_command(call.command, *call.keys, *call.args)
+                elif attempt:  # after NOSCRIPT: send the source, see _execute_one
+                    pipe.eval(_SOURCES[call.script], len(call.keys), *call.keys, *call.args)
+                else:
+                    pipe.evalsha(_SHAS[call.script], len(call.keys), *call.keys, *call.args)
             try:
                 replies = pipe.execute(raise_on_error=False)
             except NoScriptError:  # raised whole when the pipeline is a transaction
                 replies = [NoScriptError()]
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                for name in {c.script for c in calls if c.script}:
-                    conn.script_load(_SOURCES[name])
                 continue
             for call, reply in zip(calls, replies, strict=True):
                 if isinstance(reply, Exception):
@@ -206,11 +206,16 @@ class Store:
             try:
                 if call.script is None:
                     return conn.execute_command(call.command, *call.keys, *call.args)
+                if attempt:
+                    # After NOSCRIPT, EVAL the source (which caches it again) rather than
+                    # SCRIPT LOAD then EVALSHA: another SCRIPT FLUSH (or a failover) can
+                    # land between those two, and EVAL cannot meet NOSCRIPT.
+                    return conn.eval(_SOURCES[call.script], len(call.keys), *call.keys,
+                                     *call.args)
                 return conn.evalsha(_SHAS[call.script], len(call.keys), *call.keys, *call.args)
             except NoScriptError:
                 if attempt:
                     raise
-                conn.script_load(_SOURCES[call.script or ""])
             except ResponseError as exc:
                 raise self._translate(call, exc) from None
         raise AssertionError("unreachable")
