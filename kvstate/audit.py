@@ -13,6 +13,7 @@ orphan_tracker                ZREM the member whose participant is gone
 unclaimed_xfer (idle>=grace)  DEL the transfer infos no sender will read
 dead_engine                   fail the receiver bound to the dead peer
 dead_owner                    fail the participant whose own engine is gone
+unindexed (not in parts)      add it back to the room's parts index
 corrupt                       none: inspect it, ``kvstate abort`` the room
 server_setting                none: an operator changes server config
 ============================  ================================================
@@ -118,6 +119,7 @@ class Auditor:
         parts = read_participants(self.store, groups["participant"], now)
         self._participants(parts, now, report)
         self._dead_engines(parts, report)
+        self._unindexed(parts, report)
         self._trackers(groups["addr"], report)
         self._xfers(groups["xfer"], report)
         if fix:
@@ -247,6 +249,24 @@ class Auditor:
                            "holds no lease: nobody will move it again")
             if f is not None:
                 report.findings.append(f)
+
+    def _unindexed(self, parts: list[Participant], report: Report) -> None:
+        """Participants missing from their room's parts index: `kvstate abort` and
+        `show` find a room through that index, so they cannot reach these."""
+        s = self.store
+        k = self.keys
+        for start in range(0, len(parts), BATCH):
+            chunk = parts[start : start + BATCH]
+            raw = s.execute([
+                s.command("HEXISTS", k.parts(p.room), args=[k.part_member(p.side, p.engine)])  # type: ignore[arg-type]
+                for p in chunk
+            ])
+            for p, n in zip(chunk, raw, strict=True):
+                if not int(n):
+                    report.findings.append(_about(
+                        "unindexed", p,
+                        f"not in {k.parts(p.room)} (the index expired before the participant, "
+                        "or a clear was cut short): abort and show cannot reach it"))
 
     def _trackers(self, trackers: Sequence[str], report: Report) -> None:
         s = self.store
@@ -386,6 +406,18 @@ class Auditor:
                 f.fixed = f"failed it: {reason}"
             else:
                 f.left = f"it moved on ({st2.status.name if st2.status else 'gone'})"
+        elif f.kind == "unindexed":
+            assert f.room is not None
+            k = self.keys
+            member = k.part_member(f.side, f.engine)  # type: ignore[arg-type]
+            exists = s.execute([s.command("EXISTS", f.key)])[0]
+            if not int(exists):
+                f.left = "it was cleared meanwhile"
+                return
+            s.execute([s.command("HSET", k.parts(f.room), args=[member, f.age_ms or 0]),
+                       s.command("PEXPIRE", k.parts(f.room), args=[s.ttl_ms])],
+                      transaction=True)
+            f.fixed = f"added {member} back to the room's index"
         elif f.kind == "terminal_uncleared":
             f.left = "left for its TTL: the owner may still read the status"
         elif f.kind == "corrupt":

@@ -478,7 +478,7 @@ def _fix_hint(kind: str) -> str:
     return {
         "no_ttl": "--fix sets a TTL", "stuck": "--fix fails it", "orphan_tracker": "--fix ZREMs",
         "unclaimed_xfer": "--fix deletes", "dead_engine": "--fix fails it",
-        "dead_owner": "--fix fails it",
+        "dead_owner": "--fix fails it", "unindexed": "--fix re-indexes it",
         "terminal_uncleared": "TTL reaps it; fix the owner's clear()",
         "corrupt": "inspect; kvstate abort", "server_setting": "CONFIG SET by an operator",
     }.get(kind, "")

@@ -24,6 +24,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "unclaimed_xfer",
     "dead_engine",
     "dead_owner",
+    "unindexed",
     "corrupt",
     "server_setting",
 )

@@ -105,6 +105,16 @@ def plant_dead_owner(store: Store) -> str:
     return key
 
 
+def plant_unindexed(store: Store) -> str:
+    """A participant its room's parts index no longer lists (abort cannot reach it)."""
+    key = create(store, 15, "tx", "prefill-a")
+    engine = store.keys.engine("prefill-a")  # its engine is alive
+    store.client.hset(engine, mapping={"role": "prefill", "incarnation": "i1"})
+    store.client.pexpire(engine, 60_000)
+    store.client.hdel(store.keys.parts(15), "tx:prefill-a")
+    return key
+
+
 FIXABLE: dict[str, Callable[[Store], str]] = {
     "no_ttl": plant_no_ttl,
     "stuck": plant_stuck,
@@ -113,6 +123,7 @@ FIXABLE: dict[str, Callable[[Store], str]] = {
     "dead_engine": plant_dead_engine,
     "dead_engine/restarted": plant_restarted_engine,
     "dead_owner": plant_dead_owner,
+    "unindexed": plant_unindexed,
 }
 
 
@@ -149,6 +160,8 @@ def test_fixes_do_what_they_say(store: Store, state_url: str) -> None:
     assert b"bootstrap timeout" in c.hget(keys["stuck"], "reason")
     assert b"prefill-dead" in c.hget(keys["dead_engine"], "reason")
     assert b"lost its lease" in c.hget(keys["dead_owner"], "reason")
+    assert store.members(15) == ["tx:prefill-a"]
+    assert 0 < c.pttl(store.keys.parts(15)) <= 900_000
     assert c.exists(keys["orphan_tracker"]) == 0
     assert c.exists(keys["unclaimed_xfer"]) == 0
     events = {e.event for e in Ledger(store).recent(20)}

@@ -220,6 +220,15 @@ def test_password_never_printed(locked: RedisProcess) -> None:
     store.close()
 
 
+def test_malformed_url_with_password() -> None:
+    for url in (f"redis://:{PASSWORD}@host:notaport", f"http://:{PASSWORD}@host:1",
+                f"redis://u:{PASSWORD}@/0"):
+        result = run("--url", url, "ls")
+        assert result.exit_code == 2, result.output
+        assert PASSWORD not in result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
 def test_password_never_printed_by_the_real_command(locked: RedisProcess) -> None:
     """Through $KVSTATE_REDIS_URL, as a real process, with a wrong password too."""
     for url, code in ((locked.unix_url, 0), (locked.unix_url.replace(PASSWORD, "nope"), 2)):
