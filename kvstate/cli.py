@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -528,8 +529,8 @@ def monitor(obj: Ctx, metrics_port: int | None, metrics_addr: str, interval: flo
             if as_json:
                 click.echo(json.dumps(e.to_json()))
             else:
-                click.echo(f"reaped: room {e.room} {e.side}:{e.engine} last status {e.status} "
-                           f"age {fmt_ms(e.age_ms)} ({e.detail})")
+                click.echo(f"reaped by TTL: room {e.room} {e.side}:{e.engine}, last status "
+                           f"{e.status}, age {fmt_ms(e.age_ms)} ({e.detail})")
 
         mon = Monitor(store, interval, metrics=metrics, notifications=not no_notify,
                       audit=lambda: auditor.run().counts(), audit_interval=audit_interval,
@@ -542,15 +543,20 @@ def monitor(obj: Ctx, metrics_port: int | None, metrics_addr: str, interval: flo
             note += f"; metrics on http://{metrics_addr}:{port}/metrics"
         click.echo(f"monitoring namespace {store.namespace} at {store.url} every "
                    f"{interval:g}s: {note}", err=as_json)
-        sys.stdout.flush()
         stop = threading.Event()
+        previous = None
+        if threading.current_thread() is threading.main_thread():  # SIGTERM: finish the sweep
+            previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
             mon.run(stop, duration)
         except KeyboardInterrupt:
             pass
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             if server is not None and hasattr(server, "shutdown"):
                 server.shutdown()
+        click.echo(f"monitor stopped after {mon.sweeps} sweep(s)", err=True)
 
 
 # --------------------------------------------------------------------------- doctor

@@ -258,6 +258,7 @@ class Monitor:
         self._gone: dict[str, Seen] = {}
         self._last_audit = float("-inf")
         self._covered = False
+        self.sweeps = 0
 
     def start(self) -> str:
         """Subscribe to expiry events if possible; returns a note on the mode in use."""
@@ -297,6 +298,7 @@ class Monitor:
             elif seen.deadline_ms is not None and now >= seen.deadline_ms - self.slack_ms:
                 entries.append(self._entry(key, seen, now, "vanished at its TTL deadline"))
         self.known = {k: Seen.of(p) for k, p in current.items()}
+        self.sweeps += 1
         self._covered = self.events.healthy
         self.ledger.append(entries)
         if self.metrics is not None:
@@ -308,8 +310,7 @@ class Monitor:
 
     def _entry(self, key: str, seen: Seen, now: int, how: str) -> Entry:
         age = None if seen.created_ms is None else max(0, now - seen.created_ms)
-        return Entry("expired", seen.room, seen.side, seen.engine, seen.status, age, key,
-                     f"reaped by TTL ({how})")
+        return Entry("expired", seen.room, seen.side, seen.engine, seen.status, age, key, how)
 
     def _export(self, participants: Iterable[Participant], entries: list[Entry]) -> None:
         m = self.metrics

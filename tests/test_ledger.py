@@ -190,8 +190,9 @@ def test_monitor_subprocess_ledger_and_metrics(redis_url: str) -> None:
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=10)
-    assert "reaped: room 31" in out, (out, err)
+    assert "reaped by TTL: room 31" in out, (out, err)
     assert "Traceback" not in err, err
+    assert proc.returncode == 0 and "monitor stopped" in err, (proc.returncode, err)
 
 
 def test_monitor_thread_with_metrics(store: Store, state_url: str) -> None:
