@@ -964,6 +964,9 @@ class RedisCluster:
 # --------------------------------------------------------------------------- redis-cli
 
 
+_ERROR_REPLY = re.compile(r"(\(error\) )?[A-Z][A-Z0-9_-]* [^\n]*\n\n\Z")
+
+
 def run_redis_cli(
     url: str,
     *args: str | int | float | bytes,
@@ -1017,8 +1020,9 @@ def run_redis_cli(
         check=False,
         stdin=subprocess.DEVNULL,
     )
-    # redis-cli exits 0 on a server error reply in non-interactive mode; report it.
-    if check and (proc.returncode != 0 or proc.stdout.startswith(("ERR", "(error)"))):
+    # redis-cli exits 0 on an error reply; in raw mode (stdout not a tty) it prints the
+    # error as one line followed by a blank line ("WRONGTYPE Operation ...\n\n").
+    if check and (proc.returncode != 0 or _ERROR_REPLY.match(proc.stdout)):
         raise RedisServerError(
             f"redis-cli {' '.join(str(a) for a in args)} failed ({proc.returncode}): "
             f"{(proc.stdout + proc.stderr).strip()[-2000:]}"
