@@ -4,6 +4,7 @@ what is safe (exit 0 after) and never touches a live room."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -196,6 +197,29 @@ def test_young_unclaimed_xfer_is_normal(store: Store, state_url: str) -> None:
     plant_unclaimed_xfer(store)
     result, _ = audit(state_url)
     assert result.exit_code == 0
+
+
+def test_idle_unclaimed_xfer_is_named_on_every_run(redis_url: str) -> None:
+    """Idle time comes from the server; the audit's own reads must not reset it."""
+    store = kvstate.connect(redis_url)
+    key = plant_unclaimed_xfer(store)
+    time.sleep(2.1)
+    for _ in range(2):
+        result, doc = audit(redis_url, "--grace", "1s")
+        assert result.exit_code == 1
+        assert [(f["kind"], f["key"]) for f in doc["findings"]] == [("unclaimed_xfer", key)]
+    store.close()
+
+
+def test_lfu_policy_is_named_and_idle_check_degrades(redis_url: str) -> None:
+    store = kvstate.connect(redis_url)
+    plant_unclaimed_xfer(store)
+    store.client.config_set("maxmemory-policy", "allkeys-lfu")
+    result, doc = audit(redis_url, "--grace", "0")
+    assert result.exit_code == 1
+    assert kinds(doc) == ["server_setting"]
+    assert any("IDLETIME" in n for n in doc["notes"])
+    store.close()
 
 
 def test_live_rooms_are_clean_and_untouched(store: Store, state_url: str) -> None:
