@@ -630,6 +630,9 @@ class _Router:
     def start(self) -> None:
         if self.opts.listen:
             self.remote = _RemoteQueues(self.opts.listen, self.cfg)
+            click.echo(f"kvstate demo: waiting for workers {', '.join(self.prefills)}, "
+                       f"{', '.join(self.decodes)} (kvstate demo --worker ROLE --engine NAME "
+                       f"--router {self.opts.listen})", err=True)
             for engine in self.prefills + self.decodes:
                 self.inboxes[engine] = self.remote.inboxes.setdefault(engine, queue.Queue())
         else:
@@ -713,6 +716,7 @@ class _Router:
                 track = self._dispatch()
                 live[track.job.room] = track
                 todo -= 1
+            self._maybe_kill(live, tick)
             self._fire_oob_aborts(live)
             try:
                 msg = self._get(time.monotonic() + backstop)
@@ -727,7 +731,6 @@ class _Router:
             track = live.get(res.room) or self.tracks[res.room]
             track.results[res.role] = res
             self._after_result(track, live, tick)
-            self._maybe_kill(live, tick)
         return time.monotonic() - started
 
     def _dispatch(self) -> _Track:
@@ -786,9 +789,10 @@ class _Router:
         n = self.opts.kill_prefill_after
         if n is None or self.killed is not None or self.finished < n:
             return
-        busy = {t.job.prefill for t in live.values() if "prefill" not in t.results}
-        candidates = sorted(busy) or self.alive_prefills
-        victim = candidates[0]
+        # The prefill of the room dispatched last: it cannot have finished that room yet,
+        # so the kill always leaves in-flight rooms to fail.
+        busy = [t.job.prefill for t in live.values() if "prefill" not in t.results]
+        victim = busy[-1] if busy else self.alive_prefills[0]
         if len(self.alive_prefills) == 1:
             raise KVStateError("--kill-prefill-after needs at least 2 prefill workers")
         self.killed = victim
@@ -815,16 +819,16 @@ class _Router:
 # --------------------------------------------------------------------------- measuring
 
 
-def _command_counts(store: Any) -> tuple[int, int]:
-    """(commandstats calls incl. commands run inside scripts, top-level commands)."""
+def _command_counts(store: Any) -> dict[str, int]:
+    """Calls per command (INFO commandstats) summed over every primary."""
     from kvstate.inspect import nodes
 
-    calls = top = 0
+    out: dict[str, int] = {}
     for _, client in nodes(store):
-        stats = client.info("commandstats")
-        calls += sum(int(v["calls"]) for v in stats.values())
-        top += int(client.info("stats")["total_commands_processed"])
-    return calls, top
+        for name, stat in client.info("commandstats").items():
+            cmd = name.removeprefix("cmdstat_")
+            out[cmd] = out.get(cmd, 0) + int(stat["calls"])
+    return out
 
 
 def _keys_left(store: Any) -> list[str]:
@@ -939,7 +943,8 @@ def _errors(url: str | None) -> Iterator[None]:
 @click.option("--seed", type=int, help="Seed for rooms, lengths, workers and faults.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--listen", metavar="HOST:PORT", help="Serve the queues over TCP and wait for "
-              "workers started with --worker/--router (docker-compose) instead of spawning.")
+              "workers prefill-0.. and decode-0.. started with --worker/--router "
+              "(docker-compose) instead of spawning them.")
 @click.option("--worker", type=click.Choice(["prefill", "decode"]),
               help="Run one worker attached to a router started with --listen.")
 @click.option("--engine", help="Engine id of this worker (with --worker), e.g. prefill-0.")
@@ -1060,7 +1065,7 @@ def _run(opts: Options, url: str | None, namespace: str, page_bytes: int, pool_p
 
 
 def _summary(opts: Options, cfg: WorkerConfig, rtr: _Router, seconds: float,
-             before: tuple[int, int], after: tuple[int, int], left: list[str], waited: float,
+             before: dict[str, int], after: dict[str, int], left: list[str], waited: float,
              audit: dict[str, Any]) -> dict[str, Any]:
     rooms = []
     outcomes: dict[str, int] = {"done": 0, "failed": 0, "aborted": 0, "killed": 0, "corrupt": 0}
@@ -1084,7 +1089,12 @@ def _summary(opts: Options, cfg: WorkerConfig, rtr: _Router, seconds: float,
             ("killed" if track.prefill_dead else None),
             "prefill_reason": tx.reason if tx is not None else "",
         })
-    calls, top = after[0] - before[0], after[1] - before[1]
+    injected = [t.abort for t in rtr.tracks.values() if t.abort]
+    aborts = {"injected": len(injected), "landed": outcomes["aborted"],
+              "by": {k: injected.count(k) for k in ABORT_KINDS}}
+    delta = {k: v - before.get(k, 0) for k, v in after.items() if k != "info"}
+    by_command = dict(sorted(((k, v) for k, v in delta.items() if v), key=lambda kv: -kv[1]))
+    calls = sum(by_command.values())
     unexpected = outcomes["failed"] + outcomes["corrupt"]
     verified = all(r["verified"] for r in rooms if r["decode_status"] == "Success")
     ok = verified and not left and unexpected == 0
@@ -1092,6 +1102,7 @@ def _summary(opts: Options, cfg: WorkerConfig, rtr: _Router, seconds: float,
         "ok": ok,
         "requests": opts.requests,
         "outcomes": outcomes,
+        "aborts": aborts,
         "all_success_verified": verified,
         "bytes_verified": nbytes,
         "seconds": round(seconds, 3),
@@ -1102,8 +1113,7 @@ def _summary(opts: Options, cfg: WorkerConfig, rtr: _Router, seconds: float,
         "redis": {
             "url": redact(cfg.url), "namespace": cfg.namespace,
             "commands": calls, "commands_per_room": round(calls / opts.requests, 1),
-            "top_level_commands": top,
-            "top_level_per_room": round(top / opts.requests, 1),
+            "by_command": by_command,
         },
         "keys_left": len(left),
         "keys_left_sample": left[:10],
@@ -1137,14 +1147,20 @@ def _print_summary(doc: dict[str, Any]) -> None:
     t.add_column()
     t.add_row("rooms", f"{doc['requests']}: done {o['done']}, failed {o['failed']}, "
               f"aborted {o['aborted']}, killed-peer {o['killed']}, corrupt {o['corrupt']}")
+    a = doc["aborts"]
+    if a["injected"]:
+        by = ", ".join(f"{k} {v}" for k, v in a["by"].items())
+        t.add_row("aborts", f"{a['injected']} injected ({by}); {a['landed']} landed, the rest "
+                  "finished first")
     t.add_row("bytes verified", f"{doc['bytes_verified'] / 1e6:.1f} MB "
               f"({'all successful rooms match' if doc['all_success_verified'] else 'MISMATCH'})")
     t.add_row("throughput", f"{doc['gb_per_s']:.3f} GB/s over {doc['seconds']:.2f} s")
     lat = doc["latency_ms"]
     t.add_row("latency", f"p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms")
     r = doc["redis"]
-    t.add_row("redis commands/room", f"{r['commands_per_room']} (incl. inside scripts); "
-              f"{r['top_level_per_room']} top-level")
+    top = ", ".join(f"{k} {v / doc['requests']:.1f}" for k, v in
+                    list(r["by_command"].items())[:4])
+    t.add_row("redis commands/room", f"{r['commands_per_room']} ({top})")
     t.add_row("keys left", f"{doc['keys_left']}" + (
         f" after {doc['waited_for_keys_s']:.1f} s" if doc["waited_for_keys_s"] >= 0.5 else ""))
     t.add_row("audit", doc["audit"]["result"])
