@@ -1,0 +1,101 @@
+"""What a transport is: the contract the KV manager codes against.
+
+A transport moves KV pages between processes. It knows nothing about rooms'
+state, Redis or requests: the caller publishes ``endpoint()`` and ``layout()``
+wherever it likes (kvstate uses its engine registry) and hands them back to the
+sender as :class:`Target` entries.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class TransportError(Exception):
+    """A transfer failed; ``str()`` says why (peer gone, deadline, layout...)."""
+
+
+class LayoutError(TransportError, ValueError):
+    """Buffers or page indices do not fit; raised before any byte moves."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One receiver of a room.
+
+    ``endpoint`` and ``layout`` are what that receiver's transport returned from
+    ``endpoint()`` and ``layout()``; ``dst_indices`` are its destination page
+    indices in the same order as the sender's source indices. An empty
+    ``dst_indices`` marks a dummy receiver: nothing is sent to it.
+    """
+
+    endpoint: bytes
+    layout: dict[str, Any]
+    dst_indices: np.ndarray
+
+
+@dataclass(frozen=True)
+class TransportStats:
+    """Counters for metrics: totals since the transport was created."""
+
+    bytes_moved: int = 0
+    transfers: int = 0
+    failures: int = 0
+    last_latency_s: float = 0.0
+    last_bytes: int = 0
+
+
+class Transport(ABC):
+    """Registers local KV buffers and writes pages into remote ones.
+
+    Callers stay synchronous; every blocking call has a deadline and reports
+    failure as :class:`TransportError`, never by hanging.
+    """
+
+    @abstractmethod
+    def register_buffers(self, buffers: Sequence[Any], page_bytes: Sequence[int]) -> None:
+        """Register one array per layer/kind and its bytes per page."""
+
+    @abstractmethod
+    def endpoint(self) -> bytes:
+        """Opaque address other processes use to reach this transport."""
+
+    @abstractmethod
+    def layout(self) -> dict[str, Any]:
+        """Description of the registered buffers (msgpack-able) for senders."""
+
+    @abstractmethod
+    def expect(self, room: int, dst_indices: np.ndarray) -> None:
+        """Receiver side: check ``dst_indices`` fit and get pages ready for ``room``."""
+
+    @abstractmethod
+    def write(
+        self,
+        room: int,
+        src_indices: np.ndarray,
+        targets: Sequence[Target],
+        timeout: float,
+    ) -> None:
+        """Sender side: put the source pages into every target's destination pages.
+
+        Returns only once the bytes are in the receivers' memory; raises
+        :class:`TransportError` otherwise, within ``timeout`` seconds.
+        """
+
+    @abstractmethod
+    def release(self, room: int) -> None:
+        """Forget everything kept for ``room``; idempotent."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release buffers and connections; idempotent."""
+
+    @property
+    @abstractmethod
+    def stats(self) -> TransportStats:
+        """A snapshot of the transfer counters."""
