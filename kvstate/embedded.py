@@ -26,7 +26,10 @@ def ensure_server() -> str:
         if _server is None:
             from kvstate.servers import RedisProcess
 
-            proc = RedisProcess(unix_socket=True, port=0, die_with_parent=True)
+            # PR_SET_PDEATHSIG follows the starting *thread*: only tie the server's life
+            # to the main thread's; elsewhere the atexit hook alone stops it.
+            main = threading.current_thread() is threading.main_thread()
+            proc = RedisProcess(unix_socket=True, port=0, die_with_parent=main)
             proc.start()
             owner = os.getpid()
 
