@@ -236,6 +236,9 @@ def show(obj: Ctx, room: str, as_json: bool) -> None:
     out.print(_participants_table(view.participants, with_room=False))
     for member in view.missing_members:
         out.print(f"[red]parts lists {member} but its participant hash is gone[/red]")
+    for member in view.unindexed:
+        out.print(f"[red]{member} is missing from the room's parts index: `kvstate abort` "
+                  "cannot reach it; `kvstate audit --fix` re-indexes it[/red]")
     if view.infos:
         t = Table(title="transfer infos", title_justify="left", box=None, header_style="bold")
         for name in ("sender", "receiver", "pages", "runs", "first..last", "aux", "prefix",
@@ -380,6 +383,9 @@ def abort(obj: Ctx, room: str, reason: str) -> None:
     with opened(obj) as store:
         members = store.members(r)
         if not members:
+            if room_view(store, r).participants:
+                raise Failure(f"room {r} has participants its parts index does not list; "
+                              "run `kvstate audit --fix` to re-index them, then abort again")
             click.echo(f"room {r}: no participants (cleared, reaped, or never created)")
             sys.exit(EXIT_FINDINGS)
         n = store.abort(r, reason)

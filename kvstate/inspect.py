@@ -207,6 +207,12 @@ class RoomView:
     acks: dict[str, list[str]]  # receiver -> senders that acked
 
     @property
+    def unindexed(self) -> list[str]:
+        """Participants the room's parts index does not list (abort cannot reach them)."""
+        return [f"{p.side}:{p.engine}" for p in self.participants
+                if f"{p.side}:{p.engine}" not in self.members]
+
+    @property
     def missing_members(self) -> list[str]:
         """Parts members whose participant hash is gone (a clear half done)."""
         present = {f"{p.side}:{p.engine}" for p in self.participants}
@@ -224,6 +230,7 @@ class RoomView:
             "room": self.room,
             "members": self.members,
             "missing_members": self.missing_members,
+            "unindexed": self.unindexed,
             "participants": [p.to_json() for p in self.participants],
             "transfer_infos": infos,
             "acks": self.acks,
@@ -261,6 +268,9 @@ def room_view(store: Store, room: int) -> RoomView:
         side, _, engine = m.partition(":")
         if side in SIDES:
             keys.append(k.participant(room, side, engine))  # type: ignore[arg-type]
+    if not keys:  # no index (expired before its participants?): look for them the slow way
+        keys = [key for key in store.scan(k.room_prefix(room) + "*")
+                if (parsed := k.parse_room_key(key)) is not None and parsed[1] in SIDES]
     parts = read_participants(store, keys, now)
     senders = {p.engine for p in parts if p.side == "tx"}
     receivers = {p.engine for p in parts if p.side == "rx"}
