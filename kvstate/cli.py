@@ -51,6 +51,7 @@ from kvstate.ledger import Entry, Ledger, Monitor, config_value
 from kvstate.metrics import Metrics
 from kvstate.poll import KVPoll
 from kvstate.registry import EngineInfo, Registry
+from kvstate.servers import RedisServerError
 from kvstate.store import Store, connect
 
 EXIT_FINDINGS = 1
@@ -131,7 +132,7 @@ class KVGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (KVStateError, redis.RedisError, OSError) as exc:
+        except (KVStateError, redis.RedisError, RedisServerError, OSError) as exc:
             obj = ctx.find_object(Ctx)
             secret = obj.secret if obj else None
             raise Failure(scrub(_describe(exc), secret)) from None
@@ -144,6 +145,8 @@ def _describe(exc: BaseException) -> str:
         return f"Redis refused a command under its ACL ({exc}); use a user with more rights"
     if isinstance(exc, redis.RedisError):
         return f"Redis error: {exc} (is the URL right and the server healthy?)"
+    if isinstance(exc, RedisServerError):
+        return f"embedded redis-server: {exc} (install redis-server or pass --url)"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -703,7 +706,7 @@ def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
     try:
         with opened(obj, need_url=False) as store:
             _redis_checks(store, checks)
-    except (KVStateError, redis.RedisError) as exc:
+    except (KVStateError, redis.RedisError, RedisServerError) as exc:
         checks.append(Check("redis", "fail", scrub(_describe(exc), obj.secret)))
     if not no_ucx:
         _ucx_checks(checks)

@@ -169,6 +169,17 @@ def test_doctor(redis_url: str) -> None:
     assert "gpus" in checks or any(n.startswith("gpu") for n in checks)
 
 
+def test_doctor_without_url_uses_an_embedded_server() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
+    proc = subprocess.run([str(KVSTATE_BIN), "doctor", "--json", "--no-ucx"],
+                          capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    names = [c["name"] for c in doc["checks"]]
+    assert names[0] == "url" and "embedded" in doc["checks"][0]["detail"]
+    assert doc["checks"][1]["name"] == "redis" and doc["checks"][1]["state"] == "ok"
+
+
 def test_doctor_reports_unreachable_redis(tmp_path: Path) -> None:
     result = run("--url", f"unix://{tmp_path}/nothing.sock", "doctor", "--no-ucx")
     assert result.exit_code == 1
