@@ -96,15 +96,15 @@ class Ctx:
     namespace: str | None
 
     @property
-    def secret(self) -> str | None:
-        """The URL's password, only so that error text can be scrubbed of it."""
+    def secrets(self) -> list[str]:
+        """The URL's password (as written and decoded), only to scrub it from errors."""
         if not self.url:
-            return None
+            return []
         try:
             pw = urlsplit(self.url).password
         except ValueError:
-            return None
-        return unquote(pw) if pw else None
+            return []
+        return sorted({pw, unquote(pw)}, key=len, reverse=True) if pw else []
 
     def store(self, need_url: bool = True, room_ttl: float = 900.0,
               patient: bool = False) -> Store:
@@ -119,11 +119,13 @@ class Ctx:
         return connect(self.url, self.namespace, room_ttl, options=options)
 
 
-def scrub(text: str, secret: str | None) -> str:
-    """Belt and braces: no error text leaves with the password in it."""
-    if secret:
+def scrub(text: str, secrets: list[str]) -> str:
+    """Belt and braces: no error text leaves with the password in it; one line."""
+    for secret in secrets:
         text = text.replace(secret, "***")
-    return text
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    text = "; ".join(lines)
+    return text if len(text) <= 600 else text[:597] + "..."
 
 
 class KVGroup(click.Group):
@@ -134,8 +136,7 @@ class KVGroup(click.Group):
             return super().invoke(ctx)
         except (KVStateError, redis.RedisError, RedisServerError, OSError) as exc:
             obj = ctx.find_object(Ctx)
-            secret = obj.secret if obj else None
-            raise Failure(scrub(_describe(exc), secret)) from None
+            raise Failure(scrub(_describe(exc), obj.secrets if obj else [])) from None
 
 
 def _describe(exc: BaseException) -> str:
@@ -707,7 +708,7 @@ def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
         with opened(obj, need_url=False) as store:
             _redis_checks(store, checks)
     except (KVStateError, redis.RedisError, RedisServerError) as exc:
-        checks.append(Check("redis", "fail", scrub(_describe(exc), obj.secret)))
+        checks.append(Check("redis", "fail", scrub(_describe(exc), obj.secrets)))
     if not no_ucx:
         _ucx_checks(checks)
     _gpu_checks(checks)
