@@ -1,0 +1,401 @@
+"""UCXTransport between real processes over real UCX (no mocks).
+
+Each peer is a ``spawn``-ed process that owns a transport and obeys commands
+sent through a pipe (test plumbing only: endpoints and layouts travel through
+it the way kvstate publishes them through Redis). Every check compares whole
+destination buffers with what the sender's pages and the untouched fill
+pattern predict, so a transfer that moved nothing, or moved the wrong pages,
+cannot pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+
+from transports.base import LayoutError, Target, TransportError
+
+pytestmark = pytest.mark.timeout(60)
+
+# Three layers/kinds with different page sizes; same shape on every peer.
+SPEC = [(96, 4096), (96, 1024), (96, 256)]  # (num_pages, page_bytes)
+FILL = 0xEE
+
+
+def sender_pages(layer: int, spec: list[tuple[int, int]] = SPEC, seed: int = 7) -> np.ndarray:
+    """The sender's layer ``layer`` as (num_pages, page_bytes): random, reproducible."""
+    pages, pb = spec[layer]
+    rng = np.random.default_rng(seed * 1000 + layer)
+    return rng.integers(0, 256, size=(pages, pb), dtype=np.uint8)
+
+
+# ---------------------------------------------------------------------------
+# The peer process.
+
+
+def _peer_main(conn: Connection, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    from transports.ucx import UCXTransport
+
+    transport: Any = None
+    bufs: list[np.ndarray] = []
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "register":
+                spec, role = args
+                if role == "sender":
+                    bufs = [sender_pages(i, spec).reshape(-1).copy() for i in range(len(spec))]
+                else:
+                    bufs = [np.full(n * pb, FILL, dtype=np.uint8) for n, pb in spec]
+                transport = UCXTransport()
+                transport.register_buffers(bufs, [pb for _, pb in spec])
+                conn.send(("ok", (transport.endpoint(), transport.layout())))
+            elif cmd == "refill":
+                for b in bufs:
+                    b.fill(FILL)
+                conn.send(("ok", None))
+            elif cmd == "dump":
+                conn.send(("ok", [b.tobytes() for b in bufs]))
+            elif cmd == "expect":
+                transport.expect(*args)
+                conn.send(("ok", None))
+            elif cmd == "release":
+                transport.release(*args)
+                conn.send(("ok", None))
+            elif cmd == "write":
+                room, src, targets, timeout = args
+                t0 = time.monotonic()
+                transport.write(room, src, targets, timeout)
+                conn.send(("ok", (time.monotonic() - t0, transport.stats)))
+            elif cmd == "write_loop":
+                # Write until something fails; report when and why (for kill tests).
+                room, src, targets, timeout = args
+                transport.write(room, src, targets, timeout)
+                conn.send(("started", None))
+                while True:
+                    transport.write(room, src, targets, timeout)
+            elif cmd == "close":
+                transport.close()
+                transport.close()  # idempotent
+                conn.send(("ok", None))
+                return
+            else:
+                conn.send(("error", "ValueError", f"unknown command {cmd}", time.monotonic()))
+        except Exception as exc:  # reported to the test, which decides
+            conn.send(("error", type(exc).__name__, str(exc), time.monotonic()))
+
+
+class Peer:
+    """Handle on a peer process."""
+
+    def __init__(self, role: str, spec: list[tuple[int, int]] = SPEC,
+                 env: dict[str, str] | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, env or {}), daemon=True)
+        self.proc.start()
+        child.close()
+        self.endpoint, self.layout = self.call("register", spec, role)
+
+    def call(self, *msg: Any, timeout: float = 30.0) -> Any:
+        self.conn.send(msg)
+        reply = self.recv(timeout)
+        if reply[0] == "error":
+            raise AssertionError(f"peer raised {reply[1]}: {reply[2]}")
+        return reply[1]
+
+    def recv(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"peer did not answer within {timeout}s")
+        return self.conn.recv()
+
+    def error_of(self, *msg: Any, timeout: float = 30.0) -> tuple[str, str]:
+        """Send a command that must fail; return (exception type name, message)."""
+        self.conn.send(msg)
+        reply = self.recv(timeout)
+        assert reply[0] == "error", f"expected an error, got {reply!r}"
+        return reply[1], reply[2]
+
+    def target(self, dst: Any) -> Target:
+        return Target(self.endpoint, self.layout, np.asarray(dst, dtype=np.int32))
+
+    def layers(self) -> list[np.ndarray]:
+        return [np.frombuffer(b, dtype=np.uint8).reshape(n, pb)
+                for b, (n, pb) in zip(self.call("dump"), SPEC, strict=True)]
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid or 0, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(AssertionError, OSError, EOFError):
+                self.call("close", timeout=10)
+        self.proc.join(5)
+        self.kill()
+
+
+def expected_layers(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """Receiver contents after writing, for each (src, dst), sender pages src to dst."""
+    out = []
+    for layer, (n, pb) in enumerate(SPEC):
+        want = np.full((n, pb), FILL, dtype=np.uint8)
+        for src, dst in pairs:
+            want[dst] = sender_pages(layer)[src]
+        out.append(want)
+    return out
+
+
+def assert_layers(rx: Peer, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for layer, (got, want) in enumerate(zip(rx.layers(), expected_layers(pairs), strict=True)):
+        bad = np.flatnonzero((got != want).any(axis=1))
+        assert bad.size == 0, f"layer {layer}: pages {bad[:10].tolist()} differ"
+
+
+def fragmented(rng: np.random.Generator, n: int, pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` pages in runs of 1-8, placed at random (and differently) on both sides."""
+    lens: list[int] = []
+    while sum(lens) < n:
+        lens.append(int(min(rng.integers(1, 9), n - sum(lens))))
+
+    def place() -> np.ndarray:
+        # Runs in a random order, separated by random gaps, never overlapping.
+        gaps = np.diff(np.concatenate(([0], np.sort(rng.integers(0, pages - n + 1, len(lens))))))
+        starts, pos = {}, 0
+        for k, gap in zip(rng.permutation(len(lens)), gaps, strict=True):
+            pos += int(gap)
+            starts[int(k)] = pos
+            pos += lens[k]
+        return np.concatenate([np.arange(starts[k], starts[k] + lens[k])
+                               for k in range(len(lens))]).astype(np.int32)
+
+    return place(), place()
+
+
+# ---------------------------------------------------------------------------
+# Fixtures: one sender and two receivers for the module.
+
+
+@pytest.fixture(scope="module")
+def trio() -> Iterator[tuple[Peer, Peer, Peer]]:
+    peers: list[Peer] = []
+    try:
+        for role in ("sender", "receiver", "receiver"):
+            peers.append(Peer(role))
+        yield peers[0], peers[1], peers[2]
+    finally:
+        for p in peers:
+            p.stop()
+
+
+@pytest.fixture
+def fresh(trio: tuple[Peer, Peer, Peer]) -> tuple[Peer, Peer, Peer]:
+    for rx in trio[1:]:
+        rx.call("refill")
+    return trio
+
+
+# ---------------------------------------------------------------------------
+# Bytes arrive where they should.
+
+
+def test_contiguous_pages_arrive(fresh: tuple[Peer, Peer, Peer]) -> None:
+    tx, rx, _ = fresh
+    src, dst = np.arange(0, 40), np.arange(30, 70)
+    rx.call("expect", 1, dst)
+    _, stats = tx.call("write", 1, src, [rx.target(dst)], 10.0)
+    assert stats.last_bytes == 40 * sum(pb for _, pb in SPEC)
+    assert_layers(rx, [(src, dst)])
+    rx.call("release", 1)
+    rx.call("release", 1)  # idempotent
+
+
+def test_fragmented_pages_arrive(fresh: tuple[Peer, Peer, Peer]) -> None:
+    tx, rx, _ = fresh
+    src, dst = fragmented(np.random.default_rng(3), 70, SPEC[0][0])
+    assert len(np.flatnonzero(np.diff(src) != 1)) > 5  # really fragmented
+    rx.call("expect", 2, dst)
+    tx.call("write", 2, src, [rx.target(dst)], 10.0)
+    assert_layers(rx, [(src, dst)])
+
+
+def test_two_receivers_and_a_dummy(fresh: tuple[Peer, Peer, Peer]) -> None:
+    tx, rx1, rx2 = fresh
+    src = np.array([5, 6, 7, 50, 51, 90, 1])
+    dst1 = np.array([0, 1, 2, 3, 4, 5, 6])
+    dst2 = np.array([95, 10, 11, 12, 40, 41, 42])
+    dummy = Target(b"not an endpoint", {}, np.empty(0, dtype=np.int32))
+    _, before = tx.call("write", 3, src[:0], [], 5.0)
+    _, stats = tx.call("write", 3, src, [rx1.target(dst1), dummy, rx2.target(dst2)], 10.0)
+    assert stats.bytes_moved - before.bytes_moved == 2 * len(src) * sum(pb for _, pb in SPEC)
+    assert_layers(rx1, [(src, dst1)])
+    assert_layers(rx2, [(src, dst2)])
+
+
+def test_only_a_dummy_moves_nothing(fresh: tuple[Peer, Peer, Peer]) -> None:
+    tx, rx, _ = fresh
+    _, before = tx.call("write", 4, np.array([], dtype=np.int32), [], 5.0)
+    _, after = tx.call("write", 4, np.arange(3), [rx.target([])], 5.0)
+    assert after.bytes_moved == before.bytes_moved
+    assert after.transfers == before.transfers + 1
+    assert_layers(rx, [])
+
+
+def test_ucx_put_path(fresh: tuple[Peer, Peer, Peer]) -> None:
+    """The same fragmented write through UCX puts (the path used across hosts/GPUs)."""
+    _, rx, _ = fresh
+    tx = Peer("sender", env={"KVSTATE_UCX_CMA": "0"})
+    try:
+        src, dst = fragmented(np.random.default_rng(5), 60, SPEC[0][0])
+        tx.call("write", 5, src, [rx.target(dst)], 20.0)
+        assert_layers(rx, [(src, dst)])
+    finally:
+        tx.stop()
+
+
+# ---------------------------------------------------------------------------
+# Refused before anything moves.
+
+
+def test_layout_errors_move_nothing(fresh: tuple[Peer, Peer, Peer]) -> None:
+    tx, rx, _ = fresh
+    good_src, good_dst = np.arange(4), np.arange(4)
+    n = SPEC[0][0]
+    bad = [
+        ("src outside", np.array([0, 1, n]), good_dst[:3], "outside"),
+        ("dst outside", good_src, np.array([0, 1, 2, n + 5]), "outside"),
+        ("negative", np.array([-1, 0, 1, 2]), good_dst, "negative"),
+        ("2-D", good_src.reshape(2, 2), good_dst, "1-D"),
+        ("floats", good_src.astype(float), good_dst, "integer"),
+        ("duplicate dst", good_src, np.array([3, 3, 4, 5]), "more than once"),
+        ("length mismatch", good_src, np.arange(5), "destination pages"),
+    ]
+    for what, src, dst, needle in bad:
+        kind, msg = tx.error_of("write", 6, src, [rx.target(dst)], 5.0)
+        assert kind == "LayoutError", what
+        assert needle in msg, (what, msg)
+    # A valid second target does not get its pages when the first is invalid.
+    kind, _ = tx.error_of("write", 6, good_src, [rx.target(good_dst), rx.target([0, 1, 2, n])],
+                          5.0)
+    assert kind == "LayoutError"
+    kind, msg = rx.error_of("expect", 6, np.array([n]))
+    assert kind == "LayoutError" and "outside" in msg
+    assert_layers(rx, [])
+
+
+def test_mismatched_page_sizes_move_nothing(fresh: tuple[Peer, Peer, Peer]) -> None:
+    tx, _, _ = fresh
+    other = [(n, pb * 2) for n, pb in SPEC]
+    rx = Peer("receiver", spec=other)
+    try:
+        kind, msg = tx.error_of("write", 7, np.arange(3), [rx.target(np.arange(3))], 5.0)
+        assert kind == "LayoutError" and "page size" in msg
+        got = rx.call("dump")
+        assert all(b == bytes([FILL]) * len(b) for b in got)
+    finally:
+        rx.stop()
+
+
+def test_non_contiguous_and_bad_buffers_refused() -> None:
+    from transports.ucx import UCXTransport
+
+    t = UCXTransport()
+    try:
+        base = np.zeros((64, 256), dtype=np.uint8)
+        with pytest.raises(LayoutError, match="not C-contiguous"):
+            t.register_buffers([base[:, ::2]], [128])
+        with pytest.raises(LayoutError, match="not C-contiguous"):
+            t.register_buffers([base.T], [64])
+        with pytest.raises(LayoutError, match="whole number"):
+            t.register_buffers([base], [1000])
+        with pytest.raises(LayoutError, match="one per buffer"):
+            t.register_buffers([base, base], [256])
+        with pytest.raises(LayoutError, match="neither a buffer"):
+            t.register_buffers([object()], [256])
+        with pytest.raises(LayoutError, match="before register_buffers"):
+            t.write(1, np.arange(2), [], 1.0)
+    finally:
+        t.close()
+        t.close()
+    with pytest.raises(TransportError, match="closed"):
+        t.register_buffers([base], [256])
+
+
+# ---------------------------------------------------------------------------
+# Peers die or stall: an error with a reason, within the deadline, no hang.
+
+BIG = [(4096, 16384)]  # 64 MiB: long enough for a kill to land mid-transfer
+
+
+@pytest.mark.parametrize("path", ["cma", "ucx"])
+def test_receiver_killed_mid_transfer(path: str) -> None:
+    env = {"KVSTATE_UCX_CMA": "0"} if path == "ucx" else {}
+    rx = Peer("receiver", spec=BIG)
+    tx = Peer("sender", spec=BIG, env=env)
+    try:
+        idx = np.arange(BIG[0][0])
+        deadline = 5.0
+        tx.conn.send(("write_loop", 8, idx, [rx.target(idx)], deadline))
+        assert tx.recv(30)[0] == "started"
+        time.sleep(0.05)
+        killed_at = time.monotonic()
+        rx.kill()
+        reply = tx.recv(deadline + 5)
+        assert reply[0] == "error" and reply[1] == "TransportError", reply
+        assert reply[3] - killed_at < deadline, "error came after the deadline"
+        assert any(w in reply[2] for w in ("gone", "reset", "unreachable", "deadline")), reply
+        assert tx.proc.is_alive()
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def test_sender_killed_mid_transfer_leaves_receiver_usable(
+    fresh: tuple[Peer, Peer, Peer],
+) -> None:
+    good_tx, rx, _ = fresh
+    doomed = Peer("sender")
+    try:
+        idx = np.arange(SPEC[0][0])
+        rx.call("expect", 9, idx)
+        doomed.conn.send(("write_loop", 9, idx, [rx.target(idx)], 5.0))
+        assert doomed.recv(30)[0] == "started"
+        doomed.kill()
+        rx.call("release", 9)
+        rx.call("refill")
+        src, dst = np.arange(10, 20), np.arange(60, 70)
+        rx.call("expect", 10, dst)
+        good_tx.call("write", 10, src, [rx.target(dst)], 10.0)
+        assert_layers(rx, [(src, dst)])
+    finally:
+        doomed.stop()
+
+
+def test_stalled_receiver_hits_the_deadline() -> None:
+    """A receiver that stops progressing (SIGSTOP) over UCX: deadline error, no hang."""
+    rx = Peer("receiver", spec=BIG)
+    tx = Peer("sender", spec=BIG, env={"KVSTATE_UCX_CMA": "0"})
+    try:
+        idx = np.arange(BIG[0][0])
+        tx.call("write", 11, idx[:8], [rx.target(idx[:8])], 20.0)  # connected
+        os.kill(rx.proc.pid or 0, signal.SIGSTOP)
+        t0 = time.monotonic()
+        kind, msg = tx.error_of("write", 11, idx, [rx.target(idx)], 1.5, timeout=10)
+        assert kind == "TransportError" and "deadline" in msg, msg
+        assert time.monotonic() - t0 < 1.5 + 1.0
+    finally:
+        if rx.proc.is_alive():
+            os.kill(rx.proc.pid or 0, signal.SIGCONT)
+        tx.stop()
+        rx.stop()
