@@ -1185,7 +1185,9 @@ def _print_summary(doc: dict[str, Any]) -> None:
         f" after {doc['waited_for_keys_s']:.1f} s" if doc["waited_for_keys_s"] >= 0.5 else ""))
     t.add_row("audit", doc["audit"]["result"])
     if doc["killed"]:
-        t.add_row("killed", f"{doc['killed']} (SIGKILL)")
+        lost = [r for r in doc["rooms"] if r["outcome"] == "killed"]
+        why = f"; e.g. {lost[0]['decode_reason']}" if lost else ""
+        t.add_row("killed", f"{doc['killed']} (SIGKILL), {len(lost)} room(s) in flight{why}")
     t.add_row("result", "[green]OK[/green]" if doc["ok"] else "[red]FAILED[/red]")
     out = _console()
     out.print(t)

@@ -94,7 +94,6 @@ def test_demo_killed_prefill_fails_its_rooms_by_lease_and_leaves_no_key() -> Non
     assert doc["outcomes"]["done"] == 40 - len(lost)
     check_successes(doc)
     assert doc["keys_left"] == 0  # the dead sender's keys expired with the room TTL
-    assert "lost its lease" in err
 
 
 def test_demo_aborts_are_counted_and_leave_no_key() -> None:
