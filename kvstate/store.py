@@ -28,6 +28,7 @@ from redis.exceptions import (
     MovedError,
     NoPermissionError,
     NoScriptError,
+    RedisClusterException,
     ResponseError,
     TryAgainError,
 )
@@ -146,6 +147,12 @@ class Store:
                 f"cannot reach Redis at {self.url} ({exc}); is redis-server running? "
                 f"Set {ENV_URL} or --url"
             ) from None
+        except (RedisClusterException, *_REDIRECTS) as exc:
+            # Still redirected, or no node answered CLUSTER SLOTS, after every retry.
+            raise StateConnectionError(
+                f"Redis Cluster at {self.url} did not settle ({type(exc).__name__}: {exc}); "
+                "check its nodes with CLUSTER INFO / redis-cli --cluster check, then retry"
+            ) from None
 
     def ping(self) -> None:
         with self.errors():
@@ -248,7 +255,10 @@ class Store:
                 return replies
             pending = failed
             time.sleep(0.1 * (attempt + 1))
-            cluster.nodes_manager.initialize()
+            try:
+                cluster.nodes_manager.initialize()
+            except (RedisClusterException, redis.ConnectionError, redis.TimeoutError):
+                pass  # no node answered CLUSTER SLOTS just now: the next attempt tells
         raise AssertionError("unreachable")
 
     def _translate(self, call: Call, exc: Exception) -> Exception:
@@ -381,14 +391,33 @@ class Store:
             else:
                 nodes = [self.client]
             for node in nodes:
-                for key in node.scan_iter(match=pattern, count=count):
-                    yield key.decode()
+                cursor = 0
+                while True:
+                    cursor, keys = self._scan_step(node, cursor, pattern, count)
+                    for key in keys:
+                        yield key.decode()
+                    if cursor == 0:
+                        break
+
+    def _scan_step(self, node: redis.Redis, cursor: int, pattern: str,
+                   count: int) -> tuple[int, list[bytes]]:
+        """One SCAN call, retried from the same cursor (cursors live in the client, not
+        the server): a Cluster's node clients have no redis-py retries of their own."""
+        for attempt in range(3):
+            try:
+                return node.scan(cursor, match=pattern, count=count)  # type: ignore[return-value]
+            except (redis.ConnectionError, redis.TimeoutError):
+                if attempt == 2 or not self.cluster:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def server_time_ms(self) -> int:
-        if self.cluster:
-            secs, micros = self.client.time(target_nodes="random")  # type: ignore[call-arg]
-        else:
-            secs, micros = self.client.time()  # type: ignore[misc]
+        with self.errors():
+            if self.cluster:
+                secs, micros = self.client.time(target_nodes="random")  # type: ignore[call-arg]
+            else:
+                secs, micros = self.client.time()  # type: ignore[misc]
         return int(secs) * 1000 + int(micros) // 1000
 
 
