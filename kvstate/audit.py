@@ -383,7 +383,7 @@ class Auditor:
             engine, inc, addr = f.target
             reason = (f"peer {engine} at {addr or '?'} is gone (incarnation {inc}); "
                       "failed by kvstate audit")
-            n = s.execute([s.script("fail_bound", [f.key], [s.ttl_ms, reason, engine, inc])])[0]
+            n = s.execute([s.fail_receiver(f.key, engine, inc, reason)])[0]
             if int(n):
                 f.fixed = f"failed it: {reason}"
             else:

@@ -299,19 +299,19 @@ class Store:
                            Status.parse)
 
     def poll(self, room: int, side: Side, engine: str, with_infos: bool = False) -> Call:
-        keys = [self.keys.participant(room, side, engine)]
+        keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
         if with_infos:
             keys.append(self.keys.xfer(room, engine))
         return self.script("poll", keys, [self.ttl_ms], Status.parse)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
-        key = self.keys.participant(room, side, engine)
-        return self.script("update", [key], [KVPoll.parse(status).name, reason, self.ttl_ms],
+        keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
+        return self.script("update", keys, [KVPoll.parse(status).name, reason, self.ttl_ms],
                            Status.parse)
 
     def publish(self, room: int, receiver: str, payloads: dict[str, bytes]) -> Call:
         k = self.keys
-        keys = [k.participant(room, "rx", receiver)]
+        keys = [k.participant(room, "rx", receiver), k.parts(room)]
         for sender in payloads:
             keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
         return self.script("publish", keys, [self.ttl_ms, receiver, *payloads.values()],
@@ -319,7 +319,7 @@ class Store:
 
     def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
-        keys = [k.participant(room, "tx", sender)]
+        keys = [k.participant(room, "tx", sender), k.parts(room)]
         for receiver in receivers:
             keys += [k.participant(room, "rx", receiver), k.acks(room, receiver)]
         return self.script("finish", keys, [self.ttl_ms, sender], Status.parse)
@@ -372,15 +372,12 @@ class Store:
                    reason: str) -> int:
         """Fail the receivers bound to ``peer_engine`` (that incarnation, or any if '')
         among the rooms tracked for ``bootstrap_addr``; returns how many failed."""
-        tracker = self.keys.addr(bootstrap_addr)
-        now = self.server_time_ms()
-        members = self.execute(
-            [self.command("ZRANGE", tracker, args=[now, "+inf", "BYSCORE"])]
-        )[0]
-        calls = [
-            self.script("fail_bound", [m.decode()], [self.ttl_ms, reason, peer_engine, incarnation])
-            for m in members
-        ]
+        members = self.execute([self.command("ZRANGE", self.keys.addr(bootstrap_addr),
+                                             args=[0, -1])])[0]
+        # every member, not only those before their deadline: status changes keep a
+        # receiver alive longer than the deadline its tracker entry got at creation
+        calls = [self.fail_receiver(m.decode(), peer_engine, incarnation, reason)
+                 for m in members]
         return sum(int(n) for n in self.execute(calls))
 
     def scan(self, pattern: str, count: int = 1000) -> Iterator[str]:
@@ -411,6 +408,14 @@ class Store:
                     raise
                 time.sleep(0.05 * (attempt + 1))
         raise AssertionError("unreachable")
+
+    def fail_receiver(self, key: str, peer_engine: str, incarnation: str, reason: str) -> Call:
+        """Fail one receiver (by key) if it is bound to that peer (and incarnation)."""
+        parsed = self.keys.parse_room_key(key)
+        if parsed is None or parsed[1] != "rx":
+            raise CorruptStateError(key, "*", "not a receiver participant key")
+        return self.script("fail_bound", [key, self.keys.parts(parsed[0])],
+                           [self.ttl_ms, reason, peer_engine, incarnation])
 
     def server_time_ms(self) -> int:
         with self.errors():

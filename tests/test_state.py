@@ -226,3 +226,24 @@ def test_compact_indices(store: Store) -> None:
         assert np.array_equal(snd.transfer_infos()[d.engine].kv_indices, np.arange(1000, 5096))
         snd.clear()
         rcv.clear()
+
+
+def test_parts_index_lives_as_long_as_its_participants(state_url: str) -> None:
+    s = kvstate.connect(state_url, namespace="t", room_ttl=1.0)
+    p, d = managers(s, bootstrap_timeout=0, waiting_timeout=0)
+    with p, d:
+        snd = p.sender(61)
+        rcv = d.receiver(61, PREFILL_ADDR)
+        snd.poll()
+        time.sleep(0.6)
+        rcv.init([1])  # refreshes the participants' TTLs, and the index's
+        time.sleep(0.6)
+        snd.begin_transfer()
+        time.sleep(0.6)  # created 1.8 s ago with a 1 s TTL: alive only through refreshes
+        assert s.members(61) == ["rx:decode-b.tp0", "tx:prefill-a.tp0"]
+        assert s.abort(61, "still reachable") == 2
+        assert rcv.poll() == KVPoll.Failed
+        snd.clear()
+        rcv.clear()
+        assert room_keys(s, 61) == []
+    s.close()

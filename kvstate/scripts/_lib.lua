@@ -36,6 +36,12 @@ local function set_status(key, status, now, ttl, reason)
   redis.call('PEXPIRE', key, ttl)
 end
 
+-- Keep the room's parts index alive as long as its participants: every script that
+-- refreshes a participant's TTL refreshes the index too (PEXPIRE never creates it).
+local function touch(parts, ttl)
+  redis.call('PEXPIRE', parts, ttl)
+end
+
 -- {status, reason} of a participant; {'', 'missing'} when it does not exist.
 local function read_status(key)
   local h = redis.call('HMGET', key, 'status', 'reason')

@@ -24,4 +24,5 @@ for i = 1, n do
     failed = failed + 1
   end
 end
+if failed > 0 then touch(parts, ARGV[1]) end
 return failed

@@ -4,6 +4,7 @@
 -- address with a new incarnation does not fail rooms bound to the new one.
 -- Terminal participants are left alone.
 -- KEYS[1] receiver participant hash
+-- KEYS[2] room parts hash (TTL refreshed with the participant's)
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason
 -- ARGV[3] peer engine, or '' for any peer (every receiver tracked at an address
@@ -20,4 +21,5 @@ if ARGV[3] ~= '' then
   if ARGV[4] ~= '' and h[2] ~= ARGV[4] then return 0 end
 end
 set_status(key, 'Failed', now_ms(), ARGV[1], ARGV[2])
+touch(KEYS[2], ARGV[1])
 return 1

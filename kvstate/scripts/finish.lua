@@ -3,7 +3,8 @@
 -- every required sender has acked. A Failed or missing sender acks nothing; a
 -- missing receiver (cleared) gets no acks set (no resurrection). Idempotent.
 -- KEYS[1] sender participant hash
--- KEYS[2j], KEYS[2j+1] (j = 1..m) receiver j's participant hash, its acks set
+-- KEYS[2] room parts hash (TTL refreshed with the participants')
+-- KEYS[2j+1], KEYS[2j+2] (j = 1..m) receiver j's participant hash, its acks set
 -- ARGV[1] ttl in ms
 -- ARGV[2] sender engine (the member added to each acks set)
 -- Returns the sender's {status, reason}; status '' means missing.
@@ -13,8 +14,9 @@ local cur = read_status(tx)
 if cur[1] == '' or cur[1] == 'Failed' then return cur end
 local now = now_ms()
 if cur[1] ~= 'Success' then set_status(tx, 'Success', now, ttl, nil) end
-for j = 1, (#KEYS - 1) / 2 do
-  local rx, acks = KEYS[2 * j], KEYS[2 * j + 1]
+touch(KEYS[2], ttl)
+for j = 1, (#KEYS - 2) / 2 do
+  local rx, acks = KEYS[2 * j + 1], KEYS[2 * j + 2]
   local r = redis.call('HMGET', rx, 'status', 'peers')
   if r[1] then
     local rank = rank_of(rx, r[1])

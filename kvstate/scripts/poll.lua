@@ -2,7 +2,8 @@
 -- clock: stuck in Bootstrapping past bootstrap_timeout_ms, or in WaitingForInput
 -- past waiting_timeout_ms, it becomes Failed with a reason naming the timeout.
 -- KEYS[1] participant hash
--- KEYS[2] (optional) transfer infos hash to return with the status once the
+-- KEYS[2] room parts hash (TTL refreshed with the participant's)
+-- KEYS[3] (optional) transfer infos hash to return with the status once the
 --         participant is past Bootstrapping (saves the sender a round trip)
 -- ARGV[1] ttl in ms (refreshed only when the poll fails the participant)
 -- Returns {status, reason, {field, value, ...}}; status '' means missing.
@@ -23,10 +24,11 @@ if rank == 1 or rank == 2 then
     reason = string.format('%s timeout: %s for %.1f s (limit %.1f s)',
       (rank == 1) and 'bootstrap' or 'waiting', h[1], waited / 1000, limit / 1000)
     set_status(key, status, now, ARGV[1], reason)
+    touch(KEYS[2], ARGV[1])
   end
 end
 local infos = {}
-if KEYS[2] and status ~= 'Failed' and rank >= 2 then
-  infos = redis.call('HGETALL', KEYS[2])
+if KEYS[3] and status ~= 'Failed' and rank >= 2 then
+  infos = redis.call('HGETALL', KEYS[3])
 end
 return {status, reason, infos}

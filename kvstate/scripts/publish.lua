@@ -4,7 +4,8 @@
 -- receiver moves to WaitingForInput. Nothing is written for a missing or Failed
 -- receiver.
 -- KEYS[1] receiver participant hash
--- KEYS[2i], KEYS[2i+1] (i = 1..n) sender i's participant hash, sender i's xfer hash
+-- KEYS[2] room parts hash (TTL refreshed with the participants')
+-- KEYS[2i+1], KEYS[2i+2] (i = 1..n) sender i's participant hash, sender i's xfer hash
 -- ARGV[1] ttl in ms
 -- ARGV[2] receiver engine (the field name in each xfer hash)
 -- ARGV[2+i] msgpack transfer info for sender i
@@ -14,8 +15,9 @@ local ttl = ARGV[1]
 local cur = read_status(rx)
 if cur[1] == '' or cur[1] == 'Failed' then return cur end
 local now = now_ms()
-for i = 1, (#KEYS - 1) / 2 do
-  local tx, xfer = KEYS[2 * i], KEYS[2 * i + 1]
+touch(KEYS[2], ttl)
+for i = 1, (#KEYS - 2) / 2 do
+  local tx, xfer = KEYS[2 * i + 1], KEYS[2 * i + 2]
   redis.call('HSET', xfer, ARGV[2], ARGV[2 + i])
   redis.call('PEXPIRE', xfer, ttl)
   local t = redis.call('HMGET', tx, 'status', 'peers')

@@ -2,6 +2,7 @@
 -- forward only, Failed is sticky, Success is final here (only abort.lua fails
 -- it). A missing participant is never re-created (rule 2). Idempotent.
 -- KEYS[1] participant hash
+-- KEYS[2] room parts hash (TTL refreshed with the participant's)
 -- ARGV[1] new status name
 -- ARGV[2] reason (recorded when the new status is Failed)
 -- ARGV[3] ttl in ms, refreshed whenever the status changes
@@ -13,10 +14,12 @@ local cur = read_status(key)
 if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
 if new == 0 then
   set_status(key, 'Failed', now_ms(), ARGV[3], ARGV[2])
+  touch(KEYS[2], ARGV[3])
   return {'Failed', ARGV[2]}
 end
 if new > RANK[cur[1]] then
   set_status(key, ARGV[1], now_ms(), ARGV[3], nil)
+  touch(KEYS[2], ARGV[3])
   return {ARGV[1], cur[2]}
 end
 return cur
