@@ -75,7 +75,7 @@ from transports import cma
 from transports.base import LayoutError, Target, Transport, TransportError, TransportStats
 from transports.pages import check_indices, check_unique, merge_runs
 
-__all__ = ["UCXSettings", "UCXTransport"]
+__all__ = ["UCXSettings", "UCXTransport", "run_on_ucx_thread"]
 
 LAYOUT_VERSION = 1
 _T = TypeVar("_T")
@@ -789,3 +789,9 @@ class UCXTransport(Transport):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def run_on_ucx_thread(coro: Coroutine[Any, Any, _T], timeout: float) -> _T:
+    """Run a ucxx coroutine on this process's UCX thread (for tools and benchmarks
+    that drive ucxx directly next to a transport, with the same context and settings)."""
+    return _Runtime.get(UCXSettings()).call(coro, timeout, "ucxx call")
