@@ -10,6 +10,7 @@ FLUSH), so a batch must be safe to send twice: every script here is idempotent.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -255,10 +256,10 @@ class Store:
                 return replies
             pending = failed
             time.sleep(0.1 * (attempt + 1))
-            try:
+            # no node answering CLUSTER SLOTS just now is fine: the next attempt tells
+            with contextlib.suppress(RedisClusterException, redis.ConnectionError,
+                                     redis.TimeoutError):
                 cluster.nodes_manager.initialize()
-            except (RedisClusterException, redis.ConnectionError, redis.TimeoutError):
-                pass  # no node answered CLUSTER SLOTS just now: the next attempt tells
         raise AssertionError("unreachable")
 
     def _translate(self, call: Call, exc: Exception) -> Exception:

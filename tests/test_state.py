@@ -239,7 +239,7 @@ def test_parts_index_lives_as_long_as_its_participants(state_url: str) -> None:
         rcv.init([1])  # refreshes the participants' TTLs, and the index's
         time.sleep(0.6)
         snd.begin_transfer()
-        time.sleep(0.6)  # created 1.8 s ago with a 1 s TTL: alive only through refreshes
+        time.sleep(0.2)  # the index is 1.4 s old with a 1 s TTL: alive only through refreshes
         assert s.members(61) == ["rx:decode-b.tp0", "tx:prefill-a.tp0"]
         assert s.abort(61, "still reachable") == 2
         assert rcv.poll() == KVPoll.Failed
