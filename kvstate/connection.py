@@ -14,6 +14,7 @@ from urllib.parse import SplitResult, urlsplit, urlunsplit
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import AuthenticationError
 from redis.retry import Retry
 
 from kvstate.errors import InvalidURLError
@@ -51,7 +52,21 @@ class Options:
 
     def retry(self) -> Retry:
         backoff = ExponentialWithJitterBackoff(self.backoff_cap, self.backoff_base)
-        return Retry(backoff, self.retries)
+        return _NoAuthRetry(backoff, self.retries)
+
+
+class _NoAuthRetry(Retry):
+    """redis-py's AuthenticationError is a ConnectionError, so it would be retried with
+    backoff: a wrong password cannot get better by waiting."""
+
+    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                        with_failure_count: bool = False) -> Any:
+        def retryable(exc: Exception) -> bool:
+            if isinstance(exc, AuthenticationError):
+                return False
+            return is_retryable is None or bool(is_retryable(exc))
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
 
 
 def _check(url: object, cluster: bool | None) -> tuple[SplitResult, bool]:
