@@ -281,7 +281,7 @@ class _Worker:
             self._start_waiting()
             if self.active and self._step():
                 idle = 0
-            elif self.active:
+            elif self.active or self.waiting:  # waiting on the other side, or for pages
                 # Poll again soon (the other side usually answers within a millisecond),
                 # backing off to 2 ms so waiting rooms do not hammer Redis or the cores.
                 idle += 1
@@ -592,6 +592,8 @@ class Options:
 
 @dataclass
 class _Track:
+    """The router's view of one room: what it dispatched and what each side reported."""
+
     job: Job
     decode: str
     sent_at: float
@@ -619,6 +621,9 @@ class _Track:
 
 
 class _Router:
+    """Starts the workers, hands out rooms, injects faults and collects results. It never
+    reads or writes room state except to inject an out-of-band abort."""
+
     def __init__(self, opts: Options, cfg: WorkerConfig, store: Any) -> None:
         self.opts, self.cfg, self.store = opts, cfg, store
         self.rng = random.Random(opts.seed)
