@@ -74,6 +74,7 @@ def test_demo_without_url_verifies_every_byte_and_leaves_no_key() -> None:
     assert doc["redis"]["commands_per_room"] > 0
     assert doc["audit"]["result"] in ("clean", "n/a")
     assert doc["latency_ms"]["p99"] >= doc["latency_ms"]["p50"] > 0
+    assert doc["write_gb_per_s"] >= doc["send_gb_per_s"] >= doc["gb_per_s"] > 0
     assert doc["workers"]["transport"]["prefill-0"]["bytes_moved"] == doc["bytes_verified"]
 
 
