@@ -1,56 +1,67 @@
-"""UCX transport on ``ucxx``: one-sided puts of page runs, flushed before returning.
+"""UCX transport on ``ucxx``: one-sided writes of page runs, complete before returning.
 
 How a write moves bytes
-    The receiver registers its buffers with UCX (``ucp_mem_map``) and publishes
-    packed remote keys in ``layout()``; its ``endpoint()`` is its UCX worker
-    address. The sender opens an endpoint from that address, merges the pages
-    into runs contiguous on both sides (``transports.pages``), posts one
-    ``ucp_put_nbx`` per run and layer, then ``ucp_ep_flush_nbx``: when the flush
-    completes the bytes are in the receiver's memory (remote completion), and
-    only then does ``write`` return. The receiver's CPU is not involved.
+    The receiver registers its buffers (``ucp_mem_map``) and publishes, in
+    ``layout()``, their addresses, page sizes, packed UCX remote keys and who it
+    is (boot id, pid namespace, pid, start time); ``endpoint()`` is its UCX
+    worker address. The sender merges the pages into runs contiguous on both
+    sides (``transports.pages``) and then, per target:
 
-Why puts through ctypes rather than ucxx messages (measured, see
-``tools/bench_transfer.py``)
-    ucxx 0.52 exposes no RMA in Python. A Python-level message costs ~55-200 us,
-    so one message per run made fragmented transfers (~900 runs for 4096 pages)
-    4x slower than contiguous ones. Packing runs into a staging buffer and
-    scattering on the receiver adds two memory copies on a 2-core host (about
-    half the bandwidth). A put through ctypes costs ~1-3 us of Python and the
-    data moves by CMA straight from the source pages into the destination pages,
-    so fragmented transfers keep most of the contiguous bandwidth. The price is
-    ctypes declarations of two UCP structs, checked against the UCX version at
-    start-up (tested with UCX 1.21 from ``libucx-cu12``).
+    * same host, host memory on both sides: ``process_vm_writev`` with up to
+      1024 runs per system call (``transports.cma``); when it returns the bytes
+      are in the receiver's pages;
+    * otherwise (another host, GPU memory, a kernel that refuses CMA):
+      ``ucp_put_nbx`` per run and layer, then ``ucp_ep_flush_nbx``; the flush
+      completes only when every put is complete at the receiver.
 
-Settings (chosen by measurement on a 2-core host; each can be overridden)
-    * Endpoints come from worker addresses with error handling OFF
-      (``KVSTATE_UCX_ERROR_HANDLING=1`` turns it on). ON restricts UCX to TCP
-      on one host (~0.7-0.9 GiB/s vs 5+ GiB/s over shared memory/CMA). With it
-      OFF UCX never reports a dead peer, so every wait here has a deadline; a
-      put into a dead process still fails fast (CMA reports the missing pid).
+    The receiver's CPU takes no part. ``write`` returns only after remote
+    completion, or raises :class:`TransportError` with a reason.
+
+Why this split (measured here, 2 vCPUs, UCX 1.21; ``tools/bench_transfer.py``)
+    * ucxx 0.52 has no RMA in Python; a Python-level message costs 55-200 us,
+      so one message per run made fragmented transfers 4x slower. Puts go
+      through ctypes on the libucp that ucxx loaded (~3 us per put to post).
+    * UCX's own CMA lane is only selected for endpoints WITHOUT error handling,
+      and on those a put into a process that has died aborts the sender
+      (``cma_ep.c`` logs the failed ``process_vm_writev`` at fatal level; seen
+      with a SIGKILLed receiver). With error handling on, UCX uses TCP on one
+      host (0.3-0.7 GB/s for puts). Issuing the same system call ourselves
+      keeps CMA speed (4.5-5.8 GB/s, fragmented within 0.85-0.95 of contiguous,
+      on par with an in-process memcpy) and turns a dead peer into ESRCH.
+    * Packing runs into a staging buffer and scattering on the receiver would
+      add two copies on a 2-core host; not needed with either path above.
+
+Settings (each can be overridden)
+    * UCX endpoints are made from worker addresses WITH error handling
+      (``KVSTATE_UCX_ERROR_HANDLING=0`` turns it off: faster on one host, but a
+      dead peer then aborts this process; for trusted benchmarks only). Every
+      wait still has a deadline: a vanished host sends no reset.
+    * ``KVSTATE_UCX_CMA=0`` sends same-host transfers through UCX puts too.
     * Progress mode ``blocking`` (``KVSTATE_UCX_PROGRESS_MODE``; ``polling``
-      is accepted too). ``thread`` is refused: its progress thread would race
-      the ctypes calls, which must run on the thread that progresses the
-      worker. Blocking beat thread by 1.5-2x on 2 cores; polling spins a core.
-    * ``UCX_TLS`` and ``UCX_RNDV_SCHEME`` are left to UCX unless set in the
-      environment (puts do not use the rendezvous protocol; UCX picks CMA for
-      puts on one host and RDMA/cuda_ipc where available).
-      ``UCX_WARN_UNUSED_ENV_VARS=n`` is set because ucxx sets a variable UCX
-      1.21 no longer knows.
+      is accepted). ``thread`` is refused: its progress thread would race the
+      ctypes calls, which must run on the thread that progresses the worker.
+      Blocking beat thread by 1.5-2x on 2 cores; polling spins a core.
+    * ``UCX_TLS``, ``UCX_RNDV_SCHEME`` and the rest are left to UCX unless set
+      in the environment (puts do not use rendezvous; UCX picks RDMA,
+      cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is set
+      because ucxx sets a variable UCX 1.21 no longer knows.
 
 Threads and processes
     ``ucxx``'s asyncio loop lives in one daemon thread per process, shared by
-    every ``UCXTransport`` in it; public methods are synchronous and wait on
-    that loop with a deadline. Start processes that use UCX with the
-    multiprocessing ``spawn`` method and create the transport after starting
-    them.
+    every ``UCXTransport`` in it; public methods are synchronous and wait with
+    a deadline. Same-host copies run on the calling thread (the system call
+    releases the GIL). Start processes that use UCX with the multiprocessing
+    ``spawn`` method and create the transport after starting them.
 
 Limits
-    Device arrays (``__cuda_array_interface__``) are registered as they are;
-    UCX does not synchronise CUDA streams, so finish writing the KV pages
-    before ``write``. A one-sided put cannot be refused by the receiver: a
-    sender that outlives a room's deadline could still write the pages of that
-    room, so the caller must not hand pages of a failed room to a new request
-    until the sender is known to have stopped (kvstate's room state does that).
+    Device arrays (``__cuda_array_interface__``) are registered in place; UCX
+    does not synchronise CUDA streams, so finish writing the KV pages before
+    ``write``. One-sided writes cannot be refused by the receiver: a sender
+    that outlives a room's deadline could still write that room's pages, so
+    the caller must not hand pages of a failed room to a new request until the
+    sender is known to have stopped (kvstate's room state does that). The
+    ctypes declarations of two UCP structs are checked against the UCX
+    version at start-up (tested with 1.21 from ``libucx-cu12``).
 """
 
 from __future__ import annotations
