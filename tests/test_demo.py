@@ -211,3 +211,20 @@ def test_outcome_classification() -> None:
     assert track(gone, None, dead=True) == "killed"
     assert track(aborted, ok_tx, abort="decode") == "aborted"
     assert track(aborted, ok_tx) == "failed"  # an abort nobody injected is a failure
+
+
+@pytest.mark.slow
+def test_demo_load_two_by_two_with_every_fault() -> None:
+    """The load shape (2 prefill x 2 decode, 16 KiB pages) with aborts and a kill at once."""
+    rc, doc, err = run_demo("--requests", "200", "--prefill-workers", "2", "--decode-workers",
+                            "2", "--pages-per-request", "4-64", "--pool-pages", "512",
+                            "--abort-rate", "0.1", "--kill-prefill-after", "100", "--seed", "5",
+                            "--inflight", "16")
+    assert rc == 0, err
+    o = doc["outcomes"]
+    assert o["failed"] == o["corrupt"] == 0
+    assert o["killed"] >= 1 and o["aborted"] >= 1
+    assert o["done"] + o["killed"] + o["aborted"] == 200
+    assert doc["keys_left"] == 0
+    ok = [r for r in doc["rooms"] if r["decode_status"] == "Success"]
+    assert ok and all(r["verified"] for r in ok)
