@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvstate.codec import TransferInfo, as_indices
+from kvstate.codec import MAX_INDEX, TransferInfo, as_indices
 from kvstate.errors import (
     InvalidIndicesError,
     KVStateError,
@@ -33,6 +33,10 @@ ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 STATE_LOST = (
     "state lost: the participant's keys are gone (expired, cleared elsewhere, or Redis restarted)"
 )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _Participant:
@@ -265,10 +269,13 @@ class KVReceiver(_Participant):
         """Publish where each sender must write; the pages are made ready first."""
         idx = as_indices(kv_indices)
         state = None if state_indices is None else as_indices(state_indices, "state_indices")
-        if aux_index is not None and (not isinstance(aux_index, int) or aux_index < 0):
-            raise InvalidIndicesError(f"aux_index must be an int >= 0, got {aux_index!r}")
-        if not isinstance(prefix_len, int) or prefix_len < 0:
-            raise InvalidIndicesError(f"prefix_len must be an int >= 0, got {prefix_len!r}")
+        # bounded like page indices (aux) and by msgpack's int64 (prefix): an int too
+        # large to encode must be refused here, not surface as msgpack's OverflowError
+        if aux_index is not None and (not _is_int(aux_index) or not 0 <= aux_index <= MAX_INDEX):
+            raise InvalidIndicesError(f"aux_index must be an int in [0, 2**31), got {aux_index!r}")
+        if not _is_int(prefix_len) or not 0 <= prefix_len < 2**63:
+            raise InvalidIndicesError(
+                f"prefix_len must be an int in [0, 2**63), got {prefix_len!r}")
         if self.mgr.transport is not None and not dummy:
             try:
                 self.mgr.transport.expect(self.room, idx)
