@@ -73,7 +73,7 @@ def runs_layout(n: int, run_min: int, run_max: int, seed: int) -> tuple[np.ndarr
     rng = np.random.default_rng(seed)
     lens: list[int] = []
     while sum(lens) < n:
-        lens.append(int(min(rng.integers(run_min, run_max + 1), n - sum(lens))))
+        lens.append(min(int(rng.integers(run_min, run_max + 1)), n - sum(lens)))
     starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
 
     def place() -> np.ndarray:
@@ -87,7 +87,7 @@ def runs_layout(n: int, run_min: int, run_max: int, seed: int) -> tuple[np.ndarr
 
 
 def digests(bufs: list[np.ndarray]) -> list[str]:
-    return [hashlib.sha256(b).hexdigest() for b in bufs]
+    return [hashlib.sha256(b.data).hexdigest() for b in bufs]
 
 
 def expected_digests(cfg: Config, src: np.ndarray, dst: np.ndarray) -> list[str]:
@@ -96,7 +96,7 @@ def expected_digests(cfg: Config, src: np.ndarray, dst: np.ndarray) -> list[str]
         s = sender_layer(cfg, layer).reshape(cfg.pages, cfg.page_bytes)
         d = np.zeros_like(s)
         d[dst] = s[src]
-        out.append(hashlib.sha256(d).hexdigest())
+        out.append(hashlib.sha256(d.data).hexdigest())
     return out
 
 
@@ -242,16 +242,16 @@ def _tx_main(system: str, cfg: Config, info: dict[str, Any], layouts: dict[str, 
             for _ in range(cfg.warmup):
                 for write in writes.values():
                     write()
-            times: dict[str, list[float]] = {name: [] for name in writes}
+            per_layout: dict[str, list[float]] = {name: [] for name in writes}
             for _ in range(reps):
                 for name, write in writes.items():
                     t0 = time.perf_counter()
                     write()
-                    times[name].append(time.perf_counter() - t0)
+                    per_layout[name].append(time.perf_counter() - t0)
             for name, (src, dst) in layouts.items():
                 rx_call("reset")
                 writes[name]()
-                results[name] = {"times": times[name]}
+                results[name] = {"times": per_layout[name]}
                 check(name, src, dst)
         elif system in ("ucxx", "ucxx-polling"):
             import ucxx
@@ -274,8 +274,10 @@ def _tx_main(system: str, cfg: Config, info: dict[str, Any], layouts: dict[str, 
                     await ep.send(flat, tag=11, force_tag=True)
                     await ucxx.recv(ack, tag=12)
 
-                times = timed(lambda one=one: run_on_ucx_thread(one(), 60), cfg,
-                              count - cfg.warmup)
+                def send_one(one: Callable[[], Any] = one) -> None:
+                    run_on_ucx_thread(one(), 60)
+
+                times = timed(send_one, cfg, count - cfg.warmup)
                 status, value = rx.recv()
                 if status != "ok":
                     raise RuntimeError(value)
