@@ -399,3 +399,14 @@ def test_stalled_receiver_hits_the_deadline() -> None:
             os.kill(rx.proc.pid or 0, signal.SIGCONT)
         tx.stop()
         rx.stop()
+
+
+def test_recycled_pid_is_never_written(fresh: tuple[Peer, Peer, Peer]) -> None:
+    """A layout whose process identity no longer matches (pid reused) is refused."""
+    tx, rx, _ = fresh
+    stale = dict(rx.layout)
+    stale["id"] = dict(stale["id"], start_time=stale["id"]["start_time"] + 1)
+    target = Target(rx.endpoint, stale, np.arange(8, dtype=np.int32))
+    kind, msg = tx.error_of("write", 12, np.arange(8), [target], 5.0)
+    assert kind == "TransportError" and "another process" in msg, msg
+    assert_layers(rx, [])

@@ -640,6 +640,11 @@ class UCXTransport(Transport):
                 )
             except Exception as exc:  # ucxx raises its own exception types
                 raise TransportError(f"cannot reach {name}: {exc}") from exc
+            raced = self._peers.get(endpoint)
+            if raced is not None:  # a concurrent write connected first: use its endpoint
+                with contextlib.suppress(Exception):
+                    ep.abort()
+                return raced
             peer = _Peer(name, ep, int(ep.ucp_endpoint))
             self._peers[endpoint] = peer
         return peer
