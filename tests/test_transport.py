@@ -77,6 +77,18 @@ def _peer_main(conn: Connection, env: dict[str, str]) -> None:
                 t0 = time.monotonic()
                 transport.write(room, src, targets, timeout)
                 conn.send(("ok", (time.monotonic() - t0, transport.stats)))
+            elif cmd == "write_threads":
+                # Several writes at once from caller threads, as a serving engine does.
+                import threading
+
+                errors: list[str] = []
+                threads = [threading.Thread(target=_write_reporting,
+                                            args=(transport, job, errors)) for job in args[0]]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                conn.send(("ok", errors))
             elif cmd == "write_loop":
                 # Write until something fails; report when and why (for kill tests).
                 room, src, targets, timeout = args
@@ -93,6 +105,13 @@ def _peer_main(conn: Connection, env: dict[str, str]) -> None:
                 conn.send(("error", "ValueError", f"unknown command {cmd}", time.monotonic()))
         except Exception as exc:  # reported to the test, which decides
             conn.send(("error", type(exc).__name__, str(exc), time.monotonic()))
+
+
+def _write_reporting(transport: Any, job: tuple[Any, ...], errors: list[str]) -> None:
+    try:
+        transport.write(*job)
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
 
 
 class Peer:
@@ -410,3 +429,26 @@ def test_recycled_pid_is_never_written(fresh: tuple[Peer, Peer, Peer]) -> None:
     kind, msg = tx.error_of("write", 12, np.arange(8), [target], 5.0)
     assert kind == "TransportError" and "another process" in msg, msg
     assert_layers(rx, [])
+
+
+@pytest.mark.parametrize("path", ["cma", "ucx"])
+def test_concurrent_writes_from_threads(fresh: tuple[Peer, Peer, Peer], path: str) -> None:
+    """Rooms written at once from several threads, to two receivers, over one transport
+    that has never connected to them: every page lands where its own room put it."""
+    _, rx1, rx2 = fresh
+    tx = Peer("sender", env={"KVSTATE_UCX_CMA": "0"} if path == "ucx" else {})
+    try:
+        rng = np.random.default_rng(11)
+        jobs, expect1, expect2 = [], [], []
+        dst_pages = rng.permutation(SPEC[0][0]).astype(np.int32)
+        for k in range(6):
+            src = rng.permutation(SPEC[0][0])[:8].astype(np.int32)
+            dst = dst_pages[8 * k: 8 * k + 8]  # rooms never share destination pages
+            rx = rx1 if k % 2 else rx2
+            jobs.append((20 + k, src, [rx.target(dst)], 20.0))
+            (expect1 if k % 2 else expect2).append((src, dst))
+        assert tx.call("write_threads", jobs, timeout=60) == []
+        assert_layers(rx1, expect1)
+        assert_layers(rx2, expect2)
+    finally:
+        tx.stop()
