@@ -26,6 +26,7 @@ from redis.exceptions import (
     AskError,
     AuthenticationError,
     ClusterDownError,
+    ExecAbortError,
     MovedError,
     NoPermissionError,
     NoScriptError,
@@ -138,7 +139,9 @@ class Store:
             raise StateConnectionError(
                 f"authentication to Redis at {self.url} failed: check the user and password"
             ) from None
-        except NoPermissionError as exc:
+        except (NoPermissionError, ExecAbortError) as exc:
+            if not isinstance(exc, NoPermissionError) and "NOPERM" not in str(exc):
+                raise  # EXEC refused by the ACL discards the transaction: same message
             raise StateConnectionError(
                 f"Redis at {self.url} refused a command under its ACL ({exc}); "
                 "see the README for the ACL SETUSER line kvstate needs"
@@ -274,6 +277,10 @@ class Store:
             return CorruptStateError(key, "*", "the key holds the wrong Redis type")
         if isinstance(exc, NoPermissionError):
             return exc
+        if text.startswith("The user executing the script can't"):
+            # A command or key inside a script refused by the ACL: Redis answers ERR, not
+            # NOPERM; make it the same StateConnectionError (via errors()) as NOPERM.
+            return NoPermissionError(f"{text} (script {call.script}; ACL LOG names the command)")
         if isinstance(exc, ResponseError):
             return KVStateError(f"Redis rejected {call.script or call.command}: {text}")
         return exc
