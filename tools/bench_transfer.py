@@ -557,7 +557,7 @@ def run_sweep(cfg: Config) -> list[dict[str, Any]]:
     """kvstate bandwidth for fixed run lengths (the plot's data)."""
     lengths = [n for n in (1, 2, 4, 8, 16, 64, 256, cfg.pages) if n <= cfg.pages]
     layouts = {f"runs of {n}": runs_layout(cfg.pages, n, n, 7 + n) for n in lengths}
-    res = run_system("kvstate", Config(cfg.layers, cfg.pages, cfg.page_bytes, 3, 1), layouts)
+    res = run_system("kvstate", Config(cfg.layers, cfg.pages, cfg.page_bytes, 5, 1), layouts)
     return [{"run_pages": n, "gbps": round(gbps(cfg.total_bytes, res[f"runs of {n}"]["times"]), 3)}
             for n in lengths]
 

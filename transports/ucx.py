@@ -351,11 +351,14 @@ def _buffer_info(obj: Any, what: str) -> tuple[int, int, str]:
     try:
         view = memoryview(obj)
     except TypeError:
-        if not hasattr(obj, "__array_interface__"):
+        if hasattr(obj, "__array_interface__"):
+            view = memoryview(np.asarray(obj))  # type: ignore[arg-type]
+        elif callable(getattr(obj, "numpy", None)):  # a CPU torch tensor: a view, no copy
+            view = memoryview(obj.numpy())
+        else:
             raise LayoutError(
                 f"{what}: {type(obj).__name__} is neither a buffer nor a CUDA array"
             ) from None
-        view = memoryview(np.asarray(obj))  # type: ignore[arg-type]
     if not view.c_contiguous:
         raise LayoutError(f"{what}: array is not C-contiguous (UCX would send its raw memory)")
     flat = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view,
