@@ -186,8 +186,10 @@ class KVSender(_Participant):
         self._num_pages, self._aux_index = num_kv_indices, aux_index
 
     def begin_transfer(self) -> KVPoll:
-        """-> Transferring, for callers that move the bytes themselves."""
-        self._run(self.store.update(self.room, "tx", self.engine, KVPoll.Transferring))
+        """-> Transferring, for callers that move the bytes themselves; Failed instead
+        (write nothing then) if a receiver failed or vanished meanwhile."""
+        receivers = list(self.transfer_infos())
+        self._run(self.store.begin(self.room, self.engine, receivers))
         return self._status
 
     def finish_transfer(self) -> KVPoll:

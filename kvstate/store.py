@@ -49,7 +49,9 @@ from kvstate.errors import CorruptStateError, KVStateError, StateConnectionError
 from kvstate.keys import Keys, Side, check_name, check_room
 from kvstate.poll import KVPoll
 
-SCRIPT_NAMES = ("create", "poll", "update", "publish", "finish", "abort", "fail_bound", "track")
+SCRIPT_NAMES = (
+    "create", "poll", "update", "begin", "publish", "finish", "abort", "fail_bound", "track"
+)
 _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
 _REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
 
@@ -324,6 +326,13 @@ class Store:
             keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
         return self.script("publish", keys, [self.ttl_ms, receiver, *payloads.values()],
                            Status.parse)
+
+    def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
+        k = self.keys
+        names = list(receivers)
+        keys = [k.participant(room, "tx", sender), k.parts(room)]
+        keys += [k.participant(room, "rx", r) for r in names]
+        return self.script("begin", keys, [self.ttl_ms, "", *names], Status.parse)
 
     def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys

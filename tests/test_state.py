@@ -247,3 +247,38 @@ def test_parts_index_lives_as_long_as_its_participants(state_url: str) -> None:
         rcv.clear()
         assert room_keys(s, 61) == []
     s.close()
+
+
+def test_sender_never_begins_into_a_failed_or_cleared_receiver(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        rcv = d.receiver(71, PREFILL_ADDR)
+        rcv.init([1, 2])
+        snd = p.sender(71)
+        assert snd.poll() == KVPoll.WaitingForInput
+        rcv.fail("decode ran out of memory")  # only the receiver
+        assert snd.send([5, 6]) == KVPoll.Failed  # begin refused: nothing written
+        assert "decode-b.tp0 failed before the transfer: decode ran out of memory" in (
+            snd.failure_exception().reason)
+        rcv.clear()
+        rcv2 = d.receiver(72, PREFILL_ADDR)
+        rcv2.init([3])
+        snd2 = p.sender(72)
+        snd2.poll()
+        rcv2.clear()
+        assert snd2.begin_transfer() == KVPoll.Failed
+        assert "is gone" in snd2.failure_exception().reason
+        assert room_keys(store, 71) == room_keys(store, 72) == []
+
+
+def test_receiver_joining_a_failed_sender_fails_at_once(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd = p.sender(73)
+        snd.poll()
+        snd.abort("request cancelled")
+        rcv = d.receiver(73, PREFILL_ADDR)
+        assert rcv.init([1]) == KVPoll.Failed
+        assert "request cancelled" in rcv.failure_exception().reason
+        snd.clear()
+        assert room_keys(store, 73) == []
