@@ -17,7 +17,7 @@ from kvstate.codec import TransferInfo
 from kvstate.errors import CorruptStateError
 from kvstate.keys import SIDES
 from kvstate.poll import KVPoll
-from kvstate.store import Store
+from kvstate.store import Call, Store
 
 BATCH = 500
 # Upper bounds (ms) of the age buckets that `top` and the metrics share.
@@ -137,10 +137,16 @@ def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[Pa
     out: list[Participant] = []
     for start in range(0, len(keys), BATCH):
         chunk = keys[start : start + BATCH]
-        calls = []
-        for key in chunk:
-            calls += [store.command("HGETALL", key), store.command("PTTL", key)]
-        raw = store.execute(calls)
+        try:
+            raw = store.execute([c for key in chunk for c in _reads(store, key)])
+        except CorruptStateError:  # a key of the wrong type: read this batch key by key
+            raw = []
+            for key in chunk:
+                try:
+                    raw += store.execute(_reads(store, key))
+                except CorruptStateError:
+                    pttl = store.execute([store.command("PTTL", key)])[0]
+                    raw += [{b"status": b"<wrong Redis type>"}, pttl]
         for i, key in enumerate(chunk):
             h, pttl = raw[2 * i], raw[2 * i + 1]
             parsed = store.keys.parse_room_key(key)
@@ -149,6 +155,10 @@ def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[Pa
             room, side, engine = parsed
             out.append(Participant(key, room, side, engine, _text(h), int(pttl), now_ms))
     return out
+
+
+def _reads(store: Store, key: str) -> list[Call]:
+    return [store.command("HGETALL", key), store.command("PTTL", key)]
 
 
 def scan_participants(store: Store) -> Iterator[Participant]:

@@ -275,3 +275,19 @@ def test_config_denied_degrades_with_a_note(redis_url: str, redis_cli: Any) -> N
     assert result.exit_code == 0, result.output
     assert any("CONFIG GET is not allowed" in n for n in doc["notes"])
     assert "audit-pw-123" not in result.output
+
+
+def test_a_key_of_the_wrong_type_is_a_finding_not_a_crash(redis_url: str) -> None:
+    store = kvstate.connect(redis_url)
+    key = store.keys.participant(99, "tx", "ghost")
+    store.client.set(key, "written by hand")
+    store.client.expire(key, 600)
+    ls = CliRunner().invoke(main, ["--url", redis_url, "ls", "--json"])
+    assert ls.exit_code == 0, ls.output
+    assert "wrong Redis type" in ls.output
+    audit = CliRunner().invoke(main, ["--url", redis_url, "audit", "--json"])
+    assert audit.exit_code == 1
+    kinds = {f["kind"] for f in json.loads(audit.output)["findings"] if f["key"] == key}
+    assert "corrupt" in kinds
+    assert store.client.get(key) == b"written by hand"  # the audit changed nothing
+    store.close()
