@@ -459,7 +459,13 @@ def connect(
         namespace = os.environ.get(ENV_NAMESPACE) or "default"
     keys = Keys(namespace)  # validate before connecting
     check_url(url, cluster)
-    client = make_client(url, cluster, options)
+    try:
+        client = make_client(url, cluster, options)  # a Cluster client asks for the slots
+    except (RedisClusterException, redis.ConnectionError, redis.TimeoutError) as exc:
+        raise StateConnectionError(
+            f"cannot reach the Redis Cluster at {redact(url)} ({exc}); is the node in the "
+            f"URL up? A Cluster client finds the others through it. Set {ENV_URL} or --url"
+        ) from None
     store = Store(client, url, keys.namespace, room_ttl)
     try:
         store.ping()
