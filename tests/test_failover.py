@@ -209,3 +209,82 @@ def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
           f"state_connection_errors={len(out.errors)}, calls_in_window={len(window)}, "
           f"max_call_latency_in_window_s={max(window, default=0):.3f}, "
           f"calls_over_100ms={sum(1 for s in window if s > 0.1)}")
+
+
+def test_primary_killed_replica_takes_over(tmp_path) -> None:
+    """SIGKILL of the primary named in the URL: its replica is promoted after the
+    cluster node timeout. Meanwhile calls on its slots raise StateConnectionError within
+    a bounded time (never hang, never a raw redis-py error); the store reaches the new
+    primary by itself (topology refresh on connection errors); rooms resume or read
+    Failed 'state lost', and clearing them leaves nothing. A new connect() through the
+    dead node's URL is refused with a clear message: list several nodes in production."""
+    cluster = RedisCluster(3, 1, tmp_path / "c").start()
+    try:
+        store = kvstate.connect(cluster.url, namespace="kill")
+        target = cluster.nodes[0]  # the node in the URL
+        assert cluster.role(target) == "master" and str(target.port) in cluster.url
+        busy = rooms_on(store, target.port, 30)
+        other = [r for r in range(200) if port_of_room(store, r) != target.port][:10]
+        p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=10.0,
+                              heartbeat_interval=0.2)
+        d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:8998", lease=10.0,
+                              heartbeat_interval=0.2)
+        with p, d:
+            rooms = {r: (p.sender(r), d.receiver(r, PREFILL_ADDR)) for r in busy + other}
+            for snd, rcv in rooms.values():
+                rcv.init([1, 2, 3])
+                assert snd.poll() == KVPoll.WaitingForInput
+            time.sleep(0.1)  # replication is asynchronous: let the replica catch up
+
+            t0 = time.monotonic()
+            target.kill()
+            # Rooms on the other primaries do not notice.
+            for r in other:
+                assert rooms[r][0].begin_transfer() == KVPoll.Transferring
+            # Rooms on the dead primary: clean errors until the replica takes over.
+            snd, rcv = rooms[busy[0]]
+            errors, slowest = 0, 0.0
+            while True:
+                c0 = time.monotonic()
+                try:
+                    status = snd.begin_transfer()
+                    break
+                except StateConnectionError as exc:
+                    errors += 1
+                    assert "Redis" in str(exc) and store.url in str(exc)
+                finally:
+                    slowest = max(slowest, time.monotonic() - c0)
+                assert time.monotonic() - t0 < 30, "the replica never took over"
+            recovered_s = time.monotonic() - t0
+            assert status in (KVPoll.Transferring, KVPoll.Failed)
+            assert slowest < 10.0, f"one call took {slowest:.1f} s"
+
+            # A new client through the dead node's URL cannot even start.
+            c0 = time.monotonic()
+            with pytest.raises(StateConnectionError) as info:
+                kvstate.connect(cluster.url, namespace="kill")
+            refused_s = time.monotonic() - c0
+            assert str(target.port) in str(info.value)
+
+            results: dict[str, int] = {}
+            for snd, rcv in rooms.values():
+                snd.begin_transfer()
+                snd.finish_transfer()
+                st = rcv.poll()
+                key = st.name if st != KVPoll.Failed else f"Failed: {rcv._reason[:10]}"
+                results[key] = results.get(key, 0) + 1
+                assert st in (KVPoll.Success, KVPoll.Failed)
+                if st == KVPoll.Failed:
+                    assert "state lost" in rcv._reason
+                snd.clear()
+                rcv.clear()
+            assert all_keys(cluster, store.keys.prefix + "{*") == []
+            assert_every_key_has_ttl(store)
+            assert p._thread.is_alive() and d._thread.is_alive()
+        assert all_keys(cluster, store.keys.all_pattern) == []
+        store.close()
+    finally:
+        cluster.stop()
+    print(f"\n[primary-killed] recovered_after_s={recovered_s:.2f}, "
+          f"state_connection_errors={errors}, slowest_call_s={slowest:.2f}, "
+          f"new_connect_refused_after_s={refused_s:.2f}, rooms={results}")

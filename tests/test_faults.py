@@ -475,3 +475,22 @@ def test_frozen_redis_times_out_bounded(redis_server_factory) -> None:
     worst = (default.retries + 1) * default.socket_timeout
     report("frozen", gave_up_after_s=f"{frozen_s:.2f}", bound_s=f"{bound:.2f}",
            default_options_worst_case_s=f"{worst:.0f}+backoff")
+
+
+def test_cluster_url_down_raises_state_connection_error() -> None:
+    """A Cluster client asks its URL's node for the slot map when it is made: with that
+    node down, connect() raises StateConnectionError (not redis-py's
+    RedisClusterException), redacted and bounded."""
+    from urllib.parse import quote
+
+    from kvstate.servers import free_port
+
+    url = f"redis+cluster://:{quote(PASSWORD, safe='')}@127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(StateConnectionError) as info:
+        kvstate.connect(url, namespace="down")
+    took = time.monotonic() - t0
+    text = str(info.value)
+    assert "Redis Cluster" in text and "***" in text and "Fault-pw" not in text
+    assert took < 5.0
+    report("cluster-down", connect_refused_after_s=f"{took:.2f}")
