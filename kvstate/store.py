@@ -443,6 +443,18 @@ class Store:
         return int(secs) * 1000 + int(micros) // 1000
 
 
+def _find_in_chain(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first exception of ``kind`` among ``exc`` and its causes / contexts."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, kind):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 def connect(
     url: str | None = None,
     namespace: str | None = None,
@@ -461,7 +473,14 @@ def connect(
     check_url(url, cluster)
     try:
         client = make_client(url, cluster, options)  # a Cluster client asks for the slots
-    except (RedisClusterException, redis.ConnectionError, redis.TimeoutError) as exc:
+    except (NoPermissionError, RedisClusterException, redis.ConnectionError,
+            redis.TimeoutError) as exc:
+        refused = _find_in_chain(exc, NoPermissionError)  # CLUSTER SLOTS or COMMAND
+        if refused is not None:  # redis-py words it "Cluster mode is not enabled"
+            raise StateConnectionError(
+                f"Redis Cluster at {redact(url)} refused a command under its ACL "
+                f"({refused}); see the README for the ACL SETUSER line kvstate needs"
+            ) from None
         raise StateConnectionError(
             f"cannot reach the Redis Cluster at {redact(url)} ({exc}); is the node in the "
             f"URL up? A Cluster client finds the others through it. Set {ENV_URL} or --url"
