@@ -57,6 +57,9 @@ ENGINE_ACL = (
     "+hget +hmget +hgetall +hset +hdel +hkeys +hlen +hexists "
     "+sadd +scard +zadd +zrange +zrem +zremrangebyscore"
 )
+# On a Redis Cluster (set on every node: ACLs are per node), redis-py's Cluster client
+# also reads the slot map and the command table.
+CLUSTER_EXTRA = "+cluster|slots +command"
 ENGINE_COMMANDS = [w[1:] for w in ENGINE_ACL.split() if w.startswith("+")]
 ACL_PASSWORD = "engine-Pw_7"
 
@@ -218,6 +221,44 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
     victim.clear()
     om.close()
     owner.close()
+
+
+class _EveryPrimary:
+    """Stands in for the admin client where engine_paths flushes the scripts."""
+
+    def __init__(self, clients: list[redis.Redis]) -> None:
+        self.clients = clients
+
+    def script_flush(self) -> None:
+        for c in self.clients:
+            c.script_flush()
+
+
+@pytest.mark.cluster
+def test_engine_acl_on_cluster(redis_cluster_url: str, redis_cluster) -> None:
+    """The same line plus CLUSTER_EXTRA runs every engine path on a Cluster; without the
+    extra, connect() is refused with a StateConnectionError naming the ACL."""
+    admins = [redis_cluster._node_client(n) for n in redis_cluster.primaries()]
+    port = redis_cluster_url.rsplit(":", 1)[1]
+    url = f"redis+cluster://kvstate-engine:{ACL_PASSWORD}@127.0.0.1:{port}"
+    try:
+        for a in admins:
+            setuser(a, ENGINE_ACL, "acl")
+        with pytest.raises(StateConnectionError) as info:
+            kvstate.connect(url, namespace="acl")
+        assert "refused a command under its ACL" in str(info.value)
+        assert ACL_PASSWORD not in str(info.value)
+        for a in admins:
+            setuser(a, ENGINE_ACL + " " + CLUSTER_EXTRA, "acl")
+            a.acl_log_reset()
+        engine_paths(url, _EveryPrimary(admins))  # type: ignore[arg-type]
+        for a in admins:
+            denied = [e for e in a.acl_log() if e.get("username") == "kvstate-engine"]
+            assert denied == [], denied
+    finally:
+        for a in admins:
+            a.acl_deluser("kvstate-engine")
+            a.close()
 
 
 # --------------------------------------------------------------------------- TLS
