@@ -30,6 +30,7 @@ from redis.exceptions import (
     MovedError,
     NoPermissionError,
     NoScriptError,
+    ReadOnlyError,
     RedisClusterException,
     ResponseError,
     TryAgainError,
@@ -152,6 +153,11 @@ class Store:
             raise StateConnectionError(
                 f"cannot reach Redis at {self.url} ({exc}); is redis-server running? "
                 f"Set {ENV_URL} or --url"
+            ) from None
+        except ReadOnlyError:
+            raise StateConnectionError(
+                f"Redis at {self.url} is a read-only replica: point {ENV_URL} or --url at "
+                "its primary (redis+cluster:// for a Cluster)"
             ) from None
         except (RedisClusterException, *_REDIRECTS) as exc:
             # Still redirected, or no node answered CLUSTER SLOTS, after every retry.
@@ -277,7 +283,7 @@ class Store:
         if "WRONGTYPE" in text:
             key = call.keys[0] if call.keys else "?"
             return CorruptStateError(key, "*", "the key holds the wrong Redis type")
-        if isinstance(exc, NoPermissionError):
+        if isinstance(exc, (NoPermissionError, ReadOnlyError)):
             return exc
         if text.startswith("The user executing the script can't"):
             # A command or key inside a script refused by the ACL: Redis answers ERR, not
