@@ -495,3 +495,27 @@ def test_cluster_url_down_raises_state_connection_error() -> None:
     assert "Redis Cluster" in text and "***" in text and "Fault-pw" not in text
     assert took < 5.0
     report("cluster-down", connect_refused_after_s=f"{took:.2f}")
+
+
+def test_url_pointing_at_a_replica(redis_server_factory) -> None:
+    """A standalone URL that names a replica (a failover demoted it, or a typo): every
+    write path, scripts and MULTI/EXEC alike, raises StateConnectionError that says so,
+    never redis-py's ReadOnlyError; reads still work."""
+    primary = redis_server_factory(port="auto")
+    replica = redis_server_factory(port="auto")
+    with replica.client() as c:
+        c.replicaof("127.0.0.1", primary.port)
+    store = kvstate.connect(replica.tcp_url, namespace="ro")
+    writes: dict[str, Callable[[], object]] = {
+        "register (MULTI/EXEC)": lambda: kvstate.KVManager(store, "prefill", "p0"),
+        "create (script)": lambda: store.execute([store.create(1, "tx", "p0", {"peers": 1})]),
+        "batch (pipeline)": lambda: store.execute([store.create(1, "tx", "p0", {"peers": 1}),
+                                                   store.poll(1, "tx", "p0")]),
+        "clear (MULTI/EXEC)": lambda: store.clear(1, "tx", "p0"),
+    }
+    for name, write in writes.items():
+        with pytest.raises(StateConnectionError) as info:
+            write()
+        assert "read-only replica" in str(info.value) and store.url in str(info.value), name
+    assert store.execute([store.poll(1, "tx", "p0")])[0].status is None  # reads answer
+    store.close()
