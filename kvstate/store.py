@@ -30,6 +30,7 @@ from redis.exceptions import (
     MovedError,
     NoPermissionError,
     NoScriptError,
+    OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
     ResponseError,
@@ -211,6 +212,8 @@ class Store:
                 replies = pipe.execute(raise_on_error=False)
             except NoScriptError:  # raised whole when the pipeline is a transaction
                 replies = [NoScriptError()]
+            except ResponseError as exc:  # a transaction refused whole (EXECABORT): OOM...
+                raise self._translate(calls[0], exc) from None
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
                 continue
             for call, reply in zip(calls, replies, strict=True):
@@ -285,6 +288,13 @@ class Store:
             return CorruptStateError(key, "*", "the key holds the wrong Redis type")
         if isinstance(exc, (NoPermissionError, ReadOnlyError)):
             return exc
+        if isinstance(exc, ExecAbortError) and "NOPERM" in text:
+            return NoPermissionError(text)  # EXEC itself refused by the ACL
+        if isinstance(exc, OutOfMemoryError):
+            return KVStateError(
+                f"Redis at {self.url} is out of memory (maxmemory reached) and refused a "
+                f"write ({text}); free memory or raise maxmemory (kvstate needs noeviction)"
+            )
         if text.startswith("The user executing the script can't"):
             # A command or key inside a script refused by the ACL: Redis answers ERR, not
             # NOPERM; make it the same StateConnectionError (via errors()) as NOPERM.
