@@ -62,6 +62,7 @@ class _Participant:
             **fields,
         }
         self._created = False
+        self._create_sent = False  # a create went out; it may have run even if the call failed
         self._cleared = False
         self._status = KVPoll.Bootstrapping
         self._reason = ""
@@ -73,6 +74,7 @@ class _Participant:
     def _create_calls(self) -> list[Call]:
         if self._created:
             return []
+        self._create_sent = True
         return [self.store.create(self.room, self.side, self.engine, self._fields)]
 
     def _poll_call(self) -> Call:
@@ -130,7 +132,7 @@ class _Participant:
         state already gone."""
         if self._cleared:
             return
-        if self._created:
+        if self._created or self._create_sent:
             self.store.clear(self.room, self.side, self.engine, **self._clear_args())
         self._cleared = True
         self._release()
