@@ -30,7 +30,7 @@ from redis.retry import Retry
 import kvstate
 from kvstate import KVPoll
 from kvstate.connection import Options
-from kvstate.errors import StateConnectionError
+from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.roles import STATE_LOST
 from kvstate.servers import RedisCluster, RedisProcess
 from kvstate.store import Store
@@ -519,3 +519,57 @@ def test_url_pointing_at_a_replica(redis_server_factory) -> None:
         assert "read-only replica" in str(info.value) and store.url in str(info.value), name
     assert store.execute([store.poll(1, "tx", "p0")])[0].status is None  # reads answer
     store.close()
+
+
+def test_redis_out_of_memory(redis_server_factory, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis over maxmemory (noeviction) refuses writes: engines get KVStateError saying
+    so (never a raw redis-py error), the heartbeat survives its refused re-registration,
+    nothing is half-written (every key keeps its TTL), and all recovers with memory."""
+    proc = redis_server_factory(port="auto")
+    admin = admin_for(proc)
+    store = kvstate.connect(proc.unix_url, namespace="oom")
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=0.3,
+                          heartbeat_interval=0.05)
+    d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=5.0)
+    snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
+    rcv.init([1, 2])
+    assert snd.poll() == KVPoll.WaitingForInput
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1")  # every write that needs memory is refused
+    try:
+        admin.delete(store.keys.engine("p0"))  # p0's lease lapses: it must register again
+        outcomes: dict[str, str] = {}
+        ops: dict[str, Callable[[], object]] = {
+            "register": lambda: kvstate.KVManager(store, "prefill", "p1"),
+            "new room": lambda: p.sender(2).poll(),
+            "publish": lambda: d.receiver(3, PREFILL_ADDR).init([1]),
+            "transition": snd.begin_transfer,
+            "poll": snd.poll,
+        }
+        for name, op in ops.items():
+            try:
+                op()
+                outcomes[name] = "ok"
+            except KVStateError as exc:
+                outcomes[name] = "refused"
+                assert "out of memory" in str(exc) and "maxmemory" in str(exc), str(exc)
+        assert outcomes["register"] == outcomes["new room"] == "refused", outcomes
+        assert outcomes["poll"] == "ok", outcomes
+        assert wait_for(lambda: any("out of memory" in r.getMessage() for r in caplog.records
+                                    if r.name == "kvstate.roles"), 5.0)
+        assert p._thread.is_alive(), "the heartbeat died on a refused registration"
+        assert_every_key_has_ttl(store)
+    finally:
+        admin.config_set("maxmemory", "0")
+    assert wait_for(lambda: p.registry.get("p0") is not None, 5.0)
+    assert snd.begin_transfer() == KVPoll.Transferring
+    assert snd.finish_transfer() == KVPoll.Success
+    assert rcv.poll() == KVPoll.Success
+    for m in (p, d):
+        for part in list(m._live.values()):
+            part.clear()
+        m.close()
+    assert keys_of(store) == []
+    store.close()
+    admin.close()
+    report("out-of-memory", **{k.replace(" ", "_"): v for k, v in outcomes.items()})
