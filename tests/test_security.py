@@ -145,8 +145,8 @@ def test_engine_acl_runs_every_engine_path(acl_server) -> None:
 def test_engine_acl_is_minimal(acl_server) -> None:
     """Without any one of its commands, some engine path fails, with StateConnectionError
     naming the ACL (a denial inside a Lua script included). The one exception is MULTI:
-    refused, the queued commands run on their own and redis-py reports 'EXEC without
-    MULTI' (a plain ResponseError)."""
+    refused, the queued commands run on their own and only 'EXEC without MULTI' comes
+    back (a KVStateError: Redis rejected ...)."""
     proc, admin = acl_server
     kept: list[str] = []
     for command in ENGINE_COMMANDS:
@@ -160,7 +160,7 @@ def test_engine_acl_is_minimal(acl_server) -> None:
             assert "refused a command under its ACL" in text, (command, text)
             assert ACL_PASSWORD not in text
             continue
-        except redis.ResponseError as exc:
+        except KVStateError as exc:
             assert command == "multi" and "EXEC without MULTI" in str(exc), (command, exc)
             continue
         kept.append(command)
