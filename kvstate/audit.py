@@ -31,7 +31,7 @@ import redis
 from redis.exceptions import NoPermissionError
 
 from kvstate.errors import KVStateError
-from kvstate.inspect import BATCH, Participant, fmt_ms, nodes, read_participants
+from kvstate.inspect import BATCH, Participant, fmt_ms, read_participants
 from kvstate.keys import SIDES
 from kvstate.ledger import LEDGER_TTL_MS, Entry, Ledger, config_value
 from kvstate.metrics import FINDING_KINDS
@@ -148,7 +148,7 @@ class Auditor:
 
     # -- checks ------------------------------------------------------------------
     def _server_settings(self, report: Report) -> None:
-        for name, client in nodes(self.store):
+        for name, client in self.store.nodes():
             try:
                 policy = self._config(client, "maxmemory-policy")
             except NoPermissionError:

@@ -42,7 +42,6 @@ from kvstate.inspect import (
     Participant,
     fmt_ms,
     info_json,
-    nodes,
     room_view,
     scan_participants,
 )
@@ -585,7 +584,7 @@ def _redis_checks(store: Store, checks: list[Check]) -> None:
     checks.append(Check("redis", "ok", f"{store.url} answers PING in "
                         f"{(time.perf_counter() - t0) * 1000:.1f} ms "
                         f"({'cluster' if store.cluster else 'standalone'})"))
-    for node, client in nodes(store):
+    for node, client in store.nodes():
         name = node if store.cluster else "server"
         try:
             info = client.info("server")
@@ -638,7 +637,7 @@ def _acl_check(store: Store) -> Check:
             denied.append(name)
     user = "?"
     try:
-        client = nodes(s)[0][1]
+        client = s.nodes()[0][1]
         raw = client.execute_command("ACL WHOAMI")
         user = raw.decode() if isinstance(raw, bytes) else str(raw)
     except redis.RedisError:

@@ -842,10 +842,9 @@ class _Router:
 
 def _command_counts(store: Any) -> dict[str, int]:
     """Calls per command (INFO commandstats) summed over every primary."""
-    from kvstate.inspect import nodes
 
     out: dict[str, int] = {}
-    for _, client in nodes(store):
+    for _, client in store.nodes():
         for name, stat in client.info("commandstats").items():
             cmd = name.removeprefix("cmdstat_")
             out[cmd] = out.get(cmd, 0) + int(stat["calls"])

@@ -11,8 +11,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from kvstate.codec import TransferInfo
 from kvstate.errors import CorruptStateError
 from kvstate.keys import SIDES
@@ -310,15 +308,6 @@ def room_view(store: Store, room: int) -> RoomView:
     }
     parts.sort(key=lambda p: (p.side != "tx", p.engine))
     return RoomView(room, now, members, parts, infos, acks)
-
-
-def nodes(store: Store) -> list[tuple[str, redis.Redis]]:
-    """(name, client) of every primary: server-wide commands (INFO, CONFIG) go to each."""
-    if not store.cluster:
-        return [(store.url, store.client)]  # type: ignore[list-item]
-    with store.errors():
-        primaries = store.client.get_primaries()  # type: ignore[union-attr]
-    return [(n.name, n.redis_connection) for n in primaries]
 
 
 def fmt_ms(ms: int | None) -> str:

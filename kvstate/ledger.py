@@ -45,7 +45,7 @@ from typing import Any
 import redis
 
 from kvstate.errors import KVStateError
-from kvstate.inspect import Census, Participant, nodes, scan_participants
+from kvstate.inspect import Census, Participant, scan_participants
 from kvstate.keys import SIDES
 from kvstate.metrics import Metrics
 from kvstate.store import Store
@@ -170,7 +170,7 @@ class _Events:
     def start(self) -> bool:
         self.close()
         try:
-            for name, client in nodes(self.store):
+            for name, client in self.store.nodes():
                 if not self._ensure_flags(name, client):
                     self.close()
                     return False

@@ -333,6 +333,7 @@ class KVManager:
         self._lock = threading.Lock()
         self._live: dict[int, _Participant] = {}
         self._watched: dict[str, tuple[str, str]] = {}  # peer engine -> (addr, incarnation)
+        self._misses: dict[str, int] = {}  # peer engine -> checks in a row without a lease
         self._by_addr: dict[str, list[EngineInfo]] = {}
         self._peers: dict[tuple[str, str], EngineInfo] = {}
         self.info = EngineInfo(
@@ -468,12 +469,20 @@ class KVManager:
         now = self.registry.incarnations(list(watched))
         for engine, (addr, inc) in watched.items():
             if now[engine] == inc:
+                self._misses.pop(engine, None)
                 continue
             if now[engine] is None:
+                # A lease must be missing on two checks in a row (still well within two
+                # lease periods): right after a Redis restart, peers have not yet
+                # registered again, and their rooms are not theirs to lose.
+                self._misses[engine] = self._misses.get(engine, 0) + 1
+                if self._misses[engine] < 2:
+                    continue
                 why = f"peer {engine} at {addr} lost its lease (incarnation {inc})"
             else:
                 why = f"peer {engine} at {addr} restarted (incarnation {inc} -> {now[engine]})"
             n = self.fail_peer(addr, why, engine, inc)
+            self._misses.pop(engine, None)
             log.warning("%s: failed %d room(s)", why, n)
             with self._lock:
                 if self._watched.get(engine) == (addr, inc):
@@ -488,6 +497,9 @@ class KVManager:
                 self._check_peers()
             except KVStateError as exc:
                 log.warning("heartbeat of %s: %s", self.engine, exc)
+            except Exception as exc:  # the lease must outlive any surprise; never die
+                log.warning("heartbeat of %s: unexpected %s: %s", self.engine,
+                            type(exc).__name__, exc)
 
     def close(self) -> None:
         """Stop the heartbeat and drop the lease."""

@@ -171,15 +171,19 @@ class Store:
         with self.errors():
             self.client.ping()
 
+    def nodes(self) -> list[tuple[str, redis.Redis]]:
+        """(name, client) of every primary: where SCAN, SCRIPT LOAD, INFO and CONFIG go."""
+        if not self.cluster:
+            return [(self.url, self.client)]  # type: ignore[list-item]
+        with self.errors():
+            primaries = self.client.get_primaries()  # type: ignore[union-attr]
+        return [(n.name, n.redis_connection) for n in primaries]
+
     def load_scripts(self) -> None:
         """Load every script on every primary up front, so steady-state calls never pay
         a NOSCRIPT round trip (they still recover from one after a restart or flush)."""
         with self.errors():
-            if self.cluster:
-                nodes = [n.redis_connection for n in self.client.get_primaries()]  # type: ignore[union-attr]
-            else:
-                nodes = [self.client]
-            for node in nodes:
+            for _, node in self.nodes():
                 pipe = node.pipeline(transaction=False)
                 for source in _SOURCES.values():
                     pipe.script_load(source)
@@ -416,11 +420,7 @@ class Store:
     def scan(self, pattern: str, count: int = 1000) -> Iterator[str]:
         """Keys matching ``pattern`` on every primary (SCAN, never KEYS)."""
         with self.errors():
-            if self.cluster:
-                nodes = [n.redis_connection for n in self.client.get_primaries()]  # type: ignore[union-attr]
-            else:
-                nodes = [self.client]
-            for node in nodes:
+            for _, node in self.nodes():
                 cursor = 0
                 while True:
                     cursor, keys = self._scan_step(node, cursor, pattern, count)
