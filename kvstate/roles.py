@@ -47,7 +47,7 @@ class _Participant:
     def __init__(self, mgr: KVManager, room: object, peers: int, fields: dict[str, Any]) -> None:
         if mgr.side != self.side:
             raise KVStateError(f"a {mgr.role} manager cannot make a {type(self).__name__}")
-        if not isinstance(peers, int) or isinstance(peers, bool) or peers < 1:
+        if not _is_int(peers) or peers < 1:
             raise ValueError(f"the required peer count must be an int >= 1, got {peers!r}")
         self.mgr = mgr
         self.store = mgr.store
@@ -132,7 +132,7 @@ class _Participant:
         state already gone."""
         if self._cleared:
             return
-        if self._created or self._create_sent:
+        if self._create_sent:
             self.store.clear(self.room, self.side, self.engine, **self._clear_args())
         self._cleared = True
         self._release()
@@ -225,7 +225,9 @@ class KVSender(_Participant):
             try:
                 self.mgr.transport.write(self.room, src, targets, self.mgr.transfer_timeout)
             except TransportError as exc:
-                self.fail(f"transfer failed: {exc}")
+                # the whole room: receivers learn it on their next poll instead of
+                # waiting out their timeout for pages that will not come
+                self.abort(f"transfer failed: {exc}")
                 return self._status
         self._sent = total
         if last:

@@ -91,3 +91,30 @@ def test_two_receivers_and_a_dummy(store: Store, redis_url: str, spawn_ctx) -> N
     assert states == {5: "Success"}  # acked, though nothing was written
     untouched(pool, set())
     assert keys_of(store) == []
+
+
+def test_receiver_killed_before_the_write_fails_the_room_with_a_reason(
+    store: Store, redis_url: str, spawn_ctx
+) -> None:
+    results, go = spawn_ctx.Queue(), spawn_ctx.Event()
+    pre = spawn_ctx.Process(target=workers.ucx_prefill, args=(
+        redis_url, "ucx", "prefill-u.tp0", ADDR, {9: [1, 2, 3]}, 1, LAYERS, PAGE, results, go))
+    pre.start()
+    assert results.get(timeout=60) == ("ready", "prefill-u.tp0")
+    dec = spawn_ctx.Process(target=workers.ucx_decode_hang, args=(
+        redis_url, "ucx", "decode-k.tp0", ADDR, 9, [4, 5, 6], LAYERS, PAGE, results))
+    dec.start()
+    assert results.get(timeout=60) == ("published", "decode-k.tp0")
+    dec.kill()  # SIGKILL after publishing, before the sender writes
+    dec.join(10)
+    go.set()
+    kind, outcome = results.get(timeout=60)
+    assert kind == "prefill"
+    status, reason = outcome[9]
+    assert status == "Failed" and "transfer failed" in reason
+    pre.join(30)
+    assert pre.exitcode == 0
+    # the dead receiver never cleared: its room keys carry TTLs (checked by the fixture),
+    # and the abort reached them: the receiver's hash says why
+    rx = store.client.hgetall(store.keys.participant(9, "rx", "decode-k.tp0"))
+    assert rx[b"status"] == b"Failed" and b"transfer failed" in rx[b"reason"]

@@ -63,8 +63,10 @@ def expected_page(layer: int, src_page: int, page_bytes: int, fill: int):  # noq
 
 
 def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[int]],
-                receivers: int, layers: int, page_bytes: int, results: Queue) -> None:
-    """A prefill rank: sends each room's source pages once every receiver published."""
+                receivers: int, layers: int, page_bytes: int, results: Queue,
+                go: Event | None = None) -> None:
+    """A prefill rank: sends each room's source pages once every receiver published
+    (and, if given, once ``go`` is set)."""
     from transports.ucx import UCXTransport
 
     store = kvstate.connect(url, namespace=ns)
@@ -78,6 +80,8 @@ def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list
             deadline = time.monotonic() + 60
             while snd.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
                 time.sleep(0.01)
+            if go is not None:
+                go.wait(60)
             snd.send(src, last=True)
             out[room] = (snd.poll().name, snd._reason)
             snd.clear()
@@ -115,3 +119,24 @@ def ucx_decode(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[
             rcv.clear()
         results.put(("decode", engine, out, [a.copy() for a in pool]))
     transport.close()
+
+
+def ucx_decode_hang(url: str, ns: str, engine: str, addr: str, room: int, dst: list[int],
+                    layers: int, page_bytes: int, results: Queue) -> None:
+    """A decode rank that publishes its pages and then waits to be killed."""
+    from transports.ucx import UCXTransport
+
+    store = kvstate.connect(url, namespace=ns)
+    transport = UCXTransport()
+    transport.register_buffers(_pool(layers, 256, page_bytes, fill=None), [page_bytes] * layers)
+    mgr = kvstate.KVManager(store, "decode", engine, transport=transport)
+    for _ in range(600):
+        try:
+            rcv = mgr.receiver(room, addr)
+            break
+        except kvstate.PeerNotFoundError:
+            time.sleep(0.05)
+    rcv.init(dst)
+    results.put(("published", engine))
+    while True:
+        time.sleep(1)
