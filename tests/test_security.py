@@ -127,6 +127,14 @@ def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:
         store.close()
 
 
+def engine_denials(admin: redis.Redis) -> list[dict]:
+    """ACL LOG entries of the engine user. Before Redis 7.2 there is no CLIENT SETINFO,
+    which redis-py sends on connect and whose refusal it ignores: not kvstate's."""
+    version = tuple(int(x) for x in admin.info("server")["redis_version"].split(".")[:2])
+    return [e for e in admin.acl_log() if e.get("username") == "kvstate-engine"
+            and not (version < (7, 2) and e.get("object") == "client")]
+
+
 @pytest.fixture
 def acl_server(redis_server_factory) -> tuple[RedisProcess, redis.Redis]:
     proc = redis_server_factory(port="auto")
@@ -138,7 +146,7 @@ def test_engine_acl_runs_every_engine_path(acl_server) -> None:
     setuser(admin, ENGINE_ACL, "acl")
     admin.acl_log_reset()
     engine_paths(user_url(proc), admin)
-    denied = [e for e in admin.acl_log() if e.get("username") == "kvstate-engine"]
+    denied = engine_denials(admin)
     assert denied == [], f"the engine user was refused something: {denied}"
 
 
@@ -253,7 +261,7 @@ def test_engine_acl_on_cluster(redis_cluster_url: str, redis_cluster) -> None:
             a.acl_log_reset()
         engine_paths(url, _EveryPrimary(admins))  # type: ignore[arg-type]
         for a in admins:
-            denied = [e for e in a.acl_log() if e.get("username") == "kvstate-engine"]
+            denied = engine_denials(a)
             assert denied == [], denied
     finally:
         for a in admins:
