@@ -381,17 +381,18 @@ def top(obj: Ctx, once: bool, interval: float, as_json: bool) -> None:
 @click.pass_obj
 def abort(obj: Ctx, room: str, reason: str) -> None:
     """Fail every participant of ROOM; each side sees Failed with REASON on its next
-    poll. Exit status 1 when the room has no participants."""
+    poll, and a participant created later (within the room TTL) starts Failed."""
     r = parse_room(room)
     with opened(obj) as store:
         members = store.members(r)
-        if not members:
-            if room_view(store, r).participants:
-                raise Failure(f"room {r} has participants its parts index does not list; "
-                              "run `kvstate audit --fix` to re-index them, then abort again")
-            click.echo(f"room {r}: no participants (cleared, reaped, or never created)")
-            sys.exit(EXIT_FINDINGS)
+        if not members and room_view(store, r).participants:
+            raise Failure(f"room {r} has participants its parts index does not list; "
+                          "run `kvstate audit --fix` to re-index them, then abort again")
         n = store.abort(r, reason)
+    if not members:
+        click.echo(f"room {r}: no participants yet; marked aborted, so either side that "
+                   f"joins within the room TTL starts Failed; reason: {reason}")
+        return
     click.echo(f"room {r}: failed {n} of {len(members)} participant(s) "
                f"({', '.join(members)}); reason: {reason}")
 

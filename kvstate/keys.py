@@ -77,6 +77,10 @@ class Keys:
         7.0 keeps small hashes as listpacks, sets of strings as hash tables (4x larger)."""
         return f"{self.room_prefix(room)}parts"
 
+    def aborted(self, room: int) -> str:
+        """The abort mark (the reason), so participants created after an abort fail."""
+        return f"{self.room_prefix(room)}aborted"
+
     @staticmethod
     def part_member(side: Side, engine: str) -> str:
         return f"{side}:{engine}"

@@ -329,7 +329,7 @@ class Store:
     # -- participant calls ----------------------------------------------------------
     def create(self, room: int, side: Side, engine: str, fields: dict[str, Any]) -> Call:
         k = self.keys
-        keys = [k.participant(room, side, engine), k.parts(room)]
+        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
         if side == "tx":
             keys.append(k.xfer(room, engine))
         flat: list[Any] = []
@@ -381,7 +381,8 @@ class Store:
         k = self.keys
         me = k.participant(room, side, engine)
         calls = [
-            self.command("DEL", me, k.xfer(room, engine) if side == "tx" else k.acks(room, engine)),
+            self.command("DEL", me, k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
+                         k.aborted(room)),
             self.command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
         ]
         calls += [self.command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
@@ -404,7 +405,7 @@ class Store:
         k = self.keys
         for _ in range(20):
             members = self.members(room)
-            keys = [k.parts(room)]
+            keys = [k.parts(room), k.aborted(room)]
             for member in members:
                 side, _, engine = member.partition(":")
                 if side not in ("tx", "rx"):

@@ -142,7 +142,7 @@ def test_engines_and_top(room: tuple[Store, Any, Any], state_url: str) -> None:
 def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str) -> None:
     """`kvstate abort` as a real process: both sides see Failed and the reason on
     their next poll."""
-    _, snd, rcv = room
+    store, snd, rcv = room
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
     proc = subprocess.run(
         [str(KVSTATE_BIN), "--url", state_url, "abort", "77", "--reason", "router gave up"],
@@ -153,8 +153,13 @@ def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str
     assert rcv.poll() == KVPoll.Failed
     assert snd.failure_exception().reason == "router gave up"
     assert rcv.failure_exception().reason == "router gave up"
-    again = run("--url", state_url, "abort", "77")
-    assert again.exit_code == 1 and "no participants" in again.output
+    # a router may abort before either side joined: whoever joins later starts Failed
+    again = run("--url", state_url, "abort", "77", "--reason", "too late")
+    assert again.exit_code == 0 and "no participants yet" in again.output
+    late = snd.mgr.sender(77)
+    assert late.poll() == KVPoll.Failed
+    assert late.failure_exception().reason == "too late"  # clears, mark included
+    assert list(store.scan(store.keys.room_prefix(77) + "*")) == []
 
 
 def test_doctor(redis_url: str) -> None:

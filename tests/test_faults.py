@@ -194,9 +194,10 @@ def test_restart_loses_state_clients_recover(redis_server_factory, transport: st
         assert s1.begin_transfer() == KVPoll.Failed
         assert s2.finish_transfer() == KVPoll.Failed
         assert s1.fail("too late") == KVPoll.Failed
-        parts[3][1].abort("after the restart")
-        for room in parts:
-            assert room_keys(store, room) == [], f"room {room} came back"
+        parts[3][1].abort("after the restart")  # leaves only the abort mark (with a TTL),
+        for room in parts:  # for a side that joins later; the clears below take it
+            left = [k for k in room_keys(store, room) if k != store.keys.aborted(room)]
+            assert left == [], f"room {room} came back"
         # failure_exception() carries the reason and clears; clear() of the rest is quiet.
         err = parts[4][2].failure_exception()
         assert "state lost" in err.reason and err.room == 4

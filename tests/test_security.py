@@ -53,7 +53,7 @@ ENGINE_ACL = (
     "ACL SETUSER kvstate-engine reset on >{password} ~kvstate:{ns}:* resetchannels -@all "
     "+ping +client|setname +time +scan "
     "+evalsha +eval +script|load "
-    "+multi +exec +del +exists +pexpire +pttl "
+    "+multi +exec +del +exists +pexpire +pttl +get +set "
     "+hget +hmget +hgetall +hset +hdel +hkeys +hlen +hexists "
     "+sadd +scard +zadd +zrange +zrem +zremrangebyscore"
 )

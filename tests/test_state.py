@@ -282,3 +282,16 @@ def test_receiver_joining_a_failed_sender_fails_at_once(store: Store) -> None:
         assert "request cancelled" in rcv.failure_exception().reason
         snd.clear()
         assert room_keys(store, 73) == []
+
+
+def test_abort_before_either_side_joined_reaches_both(store: Store) -> None:
+    assert store.abort(81, "router cancelled early") == 0  # nobody there yet
+    p, d = managers(store)
+    with p, d:
+        rcv = d.receiver(81, PREFILL_ADDR)
+        assert rcv.init([1, 2]) == KVPoll.Failed
+        snd = p.sender(81)
+        assert snd.poll() == KVPoll.Failed
+        assert snd.failure_exception().reason == "router cancelled early"
+        assert rcv.failure_exception().reason == "router cancelled early"
+        assert room_keys(store, 81) == []  # the clears took the mark too

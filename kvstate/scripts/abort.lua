@@ -1,23 +1,27 @@
 -- abort.lua: fail every participant of a room with a reason, Success included
--- (the explicit abort of SPEC rule 3). The caller read the parts set first; if it
--- changed since (a participant joined or cleared), nothing is written and -1 is
--- returned so the caller reads it again.
+-- (the explicit abort of SPEC rule 3), and leave an abort mark so that a participant
+-- created later (the other side had not joined yet) starts Failed; every clear
+-- deletes the mark, so a fully cleared room leaves no key. The caller read the parts
+-- hash first; if it changed since (a participant joined or cleared), nothing is
+-- written and -1 is returned so the caller reads it again.
 -- KEYS[1] room parts hash
--- KEYS[1+i] (i = 1..n) participant hash of parts member i
+-- KEYS[2] room abort mark (string: the reason)
+-- KEYS[2+i] (i = 1..n) participant hash of parts member i
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason
 -- ARGV[2+i] parts member i, as the caller read it
 -- Returns the number of participants moved to Failed, or -1.
 local parts = KEYS[1]
-local n = #KEYS - 1
+local n = #KEYS - 2
 if redis.call('HLEN', parts) ~= n then return -1 end
 for i = 1, n do
   if redis.call('HEXISTS', parts, ARGV[2 + i]) == 0 then return -1 end
 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
 local now = now_ms()
 local failed = 0
 for i = 1, n do
-  local key = KEYS[1 + i]
+  local key = KEYS[2 + i]
   local cur = read_status(key)
   if cur[1] ~= '' and cur[1] ~= 'Failed' then
     set_status(key, 'Failed', now, ARGV[1], ARGV[2])
