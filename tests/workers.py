@@ -72,7 +72,10 @@ def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list
     store = kvstate.connect(url, namespace=ns)
     transport = UCXTransport()
     transport.register_buffers(_pool(layers, 256, page_bytes, fill=3), [page_bytes] * layers)
-    with kvstate.KVManager(store, "prefill", engine, addr, transport=transport) as mgr:
+    # a transfer deadline well inside the tests' queue timeouts: a write to a dead peer
+    # that is not refused at once still fails in time, with a reason
+    with kvstate.KVManager(store, "prefill", engine, addr, transport=transport,
+                           transfer_timeout=10.0) as mgr:
         results.put(("ready", engine))
         out = {}
         for room, src in rooms.items():
