@@ -101,10 +101,13 @@ def test_receiver_killed_before_the_write_fails_the_room_with_a_reason(
         redis_url, "ucx", "prefill-u.tp0", ADDR, {9: [1, 2, 3]}, 1, LAYERS, PAGE, results, go))
     pre.start()
     assert results.get(timeout=60) == ("ready", "prefill-u.tp0")
+    # its own queue: a process SIGKILLed while its queue feeder thread holds the queue's
+    # lock would leave a shared queue locked for everyone else
+    published = spawn_ctx.Queue()
     dec = spawn_ctx.Process(target=workers.ucx_decode_hang, args=(
-        redis_url, "ucx", "decode-k.tp0", ADDR, 9, [4, 5, 6], LAYERS, PAGE, results))
+        redis_url, "ucx", "decode-k.tp0", ADDR, 9, [4, 5, 6], LAYERS, PAGE, published))
     dec.start()
-    assert results.get(timeout=60) == ("published", "decode-k.tp0")
+    assert published.get(timeout=60) == ("published", "decode-k.tp0")
     dec.kill()  # SIGKILL after publishing, before the sender writes
     dec.join(10)
     go.set()
