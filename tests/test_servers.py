@@ -105,7 +105,9 @@ def test_redis_url_fixture_is_flushed_and_shared(
     redis_url: str, redis_tcp_url: str, redis_cli: Callable[..., str]
 ) -> None:
     with redis.Redis.from_url(redis_url) as c:
-        assert c.dbsize() == 0
+        # a KVManager another test has not closed yet may re-register its lease between
+        # the flush and here; anything else would mean the flush did not happen
+        assert [k for k in c.scan_iter() if b":engine:" not in k] == []
         c.set("kvstate:test:x", "1", ex=60)
     assert redis_cli(redis_tcp_url, "GET", "kvstate:test:x").strip() == "1"
     assert redis_cli(redis_url, "TTL", "kvstate:test:x").strip().isdigit()
