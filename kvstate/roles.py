@@ -156,7 +156,6 @@ class KVSender(_Participant):
         self._infos: dict[str, bytes] = {}
         self._decoded: dict[str, TransferInfo] | None = None
         self._num_pages: int | None = None
-        self._aux_index: int | None = None
         self._sent = 0
 
     def _poll_call(self) -> Call:
@@ -183,9 +182,11 @@ class KVSender(_Participant):
         return min((i.prefix_len for i in infos.values()), default=0)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        if not isinstance(num_kv_indices, int) or num_kv_indices < 0:
+        """Announce how many pages ``send()`` will move (checked there). ``aux_index`` is
+        accepted for SGLang's signature; aux data is not moved by kvstate's transport."""
+        if not _is_int(num_kv_indices) or num_kv_indices < 0:
             raise InvalidIndicesError(f"num_kv_indices must be an int >= 0, got {num_kv_indices!r}")
-        self._num_pages, self._aux_index = num_kv_indices, aux_index
+        self._num_pages = num_kv_indices
 
     def begin_transfer(self) -> KVPoll:
         """-> Transferring, for callers that move the bytes themselves; Failed instead

@@ -48,7 +48,7 @@ from kvstate.connection import (
     redact,
 )
 from kvstate.errors import CorruptStateError, KVStateError, StateConnectionError
-from kvstate.keys import Keys, Side, check_name, check_room
+from kvstate.keys import Keys, Side
 from kvstate.poll import KVPoll
 
 SCRIPT_NAMES = (
@@ -522,4 +522,4 @@ def connect(
     return store
 
 
-__all__ = ["Call", "Status", "Store", "connect", "check_name", "check_room"]
+__all__ = ["Call", "Status", "Store", "connect"]
