@@ -4,6 +4,7 @@ from kvstate.codec import TransferInfo
 from kvstate.connection import Options
 from kvstate.errors import (
     CorruptStateError,
+    InvalidArgumentError,
     InvalidIndicesError,
     InvalidNameError,
     InvalidRoomError,
@@ -13,8 +14,9 @@ from kvstate.errors import (
     KVTransferError,
     PeerNotFoundError,
     StateConnectionError,
+    StateOutOfMemoryError,
 )
-from kvstate.poll import KVPoll
+from kvstate.poll import KVPoll, PollResults
 from kvstate.roles import KVManager, KVReceiver, KVSender
 from kvstate.store import Store, connect
 
@@ -22,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CorruptStateError",
+    "InvalidArgumentError",
     "InvalidIndicesError",
     "InvalidNameError",
     "InvalidRoomError",
@@ -35,7 +38,9 @@ __all__ = [
     "KVTransferError",
     "Options",
     "PeerNotFoundError",
+    "PollResults",
     "StateConnectionError",
+    "StateOutOfMemoryError",
     "Store",
     "TransferInfo",
     "connect",

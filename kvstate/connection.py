@@ -7,9 +7,14 @@ an exception or a repr (SPEC rule 8).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, fields, replace
 from typing import Any
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -25,6 +30,11 @@ _SCHEMES = {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}
 
 Client = redis.Redis | RedisCluster
 
+# The monotonic time by which the Redis work of the current call must end (None: no
+# call in progress in this thread). Set by ``deadline()``; read by the retry policy and
+# by every connection, which shorten their waits to what is left.
+_DEADLINE: ContextVar[float | None] = ContextVar("kvstate_deadline", default=None)
+
 
 def redact(url: str) -> str:
     """The URL with any password replaced by ``***``; unparseable input is hidden whole."""
@@ -39,9 +49,110 @@ def redact(url: str) -> str:
         return "<unparseable URL>"
 
 
+class DeadlineExceeded(redis.TimeoutError):
+    """The call's time (``Options.call_timeout``) ran out before Redis answered."""
+
+
+@contextmanager
+def deadline(seconds: float) -> Iterator[float]:
+    """Bound all Redis work in this block (this thread) to end within ``seconds``: every
+    connect, read, write, retry and backoff is cut to the time left, then raises
+    DeadlineExceeded. A nested block keeps the outer deadline when that one is earlier,
+    so a public call made of several round trips is bounded as a whole."""
+    end = time.monotonic() + seconds
+    outer = _DEADLINE.get()
+    if outer is not None and outer <= end:
+        yield outer
+        return
+    token = _DEADLINE.set(end)
+    try:
+        yield end
+    finally:
+        _DEADLINE.reset(token)
+
+
+def time_left() -> float | None:
+    """Seconds left to the current call's deadline; None outside of one."""
+    end = _DEADLINE.get()
+    return None if end is None else end - time.monotonic()
+
+
+def _bounded_wait(base: float | None) -> float | None:
+    """``base`` (a socket timeout) cut to the deadline; raises once it has passed."""
+    left = time_left()
+    if left is None:
+        return base
+    if left <= 0:
+        raise DeadlineExceeded("no answer within the call's time limit (Options.call_timeout)")
+    return left if base is None else min(base, left)
+
+
+class _BoundedConnection:
+    """Mixed into redis-py's connection classes: each socket wait is cut to what is left
+    of the current call's deadline, so one stalled read cannot outlast the call."""
+
+    socket_timeout: float | None
+    socket_connect_timeout: float | None
+    _sock: Any
+    _applied: float | None = None
+
+    def _connect(self) -> Any:
+        saved = self.socket_connect_timeout, self.socket_timeout
+        self.socket_connect_timeout = _bounded_wait(saved[0])
+        self.socket_timeout = _bounded_wait(saved[1])
+        try:
+            sock = super()._connect()  # type: ignore[misc]
+            self._applied = self.socket_timeout
+            return sock
+        finally:
+            self.socket_connect_timeout, self.socket_timeout = saved
+
+    def _bound_socket(self) -> None:
+        wait = _bounded_wait(self.socket_timeout)
+        if self._sock is not None and wait != self._applied:
+            self._sock.settimeout(wait)
+            self._applied = wait
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        self._bound_socket()
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        self._bound_socket()
+        if "timeout" in kwargs:  # the parser sets its own timeout, then restores its copy
+            self._applied = None
+        return super().read_response(*args, **kwargs)  # type: ignore[misc]
+
+    def can_read(self, timeout: float = 0) -> bool:
+        self._applied = None  # as in read_response(timeout=...)
+        return bool(super().can_read(timeout))  # type: ignore[misc]
+
+
+_BOUNDED: dict[type, type] = {}
+
+
+class _BoundedPool(redis.ConnectionPool):
+    """A pool whose connections are ``_BoundedConnection`` variants of the class redis-py
+    picked for the URL (TCP, TLS or unix socket); Cluster nodes get it too."""
+
+    def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
+        bounded = _BOUNDED.get(connection_class)
+        if bounded is None:
+            name = f"Bounded{connection_class.__name__}"
+            bounded = _BOUNDED[connection_class] = type(name, (_BoundedConnection,
+                                                               connection_class), {})
+        super().__init__(connection_class=bounded, **kwargs)
+
+
 @dataclass(frozen=True)
 class Options:
-    """Client behaviour; the defaults suit an engine on a healthy LAN."""
+    """Client behaviour; the defaults suit an engine on a healthy LAN.
+
+    ``call_timeout`` bounds each kvstate call as a whole (every round trip, reconnect,
+    retry and backoff in it): past it the call raises StateConnectionError. The socket
+    timeouts bound one wait on the network, ``retries`` how often a failed round trip
+    is tried again within the call's time.
+    """
 
     socket_timeout: float = 5.0
     connect_timeout: float = 5.0
@@ -49,27 +160,125 @@ class Options:
     backoff_base: float = 0.05
     backoff_cap: float = 1.0
     health_check_interval: int = 10
+    call_timeout: float = 8.0
+
+    def __post_init__(self) -> None:
+        for name in ("socket_timeout", "connect_timeout", "call_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"Options.{name} must be a number > 0, got {value!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) \
+                or self.retries < 0:
+            raise ValueError(f"Options.retries must be an int >= 0, got {self.retries!r}")
 
     def retry(self) -> Retry:
         backoff = ExponentialWithJitterBackoff(self.backoff_cap, self.backoff_base)
-        return _NoAuthRetry(backoff, self.retries)
+        return _BoundedRetry(backoff, self.retries, self.call_timeout)
 
 
-class _NoAuthRetry(Retry):
-    """redis-py's AuthenticationError is a ConnectionError, so it would be retried with
-    backoff: a wrong password cannot get better by waiting."""
+def is_tls_refusal(exc: BaseException) -> bool:
+    """A TLS handshake that failed (a wrong CA, or a server that does not speak TLS):
+    waiting cannot fix it. redis-py keeps the ssl.SSLError as the context of its
+    ConnectionError, and its text in the message."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, ssl.SSLError) or "[SSL" in str(cur):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
-    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+
+class _BoundedRetry(Retry):
+    """redis-py's retry, within the call's deadline (one of ``call_timeout`` when none is
+    running yet), and never for what waiting cannot fix: a wrong password (redis-py's
+    AuthenticationError is a ConnectionError) or a refused TLS handshake."""
+
+    def __init__(self, backoff: Any, retries: int, call_timeout: float) -> None:
+        super().__init__(backoff, retries)
+        self.call_timeout = call_timeout
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Any, is_retryable: Any = None,
                         with_failure_count: bool = False) -> Any:
         def retryable(exc: Exception) -> bool:
-            if isinstance(exc, AuthenticationError):
+            if isinstance(exc, (AuthenticationError, DeadlineExceeded)) or is_tls_refusal(exc):
+                return False
+            left = time_left()
+            if left is not None and left <= 0:
                 return False
             return is_retryable is None or bool(is_retryable(exc))
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+        with deadline(self.call_timeout):
+            return super().call_with_retry(do, fail, retryable, with_failure_count)
 
 
-def _check(url: object, cluster: bool | None) -> tuple[SplitResult, bool]:
+# URL query parameters kvstate reads (and what they set); anything else is refused.
+_FLOAT_PARAMS = {"socket_timeout": "socket_timeout", "connect_timeout": "connect_timeout",
+                 "socket_connect_timeout": "connect_timeout", "call_timeout": "call_timeout"}
+_TLS_PARAMS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+               "ssl_check_hostname"}
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+SUPPORTED_PARAMS = ("cluster", "db", *_FLOAT_PARAMS, "retries", *sorted(_TLS_PARAMS))
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    parts: SplitResult
+    cluster: bool
+    options: dict[str, Any]  # Options fields set in the URL
+    client: dict[str, Any]  # redis-py keyword arguments (db, TLS files)
+
+
+def _query(url: str, parts: SplitResult) -> tuple[bool | None, dict[str, Any], dict[str, Any]]:
+    """(cluster, Options fields, redis-py kwargs) from the URL's query string."""
+    try:
+        query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:
+        raise InvalidURLError(f"malformed query string in Redis URL {redact(url)}") from None
+    cluster: bool | None = None
+    options: dict[str, Any] = {}
+    client: dict[str, Any] = {}
+    supported = ", ".join(SUPPORTED_PARAMS)
+    for name, values in query.items():
+        if len(values) != 1:
+            raise InvalidURLError(f"parameter {name!r} appears more than once in {redact(url)}")
+        value = values[0]
+        bad = InvalidURLError(f"bad value {value!r} for {name!r} in Redis URL {redact(url)}")
+        if name == "cluster" or name == "ssl_check_hostname":
+            if value.lower() not in _BOOLS:
+                raise InvalidURLError(f"{bad}: use true or false")
+            if name == "cluster":
+                cluster = _BOOLS[value.lower()]
+            else:
+                client[name] = _BOOLS[value.lower()]
+        elif name in _FLOAT_PARAMS:
+            try:
+                seconds = float(value)
+            except ValueError:
+                raise InvalidURLError(f"{bad}: use a number of seconds, e.g. 5") from None
+            if not 0 < seconds < float("inf"):
+                raise InvalidURLError(f"{bad}: use a number of seconds > 0")
+            options[_FLOAT_PARAMS[name]] = seconds
+        elif name in ("retries", "db"):
+            if not value.isdigit():
+                raise InvalidURLError(f"{bad}: use an integer >= 0")
+            (options if name == "retries" else client)[name] = int(value)
+        elif name in _TLS_PARAMS:
+            if not parts.scheme.startswith("rediss"):
+                raise InvalidURLError(
+                    f"{name!r} in {redact(url)} needs TLS: use rediss:// (or rediss+cluster://)")
+            if name == "ssl_cert_reqs" and value not in ("none", "optional", "required"):
+                raise InvalidURLError(f"{bad}: use none, optional or required")
+            client[name] = value
+        else:
+            raise InvalidURLError(
+                f"unknown parameter {name!r} in Redis URL {redact(url)}; kvstate reads "
+                f"only: {supported}")
+    return cluster, options, client
+
+
+def _check(url: object, cluster: bool | None) -> _Parsed:
     if not isinstance(url, str) or not url:
         raise InvalidURLError(f"Redis URL must be a non-empty string, got {type(url).__name__}")
     try:
@@ -82,7 +291,8 @@ def _check(url: object, cluster: bool | None) -> tuple[SplitResult, bool]:
             f"unsupported scheme in {redact(url)}; use redis://, rediss://, unix:// "
             "or redis+cluster://"
         )
-    is_cluster = parts.scheme.endswith("+cluster") or bool(cluster)
+    in_url, options, client = _query(url, parts)
+    is_cluster = parts.scheme.endswith("+cluster") or bool(cluster) or bool(in_url)
     if parts.scheme == "unix":
         if not parts.path:
             raise InvalidURLError(f"unix URL {redact(url)} has no socket path")
@@ -95,25 +305,46 @@ def _check(url: object, cluster: bool | None) -> tuple[SplitResult, bool]:
     db = parts.path.strip("/") if parts.scheme != "unix" else ""
     if db and not db.isdigit():
         raise InvalidURLError(f"database in {redact(url)} must be a number, got {db!r}")
-    return parts, is_cluster
+    if db and "db" in client:
+        raise InvalidURLError(f"{redact(url)} names its database twice (path and ?db=)")
+    if is_cluster and int(db or client.get("db", 0)) != 0:
+        raise InvalidURLError(f"a Redis Cluster has only database 0, not {redact(url)}")
+    return _Parsed(parts, is_cluster, options, client)
+
+
+def effective_options(url: str, options: Options | None = None) -> Options:
+    """``options`` (or the defaults) with the fields the URL's query sets replaced."""
+    return replace(options or Options(), **_check(url, None).options)
 
 
 def make_client(url: str, cluster: bool | None = None, options: Options | None = None) -> Client:
-    """A redis-py client (standalone or Cluster) for ``url``; bytes in, bytes out."""
-    parts, is_cluster = _check(url, cluster)
-    opts = options or Options()
+    """A redis-py client (standalone or Cluster) for ``url``; bytes in, bytes out.
+    Parameters in the URL's query override ``options`` field by field."""
+    parsed = _check(url, cluster)
+    opts = replace(options or Options(), **parsed.options)
     common: dict[str, Any] = {
         "socket_timeout": opts.socket_timeout,
         "socket_connect_timeout": opts.connect_timeout,
         "retry": opts.retry(),
         "client_name": f"kvstate-{os.getpid()}",
+        "connection_pool_class": _BoundedPool,
+        **parsed.client,
     }
-    if is_cluster:
-        plain = urlunsplit(parts._replace(scheme=parts.scheme.replace("+cluster", "")))
+    # the query is ours (read above); redis-py would let it override these settings
+    plain = url.partition("?")[0].replace("+cluster://", "://", 1)
+    if parsed.cluster:
         return RedisCluster.from_url(plain, **common)
-    return redis.Redis.from_url(url, health_check_interval=opts.health_check_interval, **common)
+    common.pop("connection_pool_class")
+    pool = _BoundedPool.from_url(plain, health_check_interval=opts.health_check_interval,
+                                 **common)
+    client = redis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True
+    return client
 
 
 def check_url(url: str, cluster: bool | None = None) -> bool:
     """Validate ``url``; returns whether it names a Cluster."""
-    return _check(url, cluster)[1]
+    return _check(url, cluster).cluster
+
+
+assert {f.name for f in fields(Options)} >= set(_FLOAT_PARAMS.values()) | {"retries"}

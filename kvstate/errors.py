@@ -34,6 +34,14 @@ class StateConnectionError(KVStateError, ConnectionError):
     """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted."""
 
 
+class StateOutOfMemoryError(KVStateError):
+    """Redis is at maxmemory (noeviction) and refused a write; clearing still works."""
+
+
+class InvalidArgumentError(KVStateError, TypeError):
+    """A value Redis cannot store (e.g. a reason that is not text), refused before sending."""
+
+
 class CorruptStateError(KVStateError):
     """A stored value that does not decode; names the key and field so it can be inspected."""
 

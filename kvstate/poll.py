@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from enum import IntEnum
 
-from kvstate.errors import InvalidStatusError
+from kvstate.errors import InvalidStatusError, KVStateError
 
 
 class KVPoll(IntEnum):
@@ -35,3 +36,18 @@ class KVPoll(IntEnum):
         raise InvalidStatusError(
             f"unknown status {value!r}; expected one of {', '.join(cls.__members__)}"
         )
+
+
+class PollResults(dict[int, "KVPoll"]):
+    """``KVManager.poll_many``'s answer: room -> KVPoll for every room whose Redis node
+    answered, so it reads as a plain dict while Redis is healthy. On a Cluster with an
+    unreachable node, that node's rooms are absent (their status is unknown, not
+    Failed) and ``errors`` maps each of them to the node's StateConnectionError."""
+
+    def __init__(self, statuses: Iterable[tuple[int, KVPoll]] | Mapping[int, KVPoll] = (),
+                 errors: Mapping[int, KVStateError] | None = None) -> None:
+        super().__init__(statuses)
+        self.errors: dict[int, KVStateError] = dict(errors or {})
+
+    def __repr__(self) -> str:
+        return f"PollResults({dict.__repr__(self)}, errors={self.errors!r})"

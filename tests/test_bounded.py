@@ -1,0 +1,281 @@
+"""Every public call ends within ``Options.call_timeout`` when Redis stalls (accepts TCP,
+never answers), is black-holed (no byte and no handshake comes back) or is down, with
+the DEFAULT options; a Cluster ``poll_many`` answers for the rooms of healthy nodes.
+
+Faults are made by a TCP proxy (tests/proxy.py) in front of a real redis-server (and,
+for the Cluster, in front of one primary, announced to clients through
+``cluster-announce-port``). Bounds asserted are generous ("did not hang"); the measured
+times are printed for the README.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import kvstate
+from kvstate import KVPoll, Options
+from kvstate.errors import StateConnectionError
+from kvstate.servers import RedisCluster
+from kvstate.store import Store
+from tests.helpers import PREFILL_ADDR, wait_for
+from tests.proxy import Proxy
+
+DEFAULT = Options()
+BOUND = 20.0  # generous: the default call_timeout is 8 s
+
+
+def report(name: str, **figures: object) -> None:
+    print(f"\n[{name}] " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+
+
+def run_all(ops: dict[str, Callable[[], object]]) -> tuple[dict[str, float],
+                                                           dict[str, BaseException | None]]:
+    """Run each op in its own thread at once; (seconds, what it raised) per op."""
+    took: dict[str, float] = {}
+    raised: dict[str, BaseException | None] = {}
+
+    def attempt(name: str, op: Callable[[], object]) -> None:
+        t0 = time.monotonic()
+        try:
+            op()
+            raised[name] = None
+        except BaseException as exc:  # noqa: BLE001 - asserted by the caller
+            raised[name] = exc
+        took[name] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=attempt, args=item, daemon=True) for item in ops.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    hung = [name for name in ops if name not in took]
+    assert not hung, f"calls still blocked after 60 s: {hung}"
+    return took, raised
+
+
+@pytest.fixture
+def proxy(redis_tcp_url: str, redis_proc: Any) -> Iterator[Proxy]:
+    with Proxy(("127.0.0.1", redis_proc.port)) as px:
+        yield px
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["stall", "blackhole", "drop"])
+def test_every_call_bounded_with_default_options(proxy: Proxy, fault: str) -> None:
+    """Lifecycles running, then the network fails: every public call, each in its own
+    thread, ends with StateConnectionError (or succeeds) within the bound; once the
+    network is back, the same objects work."""
+    store = kvstate.connect(proxy.url(), namespace="bounded")
+    assert store.options.call_timeout == DEFAULT.call_timeout
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=30.0)
+    d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=30.0)
+    spare = kvstate.KVManager(store, "decode", "d1", "10.0.0.3:1", lease=30.0)
+    snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
+    rcv.init([1, 2])
+    assert snd.poll() == KVPoll.WaitingForInput
+    other_snd = p.sender(2)
+    other_snd.poll()
+
+    getattr(proxy, fault)()
+    ops: dict[str, Callable[[], object]] = {
+        "connect": lambda: kvstate.connect(proxy.url(), namespace="bounded"),
+        "KVManager": lambda: kvstate.KVManager(store, "prefill", "p9"),
+        "receiver": lambda: d.receiver(3, PREFILL_ADDR).poll(),
+        "init": lambda: d.receiver(4, PREFILL_ADDR, senders=["p0"]).init([1]),
+        "poll": snd.poll,
+        "begin_transfer": snd.begin_transfer,
+        "poll_many": lambda: d.poll_many([1, 2, 3]),
+        "abort": lambda: rcv.abort("x"),
+        "fail": lambda: rcv.fail("x"),
+        "clear": other_snd.clear,
+        "close": spare.close,
+        "scan": lambda: list(store.scan(store.keys.all_pattern)),
+    }
+    took, raised = run_all(ops)
+    for name, exc in raised.items():
+        assert exc is None or isinstance(exc, StateConnectionError), (name, repr(exc))
+        assert took[name] < BOUND, f"{name} took {took[name]:.1f} s"
+        if exc is not None:
+            assert store.url in str(exc)
+    assert isinstance(raised["poll"], StateConnectionError)
+    text = str(raised["poll"])
+    if fault == "drop":
+        assert "is redis-server running" in text, text
+    else:
+        assert "did not answer within 8 s" in text and "call_timeout" in text, text
+    assert snd.status == KVPoll.WaitingForInput  # a failed call invents no status
+
+    proxy.passthrough()
+    assert wait_for(lambda: _answers(snd), 2 * DEFAULT.call_timeout)
+    assert snd.begin_transfer() == KVPoll.Transferring
+    snd.finish_transfer()
+    assert rcv.poll() == KVPoll.Success
+    for m in (p, d):
+        for part in list(m._live.values()):
+            part.clear()
+        m.close()
+    store.close()
+    longest = max(took, key=took.__getitem__)
+    report(f"bounded-{fault}", longest_call=longest, longest_s=f"{took[longest]:.2f}",
+           **{k.replace(" ", "_") + "_s": f"{v:.2f}" for k, v in sorted(took.items())})
+
+
+def _answers(part: Any) -> bool:
+    try:
+        part.poll()
+        return True
+    except StateConnectionError:
+        return False
+
+
+def test_call_timeout_is_an_option_and_a_url_parameter(proxy: Proxy) -> None:
+    """A shorter call_timeout (in Options or in the URL) ends a stalled call sooner."""
+    store = kvstate.connect(proxy.url(query="call_timeout=1.5"), namespace="bounded")
+    assert store.options.call_timeout == 1.5
+    snd = kvstate.KVManager(store, "prefill", "p0").sender(1)
+    proxy.stall()
+    t0 = time.monotonic()
+    with pytest.raises(StateConnectionError, match="did not answer within 1.5 s"):
+        snd.poll()
+    took = time.monotonic() - t0
+    assert took < 1.5 + 2.0, took
+    t0 = time.monotonic()
+    with pytest.raises(StateConnectionError):
+        kvstate.connect(proxy.url(), namespace="b", options=Options(call_timeout=1.0))
+    assert time.monotonic() - t0 < 3.0
+    proxy.passthrough()
+    store.close()
+    report("call-timeout-1.5", stalled_poll_s=f"{took:.2f}")
+
+
+def test_delayed_network_still_works(proxy: Proxy) -> None:
+    """A slow network (every chunk 50 ms late) is not a fault: calls succeed."""
+    store = kvstate.connect(proxy.url(), namespace="bounded")
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR)
+    proxy.delay(0.05)
+    snd = p.sender(1)
+    assert snd.poll() == KVPoll.Bootstrapping
+    proxy.passthrough()
+    snd.clear()
+    p.close()
+    store.close()
+
+
+# --------------------------------------------------------------------------- Cluster
+
+
+class ProxiedCluster:
+    """A private 3-primary Cluster whose third primary is reached through a Proxy: the
+    node announces the proxy's port, so clients (redis-py included) go through it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.cluster = RedisCluster(3, 0, tmp_path / "c").start()
+        self.target = self.cluster.nodes[2]
+        self.proxy = Proxy(("127.0.0.1", self.target.port)).start()
+        with self.target.client() as c:
+            c.config_set("cluster-announce-bus-port", self.target.port + 10000)
+            c.config_set("cluster-announce-port", self.proxy.port)
+        with self.cluster.nodes[0].client() as c:
+            assert wait_for(lambda: self.proxy.port in _slot_ports(c), 20.0), \
+                "the announced port did not spread"
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url  # node 0: not behind the proxy
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.cluster.stop()
+
+
+def _slot_ports(c: redis.Redis) -> set[int]:
+    return {int(node[1]) for slot in c.execute_command("CLUSTER", "SLOTS")
+            for node in slot[2:]}
+
+
+@pytest.fixture
+def proxied(tmp_path: Path) -> Iterator[ProxiedCluster]:
+    pc = ProxiedCluster(tmp_path)
+    yield pc
+    pc.close()
+
+
+def rooms_by_port(store: Store, count: int) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for room in range(count):
+        key = store.keys.participant(room, "tx", "x")
+        port = int(store.client.get_node_from_key(key).port)  # type: ignore[union-attr]
+        out.setdefault(port, []).append(room)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.parametrize("fault", ["blackhole", "stall"])
+def test_cluster_poll_many_partial_and_calls_bounded(proxied: ProxiedCluster,
+                                                     fault: str) -> None:
+    """One primary black-holed (or stalled): poll_many answers for the rooms on the
+    healthy primaries and lists the others in ``.errors`` with that node's error; calls
+    on healthy nodes work; calls on the bad node end within the bound."""
+    store = kvstate.connect(proxied.url, namespace="partial")
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=30.0)
+    d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=30.0)
+    by_port = rooms_by_port(store, 30)
+    assert proxied.proxy.port in by_port and len(by_port) == 3
+    bad_rooms = set(by_port[proxied.proxy.port])
+    rooms = list(range(30))
+    parts = {r: (p.sender(r), d.receiver(r, PREFILL_ADDR)) for r in rooms}
+    for _, rcv in parts.values():
+        rcv.init([1, 2])
+    healthy = p.poll_many(rooms)
+    assert healthy == dict.fromkeys(rooms, KVPoll.WaitingForInput) and not healthy.errors
+
+    getattr(proxied.proxy, fault)()
+    t0 = time.monotonic()
+    result = p.poll_many(rooms)
+    poll_many_s = time.monotonic() - t0
+    assert poll_many_s < BOUND
+    assert set(result) == set(rooms) - bad_rooms
+    assert set(result.values()) == {KVPoll.WaitingForInput}
+    assert set(result.errors) == bad_rooms
+    for exc in result.errors.values():
+        assert isinstance(exc, StateConnectionError)
+        assert f"{proxied.proxy.port}" in str(exc) or store.url in str(exc)
+    good = next(r for r in rooms if r not in bad_rooms)
+    assert parts[good][0].begin_transfer() == KVPoll.Transferring  # healthy nodes work
+
+    bad = min(bad_rooms)
+    took, raised = run_all({
+        "poll (bad node)": parts[bad][0].poll,
+        "init (bad node)": lambda: parts[bad][1].init([3]),
+        "clear (bad node)": parts[bad][0].clear,
+        "poll_many": lambda: d.poll_many(rooms),
+        "connect": lambda: kvstate.connect(proxied.url, namespace="partial"),
+    })
+    for name, exc in raised.items():
+        assert exc is None or isinstance(exc, StateConnectionError), (name, repr(exc))
+        assert took[name] < BOUND, f"{name} took {took[name]:.1f} s"
+    assert isinstance(raised["poll (bad node)"], StateConnectionError)
+
+    proxied.proxy.passthrough()
+    assert wait_for(lambda: _answers(parts[bad][0]), 2 * DEFAULT.call_timeout)
+    after = p.poll_many(rooms)
+    assert set(after) == set(rooms) and not after.errors
+    for snd, rcv in parts.values():
+        snd.clear()
+        rcv.clear()
+    p.close()
+    d.close()
+    store.close()
+    longest = max(took, key=took.__getitem__)
+    report(f"cluster-{fault}", rooms=len(rooms), rooms_on_bad_node=len(bad_rooms),
+           partial_poll_many_s=f"{poll_many_s:.2f}", longest_call=longest,
+           longest_s=f"{took[longest]:.2f}",
+           **{k.split(" ")[0] + "_s": f"{v:.2f}" for k, v in took.items()})
