@@ -59,8 +59,10 @@ def decode_runs(raw: bytes, key: str, field_name: str) -> IndexArray:
     if pairs.size == 0:
         return np.empty(0, dtype=np.int32)
     starts, lengths = pairs[:, 0], pairs[:, 1]
-    if (starts < 0).any() or (lengths <= 0).any() or int((starts + lengths).max()) > MAX_INDEX:
+    if (starts < 0).any() or (lengths <= 0).any():
         raise CorruptStateError(key, field_name, "run list has a negative start or length")
+    if int((starts + lengths - 1).max()) > MAX_INDEX:  # a run's last page, not one past it
+        raise CorruptStateError(key, field_name, f"run list goes past page {MAX_INDEX}")
     offsets = np.cumsum(lengths) - lengths
     return (np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)).astype(
         np.int32
