@@ -7,6 +7,7 @@ an exception or a repr (SPEC rule 8).
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 import time
 from collections.abc import Callable, Iterator
@@ -39,12 +40,16 @@ _DEADLINE: ContextVar[float | None] = ContextVar("kvstate_deadline", default=Non
 def redact(url: str) -> str:
     """The URL with any password replaced by ``***``; unparseable input is hidden whole."""
     try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.netloc.rpartition("@")[2]
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+        base, mark, query = url.partition("?")
+        if query:  # a password given as a query parameter (not supported, but shown)
+            pairs = [p.partition("=") for p in query.split("&")]
+            query = "&".join(f"{k}{eq}***" if "pass" in k.lower() else f"{k}{eq}{v}"
+                             for k, eq, v in pairs)
+        parts = urlsplit(base)
+        if parts.password is not None:
+            host = parts.netloc.rpartition("@")[2]
+            base = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+        return base + mark + query
     except ValueError:
         return "<unparseable URL>"
 
@@ -340,6 +345,21 @@ def make_client(url: str, cluster: bool | None = None, options: Options | None =
     client = redis.Redis(connection_pool=pool)
     client.auto_close_connection_pool = True
     return client
+
+
+def answers_plain_text(url: str, timeout: float) -> bool:
+    """Whether the server of a ``rediss://`` URL answers a plain-text PING (it does not
+    speak TLS on that port). Asked before the TLS handshake, which would otherwise wait
+    for a reply a plain redis-server never sends (it waits for the end of a line)."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "", parts.port or 6379),
+                                      timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            first = sock.recv(1)
+    except OSError:
+        return False  # unreachable, or a TLS server hung up: the TLS attempt will tell
+    return first in (b"+", b"-")  # +PONG, or -NOAUTH / -ERR: a RESP reply
 
 
 def check_url(url: str, cluster: bool | None = None) -> bool:

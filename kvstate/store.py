@@ -47,6 +47,7 @@ from kvstate.connection import (
     Client,
     DeadlineExceeded,
     Options,
+    answers_plain_text,
     deadline,
     effective_options,
     is_tls_refusal,
@@ -623,6 +624,10 @@ def connect(
     # One deadline for the whole of connect(): the Cluster client asks for the slots
     # when it is made, then PING, then SCRIPT LOAD on every primary.
     with deadline(opts.call_timeout):
+        if url.startswith("rediss") and answers_plain_text(url, min(1.0, opts.connect_timeout)):
+            raise StateConnectionError(
+                f"Redis at {redact(url)} does not speak TLS on that port (it answered a "
+                "plain-text PING): use redis://, or the port the server's tls-port names")
         try:
             client = make_client(url, cluster, opts)
         except (NoPermissionError, RedisClusterException, redis.ConnectionError,
@@ -636,6 +641,10 @@ def connect(
             if is_tls_refusal(exc):
                 raise StateConnectionError(
                     _unreachable(redact(url), exc, opts.call_timeout)) from None
+            if "Cluster mode is not enabled" in str(exc):
+                raise StateConnectionError(
+                    f"Redis at {redact(url)} is not a Cluster (cluster mode is not enabled "
+                    "on it): use redis:// without +cluster or ?cluster=true") from None
             late = time_left()
             why = (f"no answer within {opts.call_timeout:g} s: stalled or unreachable"
                    if late is not None and late <= 0 else "is the node in the URL up?")
