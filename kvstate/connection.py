@@ -10,9 +10,8 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import SplitResult, parse_qs, urlsplit, urlunsplit
@@ -58,22 +57,31 @@ class DeadlineExceeded(redis.TimeoutError):
     """The call's time (``Options.call_timeout``) ran out before Redis answered."""
 
 
-@contextmanager
-def deadline(seconds: float) -> Iterator[float]:
+class deadline:  # noqa: N801 - used like a function: ``with deadline(5):``
     """Bound all Redis work in this block (this thread) to end within ``seconds``: every
     connect, read, write, retry and backoff is cut to the time left, then raises
     DeadlineExceeded. A nested block keeps the outer deadline when that one is earlier,
-    so a public call made of several round trips is bounded as a whole."""
-    end = time.monotonic() + seconds
-    outer = _DEADLINE.get()
-    if outer is not None and outer <= end:
-        yield outer
-        return
-    token = _DEADLINE.set(end)
-    try:
-        yield end
-    finally:
-        _DEADLINE.reset(token)
+    so a public call made of several round trips is bounded as a whole. (A class, not
+    a generator: it wraps every call on the hot path.)"""
+
+    __slots__ = ("seconds", "_token")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._token: Token[float | None] | None = None
+
+    def __enter__(self) -> float:
+        end = time.monotonic() + self.seconds
+        outer = _DEADLINE.get()
+        if outer is not None and outer <= end:
+            return outer
+        self._token = _DEADLINE.set(end)
+        return end
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _DEADLINE.reset(self._token)
+            self._token = None
 
 
 def time_left() -> float | None:
@@ -124,13 +132,18 @@ class _BoundedConnection:
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         self._bound_socket()
-        if "timeout" in kwargs:  # the parser sets its own timeout, then restores its copy
-            self._applied = None
-        return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        if "timeout" not in kwargs:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        finally:  # the parser applied its own timeout, then put back socket_timeout
+            self._applied = self.socket_timeout
 
     def can_read(self, timeout: float = 0) -> bool:
-        self._applied = None  # as in read_response(timeout=...)
-        return bool(super().can_read(timeout))  # type: ignore[misc]
+        try:
+            return bool(super().can_read(timeout))  # type: ignore[misc]
+        finally:  # as in read_response(timeout=...)
+            self._applied = self.socket_timeout
 
 
 _BOUNDED: dict[type, type] = {}
@@ -214,6 +227,8 @@ class _BoundedRetry(Retry):
                 return False
             return is_retryable is None or bool(is_retryable(exc))
 
+        if _DEADLINE.get() is not None:  # inside a kvstate call: its deadline holds
+            return super().call_with_retry(do, fail, retryable, with_failure_count)
         with deadline(self.call_timeout):
             return super().call_with_retry(do, fail, retryable, with_failure_count)
 

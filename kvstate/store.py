@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
+from types import TracebackType
 from typing import Any
 
 import redis
@@ -84,6 +85,29 @@ _SOURCES = _load_scripts()
 _SHAS = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in _SOURCES.items()}
 
 
+class _Bounded:
+    """``Store.bounded()``: a deadline plus error translation (a class: hot path)."""
+
+    __slots__ = ("store", "limit")
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.limit = deadline(store.options.call_timeout)
+
+    def __enter__(self) -> None:
+        self.limit.__enter__()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:  # translated while the deadline still holds: the message tells a timeout
+            if isinstance(exc, (redis.RedisError, RedisClusterException)):
+                better = self.store.translate_error(exc)
+                if better is not exc:
+                    raise better from None
+        finally:
+            self.limit.__exit__()
+
+
 @dataclass(frozen=True)
 class Status:
     """A script's answer about one participant; ``status`` None means it does not exist."""
@@ -139,6 +163,7 @@ class Store:
         self.cluster = not isinstance(client, redis.Redis)
         self.options = options or Options()
         self._pool: ThreadPoolExecutor | None = None  # Cluster: one pipeline per node at once
+        self._pool_pid = 0
         self._pool_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -167,12 +192,10 @@ class Store:
                 raise
             raise better from None
 
-    @contextmanager
-    def bounded(self) -> Iterator[None]:
+    def bounded(self) -> _Bounded:
         """One call's worth of Redis work: within ``options.call_timeout`` (shared with
         an enclosing bounded block), errors translated as in ``errors()``."""
-        with deadline(self.options.call_timeout), self.errors():
-            yield
+        return _Bounded(self)
 
     def translate_error(self, exc: BaseException) -> BaseException:
         """The KVStateError to raise for a redis-py error (``exc`` itself if none fits)."""
@@ -364,12 +387,13 @@ class Store:
         if len(groups) == 1:
             return [run(*groups[0])]
         with self._pool_lock:
-            if self._pool is None:
+            if self._pool is None or self._pool_pid != os.getpid():  # none, or a fork's
                 self._pool = ThreadPoolExecutor(max_workers=16,
                                                 thread_name_prefix="kvstate-node")
+                self._pool_pid = os.getpid()
+            pool = self._pool
         ctx = contextvars.copy_context()
-        futures = [self._pool.submit(ctx.copy().run, run, conn, batch)
-                   for conn, batch in groups]
+        futures = [pool.submit(ctx.copy().run, run, conn, batch) for conn, batch in groups]
         return [f.result() for f in futures]
 
     def _translate(self, call: Call, exc: Exception) -> Exception:

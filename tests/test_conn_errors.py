@@ -170,6 +170,7 @@ def test_slot_left_mid_migration_says_so(redis_cluster_url: str,
         assert f"slot {slot}" in text and "being migrated" in text, text
         assert "redis-cli --cluster fix" in text
         assert took < 10.0
+        print(f"\n[slot-migrating] error_after_s={took:.2f}")
     finally:
         with owner.client() as c:
             c.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
