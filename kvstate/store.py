@@ -329,7 +329,7 @@ class Store:
         pending = list(range(len(calls)))
         cluster = self.client
         assert not isinstance(cluster, redis.Redis)
-        trouble: dict[int, BaseException] = {}
+        trouble: dict[int, tuple[str, BaseException]] = {}  # call -> (node, last error)
         for attempt in range(self.options.retries + 1):
             groups: dict[tuple[str, int], list[int]] = {}
             for i in pending:
@@ -342,16 +342,15 @@ class Store:
                   [calls[i] for i in idxs]) for (name, _), idxs in groups.items()],
                 transaction)
             failed: list[int] = []
-            for idxs, out in zip(groups.values(), outcomes, strict=True):
+            for ((name, _), idxs), out in zip(groups.items(), outcomes, strict=True):
                 if isinstance(out, BaseException):
                     if not isinstance(out, _NODE_TROUBLE):
                         raise out
                     failed += idxs
-                    trouble.update(dict.fromkeys(idxs, out))
+                    trouble.update(dict.fromkeys(idxs, (name, out)))
                     continue
                 for i, reply in zip(idxs, out, strict=True):
                     replies[i] = reply
-                    trouble.pop(i, None)
             pending = failed
             pause = 0.1 * (attempt + 1)
             left = time_left()
@@ -364,13 +363,15 @@ class Store:
                                      redis.TimeoutError):
                 cluster.nodes_manager.initialize()
         if pending:
-            first = trouble[pending[0]]
             if not partial or len(pending) == len(calls):
-                raise first
+                raise trouble[pending[0]][1]
+            said: dict[int, StateConnectionError] = {}  # one error object per node error
             for i in pending:
-                err = self.translate_error(trouble[i])
-                replies[i] = err if isinstance(err, StateConnectionError) else \
-                    StateConnectionError(str(err))
+                name, exc = trouble[i]
+                if id(exc) not in said:
+                    said[id(exc)] = StateConnectionError(
+                        f"Cluster node {name}: {self.translate_error(exc)}")
+                replies[i] = said[id(exc)]
         return replies
 
     def _run_groups(self, groups: list[tuple[redis.Redis, list[Call]]],

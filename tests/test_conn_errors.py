@@ -6,7 +6,7 @@ clear() at maxmemory (it must always work: it frees memory)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -19,7 +19,7 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
-from kvstate.servers import RedisCluster
+from kvstate.servers import RedisCluster, RedisProcess
 from kvstate.store import Store
 from tests.helpers import PREFILL_ADDR, keys_of, managers
 
@@ -51,7 +51,7 @@ def test_bad_url_parameters_are_one_clear_line(redis_tcp_url: str, query: str,
     assert time.monotonic() - t0 < 1.0
 
 
-def test_supported_url_parameters_work(redis_tcp_url: str, redis_proc) -> None:
+def test_supported_url_parameters_work(redis_tcp_url: str, redis_proc: RedisProcess) -> None:
     url = (f"{redis_tcp_url}?socket_timeout=2&connect_timeout=1.5&call_timeout=4"
            "&retries=1&db=3")
     store = kvstate.connect(url, namespace="params", options=Options(retries=7))
@@ -183,7 +183,7 @@ def test_slot_left_mid_migration_says_so(redis_cluster_url: str,
 # --------------------------------------------------------------------------- maxmemory
 
 
-def test_clear_works_at_maxmemory(redis_server_factory) -> None:
+def test_clear_works_at_maxmemory(redis_server_factory: Callable[..., RedisProcess]) -> None:
     """At maxmemory (noeviction) Redis refuses every command queued in a MULTI, DEL
     included; clear() must still drain the rooms, on a real server at a tiny limit."""
     proc = redis_server_factory(port="auto")
