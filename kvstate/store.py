@@ -649,7 +649,8 @@ def connect(
     # One deadline for the whole of connect(): the Cluster client asks for the slots
     # when it is made, then PING, then SCRIPT LOAD on every primary.
     with deadline(opts.call_timeout):
-        if url.startswith("rediss") and answers_plain_text(url, min(1.0, opts.connect_timeout)):
+        probe_s = min(1.0, opts.connect_timeout, opts.call_timeout / 4)
+        if url.startswith("rediss") and answers_plain_text(url, probe_s):
             raise StateConnectionError(
                 f"Redis at {redact(url)} does not speak TLS on that port (it answered a "
                 "plain-text PING): use redis://, or the port the server's tls-port names")
