@@ -2,6 +2,11 @@
 
 A URL is shown only through ``redact()``: the password never reaches a log line,
 an exception or a repr (SPEC rule 8).
+
+Every kvstate call runs under one ``deadline`` (``Options.call_timeout``): the retry
+policy stops and every socket wait is cut when it passes, because redis-py's own
+timeouts multiply (handshake retries inside command retries: ~190 s on a stalled
+server with 5 s timeouts and 5 retries).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import ssl
 import time
 from collections.abc import Callable
 from contextvars import ContextVar, Token
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import SplitResult, parse_qs, urlsplit, urlunsplit
 
@@ -381,5 +386,3 @@ def check_url(url: str, cluster: bool | None = None) -> bool:
     """Validate ``url``; returns whether it names a Cluster."""
     return _check(url, cluster).cluster
 
-
-assert {f.name for f in fields(Options)} >= set(_FLOAT_PARAMS.values()) | {"retries"}
