@@ -104,12 +104,7 @@ def ucx_decode(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[
     with kvstate.KVManager(store, "decode", engine, transport=transport) as mgr:
         rcvs = {}
         for room, dst in rooms.items():
-            for _ in range(600):
-                try:
-                    rcvs[room] = mgr.receiver(room, addr)
-                    break
-                except kvstate.PeerNotFoundError:
-                    time.sleep(0.05)
+            rcvs[room] = mgr.receiver(room, addr)  # binds the prefill once it registered
             rcvs[room].init([] if dummy else dst, dummy=dummy)
         out = {}
         for room, rcv in rcvs.items():
@@ -133,12 +128,7 @@ def ucx_decode_hang(url: str, ns: str, engine: str, addr: str, room: int, dst: l
     transport = UCXTransport()
     transport.register_buffers(_pool(layers, 256, page_bytes, fill=None), [page_bytes] * layers)
     mgr = kvstate.KVManager(store, "decode", engine, transport=transport)
-    for _ in range(600):
-        try:
-            rcv = mgr.receiver(room, addr)
-            break
-        except kvstate.PeerNotFoundError:
-            time.sleep(0.05)
+    rcv = mgr.receiver(room, addr)
     rcv.init(dst)
     results.put(("published", engine))
     while True:
