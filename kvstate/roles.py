@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Iterable
@@ -477,7 +476,6 @@ class KVManager:
         self._live: dict[int, _Participant] = {}
         self._watched: set[tuple[str, str, str]] = set()  # (peer engine, addr, incarnation)
         self._misses: dict[tuple[str, str], int] = {}  # (engine, incarnation) -> checks missing
-        self._found: dict[tuple[str, tuple[str, ...]], tuple[float, list[EngineInfo]]] = {}
         self._peers: dict[tuple[str, str], EngineInfo] = {}
         self._forked = False
         self._closed = False
@@ -556,27 +554,13 @@ class KVManager:
             if self._live.get(p.room) is p:
                 del self._live[p.room]
 
-    # Lookups of one address by the receivers polled in one scheduler step share one
-    # read of the registry; a registration shows within this many seconds.
-    FOUND_FOR = 0.05
-
     def _prefill_engines(self, addr: str, names: list[str] | None) -> list[EngineInfo]:
-        """The live prefill engines at ``addr`` (or among ``names``), by name."""
-        key = (addr, tuple(names or ()))
-        now = time.monotonic()
-        with self._lock:
-            hit = self._found.get(key)
-        if hit is not None and now - hit[0] < self.FOUND_FOR:
-            return hit[1]
+        """The live prefill engines at ``addr`` (or among ``names``), read fresh: a
+        remembered answer would bind a receiver to a group that has grown since."""
         if names:
-            found = [i for i in self.registry.get_many(names).values()
-                     if i is not None and i.role == "prefill"]
-        else:
-            found = self.registry.at_addr(addr, role="prefill")
-        with self._lock:
-            self._found = {k: v for k, v in self._found.items() if now - v[0] < self.FOUND_FOR}
-            self._found[key] = (now, found)
-        return found
+            return [i for i in self.registry.get_many(names).values()
+                    if i is not None and i.role == "prefill"]
+        return self.registry.at_addr(addr, role="prefill")
 
     def _watch(self, addr: str, bound: dict[str, str]) -> None:
         with self._lock:
