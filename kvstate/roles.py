@@ -43,6 +43,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_MIN_BULK_LIMIT = 1 << 20  # the smallest proto-max-bulk-len Redis accepts
+
+
 def _reason(reason: object) -> str:
     """Reasons are text in Redis: None (SGLang passes it) reads as 'no reason given'."""
     return "no reason given" if reason is None else str(reason)
@@ -413,15 +416,27 @@ class KVReceiver(_Participant):
             self._run(self.store.publish(self.room, self.engine, dict(self._bound),
                                          self._payload, self._required))
         except KVStateError as exc:
-            if creating and self._create_sent:  # refused after the create ran: say why
-                self._fail_quietly(f"init() refused by Redis: {exc}")
-            raise
+            err = exc
+            self._pending = None  # that batch did not run (or not whole): bind again later
+            if len(self._payload) >= _MIN_BULK_LIMIT:  # Redis hangs up: it reads as "down"
+                self._payload = b""  # never to be sent again by a later binding
+                err = KVStateError(
+                    f"room {self.room}: init() failed ({exc}); its transfer info is "
+                    f"{len(self._payload)} bytes, and Redis drops a connection sent a value "
+                    "above its proto-max-bulk-len: raise that, or publish fewer or less "
+                    "fragmented pages")
+            if (creating and self._create_sent) or not self._payload:  # it exists: say why
+                self._fail_quietly(f"init() refused by Redis: {err}")
+            if err is exc:
+                raise
+            raise err from None
         return self._status
 
     def _fail_quietly(self, reason: str) -> None:
+        """Fail this receiver after an error, when Redis may be what failed."""
         try:
-            self.store.execute([self.store.update(self.room, "rx", self.engine,
-                                                  KVPoll.Failed, reason)])
+            self._absorb(self.store.execute([self.store.update(
+                self.room, "rx", self.engine, KVPoll.Failed, reason)])[0])
         except KVStateError as exc:
             log.warning("room %s: could not record %r: %s", self.room, reason, exc)
 

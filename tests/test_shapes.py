@@ -418,3 +418,86 @@ def test_fork_child_refuses_the_parents_manager(store: Store) -> None:
         assert p._thread.is_alive() and snd.poll() == KVPoll.Bootstrapping
         snd.clear()
     assert keys_of(store) == []
+
+
+# --------------------------------------------------------------------------- smaller ones
+
+
+def test_init_after_success_changes_nothing(store: Store) -> None:
+    """A late init() (a race, or a retry) after Success leaves the receiver Success
+    (publish.lua used to fail it without an abort)."""
+    with kvstate.KVManager(store, "prefill", "prefill-i.tp0", ADDR) as p, \
+            kvstate.KVManager(store, "decode", "decode-i.tp0") as d:
+        rcv, snd = d.receiver(1, ADDR), p.sender(1)
+        rcv.init([1])
+        snd.poll()
+        snd.begin_transfer()
+        snd.finish_transfer()
+        assert rcv.poll() == KVPoll.Success
+        snd.fail("failed after it finished")  # a sender Failed now must not matter either
+        assert rcv.init([2]) == KVPoll.Success and rcv.poll() == KVPoll.Success
+        for part in (snd, rcv):
+            part.clear()
+    assert keys_of(store) == []
+
+
+def test_fan_out_reaches_a_receiver_that_outlived_its_tracker_entry(store: Store) -> None:
+    """The address tracker expires with the room TTL from a receiver's creation, while
+    status changes keep the receiver alive longer: the decode heartbeat fails its own
+    receivers by key too, so a dead prefill still reaches them."""
+    lease = 0.6
+    d = kvstate.KVManager(store, "decode", "decode-o.tp0", lease=lease)
+    p = kvstate.KVManager(store, "prefill", "prefill-o.tp0", ADDR, lease=lease)
+    rcv = d.receiver(1, ADDR)
+    assert rcv.init([1]) == KVPoll.WaitingForInput
+    store.client.delete(store.keys.addr(ADDR))  # as if expired
+    p.close()
+    assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 2 * lease + 1.0)
+    assert "prefill-o.tp0" in rcv._reason and "lost its lease" in rcv._reason
+    rcv.clear()
+    d.close()
+    assert keys_of(store) == []
+
+
+def test_sender_poll_returns_infos_only_when_they_changed(store: Store) -> None:
+    """poll.lua sends a sender's transfer infos only when their version (bumped by each
+    publish) differs from the one the client holds."""
+    with kvstate.KVManager(store, "prefill", "prefill-v.tp0", ADDR) as p, \
+            kvstate.KVManager(store, "decode", "decode-v.tp0") as d:
+        snd = p.sender(1, required_receivers=1)
+        rcv = d.receiver(1, ADDR)
+        rcv.init(list(range(0, 2000, 2)))
+        assert snd.poll() == KVPoll.WaitingForInput and "decode-v.tp0" in snd.transfer_infos()
+        held = snd._infos_version
+        again = store.execute([store.poll(1, "tx", p.engine, True, held)])[0]
+        assert again.status == KVPoll.WaitingForInput and again.infos == {}
+        assert again.version == -1
+        stale = store.execute([store.poll(1, "tx", p.engine, True, held - 1)])[0]
+        assert set(stale.infos) == {"decode-v.tp0"} and stale.version == held
+        rcv.init([7, 9])  # published again: the next poll brings the new info
+        snd.poll()
+        assert snd.transfer_infos()["decode-v.tp0"].kv_indices.tolist() == [7, 9]
+        for part in (snd, rcv):
+            part.clear()
+
+
+def test_init_refused_by_redis_says_why(redis_server_factory) -> None:
+    """A transfer info above Redis's proto-max-bulk-len: Redis drops the connection. init()
+    raises a KVStateError naming the size and the setting, and the receiver it created
+    is Failed with that reason (was: left Bootstrapping, error read 'is Redis running?')."""
+    proc = redis_server_factory(port="auto")
+    with proc.client() as c:
+        c.config_set("proto-max-bulk-len", "1mb")
+    store = kvstate.connect(proc.unix_url, namespace=NS)
+    with kvstate.KVManager(store, "prefill", "prefill-m.tp0", ADDR) as p, \
+            kvstate.KVManager(store, "decode", "decode-m.tp0") as d:
+        rcv = d.receiver(1, ADDR)
+        with pytest.raises(KVStateError, match="proto-max-bulk-len") as err:
+            rcv.init(list(range(0, 600_000, 2)))  # 300k runs: 2.4 MB
+        assert "bytes" in str(err.value)
+        assert rcv.poll() == KVPoll.Failed and "proto-max-bulk-len" in rcv._reason
+        rcv.clear()
+        assert p.sender(1).poll() == KVPoll.Bootstrapping  # nothing reached the sender
+        p._live[1].clear()
+    assert keys_of(store) == []
+    store.close()
