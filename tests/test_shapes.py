@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,6 +31,10 @@ from tests.helpers import assert_every_key_has_ttl, keys_of, room_keys, wait_for
 
 ADDR = "10.8.8.8:8998"
 NS = "shapes"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def report(name: str, **figures: object) -> None:
@@ -128,17 +132,18 @@ def test_tp_ranks_registering_late_in_random_order(store: Store, state_url: str,
         got = d.poll_many(list(rcvs))
         assert set(got.values()) == {KVPoll.WaitingForInput}, got
         for r in rcvs:
-            rx = store.client.hgetall(store.keys.participant(r, "rx", d.engine))
-            assert rx[b"peers"] == str(ranks).encode()
-            assert {k.decode()[5:]: v.decode() for k, v in rx.items()
-                    if k.startswith(b"peer:")} == incs  # each at its current incarnation
+            raw = store.client.hgetall(store.keys.participant(r, "rx", d.engine))
+            rx = {_text(k): _text(v) for k, v in raw.items()}
+            assert rx["peers"] == str(ranks)
+            assert {k[5:]: v for k, v in rx.items()
+                    if k.startswith("peer:")} == incs  # each at its current incarnation
         hold.set()
         out = get(results, "done")[2]
         assert all(st == "Success" for st, _ in out.values()), out
         assert wait_for(lambda: set(d.poll_many(list(rcvs)).values()) == {KVPoll.Success}, 10.0)
         for r in rcvs:
             acks = store.client.smembers(store.keys.acks(r, d.engine))
-            assert sorted(a.decode() for a in acks) == sorted(engines)
+            assert sorted(_text(a) for a in acks) == sorted(engines)
             rcvs[r].clear()
     report("tp-ranks", ranks=ranks, order=[engines[i] for i in order], rooms=len(rcvs))
 
@@ -308,7 +313,7 @@ def test_receiver_before_its_prefill_registers(store: Store) -> None:
 # --------------------------------------------------------------------------- heartbeat
 
 
-def test_heartbeat_survives_a_starved_pool(redis_server_factory) -> None:
+def test_heartbeat_survives_a_starved_pool(redis_server_factory: Callable[..., Any]) -> None:
     """The workload holds every connection of its pool in blocking calls and the server is
     at maxclients: the heartbeat renews on its own connection, so no lease lapses and no
     live room fails (with the shared pool the lease lapsed and rooms failed)."""
@@ -481,7 +486,7 @@ def test_sender_poll_returns_infos_only_when_they_changed(store: Store) -> None:
             part.clear()
 
 
-def test_init_refused_by_redis_says_why(redis_server_factory) -> None:
+def test_init_refused_by_redis_says_why(redis_server_factory: Callable[..., Any]) -> None:
     """A transfer info above Redis's proto-max-bulk-len: Redis drops the connection. init()
     raises a KVStateError naming the size and the setting, and the receiver it created
     is Failed with that reason (was: left Bootstrapping, error read 'is Redis running?')."""

@@ -6,7 +6,7 @@
 -- KEYS[1] index  kvstate:<ns>:engines_at:<bootstrap addr>
 -- ARGV[1] engine
 -- ARGV[2] lease in ms, or '' to remove the engine (its close)
--- Returns the number of engines left in the index.
+-- Returns 1 if the index holds an engine afterwards, else 0 (the key is gone).
 local key = KEYS[1]
 local now = now_ms()
 -- ZADD first: at maxmemory Redis refuses a script's first memory-taking write, and
@@ -20,4 +20,4 @@ redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 if #last == 0 then return 0 end
 redis.call('PEXPIRE', key, math.max(1, tonumber(last[2]) - now))
-return redis.call('ZCARD', key)
+return 1

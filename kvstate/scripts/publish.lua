@@ -25,10 +25,16 @@ local cur = read_status(rx)
 if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
 local now = now_ms()
 local n = (#KEYS - 2) / 2
+-- (HEXISTS/HGET + HSET rather than HSETNX/HINCRBY: the engine ACL in the README lists
+-- the commands kvstate needs, and the script is atomic anyway)
+local function bump(key, field)
+  redis.call('HSET', key, field, (tonumber(redis.call('HGET', key, field)) or 0) + 1)
+end
 for i = 1, n do
   local field = 'peer:' .. ARGV[3 + 2 * i]
-  if redis.call('HSETNX', rx, field, ARGV[4 + 2 * i]) == 1 then
-    redis.call('HINCRBY', rx, 'bound', 1)
+  if redis.call('HEXISTS', rx, field) == 0 then
+    redis.call('HSET', rx, field, ARGV[4 + 2 * i])
+    bump(rx, 'bound')
   end
 end
 local required = tonumber(ARGV[4])
@@ -53,7 +59,7 @@ for i = 1, n do
     redis.call('PEXPIRE', xfer, ttl)
     local t = redis.call('HMGET', tx, 'status', 'peers')
     if t[1] then
-      redis.call('HINCRBY', tx, 'infos_v', 1)
+      bump(tx, 'infos_v')
       if rank_of(tx, t[1]) == 1 and redis.call('HLEN', xfer) >= number_of(tx, 'peers', t[2]) then
         set_status(tx, 'WaitingForInput', now, ttl, nil)
       end
