@@ -669,7 +669,12 @@ class KVManager:
                        and p._status not in (KVPoll.Failed, KVPoll.Success)]
         writes_to: dict[tuple[str, str], list[KVSender]] = {}
         for snd in senders:
-            for engine, inc in snd._receiver_incarnations().items():
+            try:
+                incarnations = snd._receiver_incarnations()
+            except CorruptStateError as exc:  # that room's send() will say so; watch the rest
+                log.warning("heartbeat of %s: %s", self.engine, exc)
+                continue
+            for engine, inc in incarnations.items():
                 writes_to.setdefault((engine, inc), []).append(snd)
         pairs = {(e, i) for e, _, i in watched} | set(writes_to)
         if not pairs:

@@ -78,7 +78,7 @@ def test_late_updates_after_clear_create_nothing(store: Store) -> None:
             s.update(9, "tx", p.engine, KVPoll.Transferring),
             s.update(9, "rx", d.engine, KVPoll.Failed, "late"),
             s.poll(9, "rx", d.engine),
-            s.publish(9, d.engine, {p.engine: b"x"}),
+            s.publish(9, d.engine, {p.engine: p.incarnation}, b"x"),
             s.finish(9, p.engine, [d.engine]),
             s.poll(9, "tx", p.engine),
         ]
