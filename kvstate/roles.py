@@ -418,14 +418,15 @@ class KVReceiver(_Participant):
         except KVStateError as exc:
             err = exc
             self._pending = None  # that batch did not run (or not whole): bind again later
-            if len(self._payload) >= _MIN_BULK_LIMIT:  # Redis hangs up: it reads as "down"
+            size = len(self._payload)
+            oversize = size >= _MIN_BULK_LIMIT  # Redis hangs up on it: reads as "down"
+            if oversize:
                 self._payload = b""  # never to be sent again by a later binding
                 err = KVStateError(
-                    f"room {self.room}: init() failed ({exc}); its transfer info is "
-                    f"{len(self._payload)} bytes, and Redis drops a connection sent a value "
-                    "above its proto-max-bulk-len: raise that, or publish fewer or less "
-                    "fragmented pages")
-            if (creating and self._create_sent) or not self._payload:  # it exists: say why
+                    f"room {self.room}: init() failed ({exc}); its transfer info is {size} "
+                    "bytes, and Redis drops a connection sent a value above its "
+                    "proto-max-bulk-len: raise that, or publish fewer or less fragmented pages")
+            if oversize or (creating and self._create_sent):  # it exists: say why
                 self._fail_quietly(f"init() refused by Redis: {err}")
             if err is exc:
                 raise
