@@ -201,7 +201,8 @@ def test_prefill_rank_restarted_under_its_name(store: Store, state_url: str,
         new_inc = get(results, "ready")[2]
         registered_s = time.monotonic() - t0
         assert new_inc != old_inc
-        assert wait_for(lambda: all(r.poll() == KVPoll.Failed for r in bound_old), 2 * lease + 1)
+        assert wait_for(lambda: all(r.poll() == KVPoll.Failed for r in bound_old),
+                        2 * lease + 1.5)
         failed_s = time.monotonic() - t0
         for rcv in bound_old:
             reason = rcv.failure_exception().reason
@@ -238,7 +239,7 @@ def test_decode_rank_sigkilled_fails_prefill_senders(store: Store, state_url: st
         t0 = time.monotonic()
         os.kill(dec.pid, signal.SIGKILL)
         assert wait_for(lambda: set(p.poll_many(rooms).values()) == {KVPoll.Failed},
-                        2 * lease + 0.5, step=0.02)
+                        2 * lease + 1.5, step=0.02)
         detected_s = time.monotonic() - t0
         for snd in senders.values():
             assert snd.begin_transfer() == KVPoll.Failed
@@ -458,7 +459,7 @@ def test_fan_out_reaches_a_receiver_that_outlived_its_tracker_entry(store: Store
     assert rcv.init([1]) == KVPoll.WaitingForInput
     store.client.delete(store.keys.addr(ADDR))  # as if expired
     p.close()
-    assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 2 * lease + 1.0)
+    assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 2 * lease + 1.5)
     assert "prefill-o.tp0" in rcv._reason and "lost its lease" in rcv._reason
     rcv.clear()
     d.close()
