@@ -190,6 +190,7 @@ class KVSender(_Participant):
         self._incarnations: tuple[dict[str, bytes], dict[str, str]] | None = None
         self._num_pages: int | None = None
         self._sent = 0
+        self._peer_failed = False  # the heartbeat failed it: a receiver's engine died
 
     def _poll_call(self) -> Call:
         return self.store.poll(self.room, "tx", self.engine, with_infos=True,
@@ -666,7 +667,7 @@ class KVManager:
         with self._lock:
             watched = set(self._watched)
             senders = [p for p in self._live.values() if isinstance(p, KVSender)
-                       and p._infos and not p._cleared
+                       and p._infos and not p._cleared and not p._peer_failed
                        and p._status not in (KVPoll.Failed, KVPoll.Success)]
         writes_to: dict[tuple[str, str], list[KVSender]] = {}
         for snd in senders:
@@ -689,14 +690,17 @@ class KVManager:
                 log.warning("%s: failed %d room(s)", why, n)
                 with self._lock:
                     self._watched.discard((engine, addr, inc))
-        calls = []
+        calls, failed = [], []
         for (engine, inc), snds in writes_to.items():
             if (engine, inc) in dead:
                 reason = f"receiver {engine} {dead[engine, inc]}"
                 calls += [self._hb_store.update(s.room, "tx", self.engine, KVPoll.Failed, reason)
                           for s in snds]
+                failed += snds
                 log.warning("%s: failed %d sender(s)", reason, len(snds))
         self._hb_store.execute(calls)
+        for snd in failed:
+            snd._peer_failed = True  # once is enough: its next poll reads Failed
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
