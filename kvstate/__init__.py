@@ -4,6 +4,8 @@ from kvstate.codec import TransferInfo
 from kvstate.connection import Options
 from kvstate.errors import (
     CorruptStateError,
+    EngineNameTakenError,
+    ForkedManagerError,
     InvalidArgumentError,
     InvalidIndicesError,
     InvalidNameError,
@@ -24,6 +26,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CorruptStateError",
+    "EngineNameTakenError",
+    "ForkedManagerError",
     "InvalidArgumentError",
     "InvalidIndicesError",
     "InvalidNameError",

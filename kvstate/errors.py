@@ -58,6 +58,24 @@ class PeerNotFoundError(KVStateError, LookupError):
     """No live engine is registered at a bootstrap address."""
 
 
+class EngineNameTakenError(KVStateError):
+    """Another live process holds this engine name: one owner per name."""
+
+    def __init__(self, engine: str, holder: str, host: str, pid: str, namespace: str,
+                 what: str = "") -> None:
+        self.engine, self.holder, self.host, self.pid = engine, holder, host, pid
+        super().__init__(
+            f"{what or 'engine name'} {engine!r} in namespace {namespace!r} is held by a live "
+            f"process (host {host or '?'}, pid {pid or '?'}, incarnation {holder}): give this "
+            "rank its own engine name, or stop that process first (its name is free once "
+            "its lease lapses)"
+        )
+
+
+class ForkedManagerError(KVStateError):
+    """A KVManager (or its participants) used in a process forked from its owner."""
+
+
 class KVTransferError(KVStateError):
     """A room that failed; carries the reason recorded in Redis."""
 

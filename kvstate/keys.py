@@ -93,6 +93,11 @@ class Keys:
     def engine(self, engine: str) -> str:
         return f"{self.prefix}engine:{engine}"
 
+    def engines_at(self, bootstrap_addr: str) -> str:
+        """Engines registered at a bootstrap address, scored by lease deadline (ms): a
+        receiver finds its prefill ranks here without SCAN."""
+        return f"{self.prefix}engines_at:{bootstrap_addr}"
+
     @property
     def ledger(self) -> str:
         return f"{self.prefix}ledger"

@@ -9,22 +9,26 @@ base class, for every transport.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
-from kvstate.codec import MAX_INDEX, TransferInfo, as_indices
+from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, unpack
 from kvstate.errors import (
+    CorruptStateError,
+    EngineNameTakenError,
+    ForkedManagerError,
     InvalidIndicesError,
     KVStateError,
     KVTransferError,
-    PeerNotFoundError,
 )
 from kvstate.gpu import gpu_facts
 from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll, PollResults
-from kvstate.registry import EngineInfo, Registry
+from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.store import Call, Status, Store
 from transports.base import Target, Transport, TransportError
 
@@ -39,16 +43,36 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_MIN_BULK_LIMIT = 1 << 20  # the smallest proto-max-bulk-len Redis accepts
+
+
+def _reason(reason: object) -> str:
+    """Reasons are text in Redis: None (SGLang passes it) reads as 'no reason given'."""
+    return "no reason given" if reason is None else str(reason)
+
+
+# Managers of this process, so that a fork can mark them unusable in the child: the
+# child has no heartbeat thread and shares the parent's name and incarnation.
+_MANAGERS: weakref.WeakSet[KVManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for mgr in list(_MANAGERS):
+        mgr._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Participant:
     """What senders and receivers share: lazy creation, status, abort, the one clear."""
 
     side: Side
 
     def __init__(self, mgr: KVManager, room: object, peers: int, fields: dict[str, Any]) -> None:
+        mgr._check_usable(new=True)
         if mgr.side != self.side:
             raise KVStateError(f"a {mgr.role} manager cannot make a {type(self).__name__}")
-        if not _is_int(peers) or peers < 1:
-            raise ValueError(f"the required peer count must be an int >= 1, got {peers!r}")
         self.mgr = mgr
         self.store = mgr.store
         self.room = check_room(room)
@@ -72,6 +96,9 @@ class _Participant:
 
     # -- plumbing -------------------------------------------------------------
     def _create_calls(self) -> list[Call]:
+        """Calls that go ahead of this participant's next operation, in its batch: the
+        create (the first time) and, for a receiver, any binding still to make."""
+        self.mgr._check_usable()
         if self._created:
             return []
         self._create_sent = True
@@ -105,18 +132,19 @@ class _Participant:
         self._run(self._poll_call())
         return self._status
 
-    def fail(self, reason: str) -> KVPoll:
+    def fail(self, reason: str | None = None) -> KVPoll:
         """Record a failure of this participant only (Failed is sticky)."""
-        self._run(self.store.update(self.room, self.side, self.engine, KVPoll.Failed, reason))
+        self._run(self.store.update(self.room, self.side, self.engine, KVPoll.Failed,
+                                    _reason(reason)))
         return self._status
 
-    def abort(self, reason: str = "aborted") -> None:
+    def abort(self, reason: str | None = "aborted") -> None:
         """Fail every participant of the room, the other side included."""
         if self._cleared:
             return
         self.store.execute(self._create_calls())
         self._created = True
-        self.store.abort(self.room, f"{reason} (by {self.side}:{self.engine})")
+        self.store.abort(self.room, f"{_reason(reason)} (by {self.side}:{self.engine})")
         self.poll()
 
     def failure_exception(self) -> KVTransferError:
@@ -132,6 +160,7 @@ class _Participant:
         state already gone."""
         if self._cleared:
             return
+        self.mgr._check_usable()
         if self._create_sent:
             self.store.clear(self.room, self.side, self.engine, **self._clear_args())
         self._cleared = True
@@ -152,19 +181,45 @@ class KVSender(_Participant):
     side: Side = "tx"
 
     def __init__(self, mgr: KVManager, room: object, required_receivers: int = 1) -> None:
+        if not _is_int(required_receivers) or required_receivers < 1:
+            raise ValueError(f"required_receivers must be an int >= 1, got {required_receivers!r}")
         super().__init__(mgr, room, required_receivers, {})
         self._infos: dict[str, bytes] = {}
+        self._infos_version = -1  # poll.lua returns the infos only when this is stale
         self._decoded: dict[str, TransferInfo] | None = None
+        self._incarnations: tuple[dict[str, bytes], dict[str, str]] | None = None
         self._num_pages: int | None = None
         self._sent = 0
+        self._peer_failed = False  # the heartbeat failed it: a receiver's engine died
 
     def _poll_call(self) -> Call:
-        return self.store.poll(self.room, "tx", self.engine, with_infos=True)
+        return self.store.poll(self.room, "tx", self.engine, with_infos=True,
+                               infos_version=self._infos_version)
 
     def _absorb(self, st: Status) -> Status:
-        if st.infos and st.infos != self._infos:
-            self._infos, self._decoded = st.infos, None
+        if st.version >= 0:
+            self._infos_version = st.version
+            if st.infos != self._infos:
+                self._infos, self._decoded = st.infos, None
         return super()._absorb(st)
+
+    def _receiver_incarnations(self) -> dict[str, str]:
+        """Receiver engine -> its incarnation, from the infos (for the heartbeat's
+        fan-out; reads only the incarnation, cached per infos)."""
+        infos = self._infos
+        cached = self._incarnations
+        if cached is not None and cached[0] is infos:
+            return cached[1]
+        key = self.store.keys.xfer(self.room, self.engine)
+        out = {}
+        for receiver, raw in infos.items():
+            inc = unpack(raw, key, receiver).get("inc")
+            if not isinstance(inc, str):
+                raise CorruptStateError(key, receiver, f"incarnation {inc!r} is not text")
+            if inc:
+                out[receiver] = inc
+        self._incarnations = (infos, out)
+        return out
 
     def transfer_infos(self) -> dict[str, TransferInfo]:
         """What each receiver published, decoded strictly (as of the last poll)."""
@@ -190,7 +245,8 @@ class KVSender(_Participant):
 
     def begin_transfer(self) -> KVPoll:
         """-> Transferring, for callers that move the bytes themselves; Failed instead
-        (write nothing then) if a receiver failed or vanished meanwhile."""
+        (write nothing then) if a receiver failed or vanished meanwhile, or its engine
+        lost its lease or restarted (the heartbeat failed this sender)."""
         receivers = list(self.transfer_infos())
         self._run(self.store.begin(self.room, self.engine, receivers))
         return self._status
@@ -203,8 +259,17 @@ class KVSender(_Participant):
 
     def send(self, kv_indices: object, last: bool = True) -> KVPoll:
         """Move these source pages to every receiver (the next slice of each receiver's
-        destination pages), then record the state transition."""
+        destination pages), then record the state transition. Any transport or registry
+        failure on the way aborts the room with the reason (returns Failed); a Redis
+        error is raised as StateConnectionError after a best-effort abort."""
         src = as_indices(kv_indices)
+        transport = self.mgr.transport
+        if transport is None:
+            raise KVStateError(
+                f"room {self.room}: send() needs a transport, and this KVManager has none; "
+                "move the bytes yourself between begin_transfer() and finish_transfer() "
+                "(both record the state), or pass transport= to KVManager"
+            )
         infos = self.transfer_infos()
         if self._status in (KVPoll.Failed, KVPoll.Success):
             return self._status
@@ -219,17 +284,23 @@ class KVSender(_Participant):
                 f"room {self.room}: sending {total} pages, more than init() announced "
                 f"({self._num_pages})"
             )
-        targets = self._targets(infos, len(src))
-        if self._status != KVPoll.Transferring and self.begin_transfer() != KVPoll.Transferring:
-            return self._status
-        if self.mgr.transport is not None and targets:
-            try:
-                self.mgr.transport.write(self.room, src, targets, self.mgr.transfer_timeout)
-            except TransportError as exc:
-                # the whole room: receivers learn it on their next poll instead of
-                # waiting out their timeout for pages that will not come
-                self.abort(f"transfer failed: {exc}")
+        try:  # the one failure boundary: every way out below leaves the room decided
+            targets = self._targets(infos, len(src))
+            if self._status != KVPoll.Transferring and self.begin_transfer() != KVPoll.Transferring:
                 return self._status
+            if targets:
+                transport.write(self.room, src, targets, self.mgr.transfer_timeout)
+        except (TransportError, InvalidIndicesError) as exc:
+            # the whole room: receivers learn it on their next poll instead of
+            # waiting out their timeout for pages that will not come
+            self.abort(f"transfer failed: {exc}")
+            return self._status
+        except KVStateError as exc:
+            try:
+                self.abort(f"transfer failed: {exc}")
+            except KVStateError as again:  # Redis is what failed: the abort may fail too
+                log.warning("room %s: could not abort after %s: %s", self.room, exc, again)
+            raise
         self._sent = total
         if last:
             self.finish_transfer()
@@ -246,34 +317,84 @@ class KVSender(_Participant):
                     f"room {self.room}: receiver {info.receiver} published {len(info.kv_indices)} "
                     f"pages, fewer than the {self._sent + n} being sent"
                 )
-            if self.mgr.transport is not None:
-                peer = self.mgr.peer(info.receiver, info.incarnation)
-                targets.append(Target(peer.endpoint, peer.layout, dst))
+            peer = self.mgr.peer(info.receiver, info.incarnation)
+            targets.append(Target(peer.endpoint, peer.layout, dst))
         return targets
 
 
 class KVReceiver(_Participant):
-    """The decode side of a room."""
+    """The decode side of a room. It binds to the prefill engines of its address as they
+    register (until it has ``required_senders`` of them, or the engines named in
+    ``senders``), each at its incarnation of that moment; the binding is part of its
+    next operation, so a prefill that is not up yet leaves it Bootstrapping (and Failed
+    after ``bootstrap_timeout``), never raises."""
 
     side: Side = "rx"
 
     def __init__(self, mgr: KVManager, room: object, bootstrap_addr: str,
-                 senders: Sequence[EngineInfo], required_senders: int) -> None:
+                 senders: list[str] | None, required_senders: int | None) -> None:
+        if required_senders is not None and (not _is_int(required_senders)
+                                             or required_senders < 1):
+            raise ValueError(f"required_senders must be an int >= 1, got {required_senders!r}")
+        if senders is not None and not senders:
+            raise ValueError("senders, when given, must name at least one prefill engine")
         self.bootstrap_addr = check_name(bootstrap_addr, "bootstrap_addr")
-        self.senders = [s.engine for s in senders]
-        bindings = {f"peer:{s.engine}": s.incarnation for s in senders}
-        super().__init__(mgr, room, required_senders, {"peer_addr": bootstrap_addr, **bindings})
+        self._explicit = senders
+        self._required = required_senders or (len(senders) if senders else 0)  # 0: not known
+        self._bound: dict[str, str] = {}  # sender engine -> incarnation bound to
+        self._pending: tuple[dict[str, str], int] | None = None  # a binding in flight
+        self._payload = b""  # the transfer info, once init() made it
+        super().__init__(mgr, room, self._required, {"peer_addr": bootstrap_addr})
+
+    @property
+    def senders(self) -> list[str]:
+        """The sender engines bound so far."""
+        return sorted(self._bound)
+
+    def _wanted(self) -> int:
+        """How many senders to bind: the named ones, else the required count (0: ask)."""
+        return len(self._explicit) if self._explicit else self._required
 
     def _create_calls(self) -> list[Call]:
         calls = super()._create_calls()
         if calls:
             calls.append(self.store.track(self.bootstrap_addr, self.key))
-        return calls
+        bind = self._bind_call()
+        return calls + [bind] if bind is not None else calls
+
+    def _bind_call(self) -> Call | None:
+        """Bind the senders registered since the last look (and publish to them, once
+        init() ran), or None when there is nothing to bind."""
+        wanted = self._wanted()
+        if self._cleared or self._status in (KVPoll.Failed, KVPoll.Success) or (
+                wanted and len(self._bound) >= wanted):
+            return None
+        found = self.mgr._prefill_engines(self.bootstrap_addr, self._explicit)
+        required = self._required
+        if not required and found:  # the group's declared size, or all of it that is up
+            required = max(len(found), *(e.ranks for e in found))
+        new = {e.engine: e.incarnation for e in found if e.engine not in self._bound}
+        if not self._explicit:
+            new = dict(sorted(new.items())[: max(required - len(self._bound), 0)])
+        if not new and required == self._required:
+            return None
+        self._pending = (new, required)
+        return self.store.publish(self.room, self.engine, new, self._payload, required)
+
+    def _absorb(self, st: Status) -> Status:
+        if self._pending is not None:  # the batch that carried the binding ran
+            new, required = self._pending
+            self._pending = None
+            self._bound.update(new)
+            self._required = required
+            self.mgr._watch(self.bootstrap_addr, new)
+        return super()._absorb(st)
 
     def init(self, kv_indices: object, aux_index: int | None = None,
              state_indices: object | None = None, prefix_len: int = 0,
              dummy: bool = False) -> KVPoll:
-        """Publish where each sender must write; the pages are made ready first."""
+        """Publish where each sender must write; the pages are made ready first. Senders
+        that bind later get the same info when they do."""
         idx = as_indices(kv_indices)
         state = None if state_indices is None else as_indices(state_indices, "state_indices")
         # bounded like page indices (aux) and by msgpack's int64 (prefix): an int too
@@ -290,17 +411,49 @@ class KVReceiver(_Participant):
                 raise InvalidIndicesError(f"room {self.room}: {exc}") from None
         info = TransferInfo(self.engine, idx, aux_index, state, prefix_len, dummy,
                             self.mgr.incarnation)
-        payload = info.encode()
-        self._run(self.store.publish(self.room, self.engine, {s: payload for s in self.senders}))
+        self._payload = info.encode()
+        creating = not self._created
+        try:
+            self._run(self.store.publish(self.room, self.engine, dict(self._bound),
+                                         self._payload, self._required))
+        except KVStateError as exc:
+            err = exc
+            self._pending = None  # that batch did not run (or not whole): bind again later
+            size = len(self._payload)
+            oversize = size >= _MIN_BULK_LIMIT  # Redis hangs up on it: reads as "down"
+            if oversize:
+                self._payload = b""  # never to be sent again by a later binding
+                err = KVStateError(
+                    f"room {self.room}: init() failed ({exc}); its transfer info is {size} "
+                    "bytes, and Redis drops a connection sent a value above its "
+                    "proto-max-bulk-len: raise that, or publish fewer or less fragmented pages")
+            if oversize or (creating and self._create_sent):  # it exists: say why
+                self._fail_quietly(f"init() refused by Redis: {err}")
+            if err is exc:
+                raise
+            raise err from None
         return self._status
 
+    def _fail_quietly(self, reason: str) -> None:
+        """Fail this receiver after an error, when Redis may be what failed."""
+        try:
+            self._absorb(self.store.execute([self.store.update(
+                self.room, "rx", self.engine, KVPoll.Failed, reason)])[0])
+        except KVStateError as exc:
+            log.warning("room %s: could not record %r: %s", self.room, reason, exc)
+
     def _clear_args(self) -> dict[str, Any]:
-        return {"senders": self.senders, "peer_addr": self.bootstrap_addr}
+        return {"senders": sorted(set(self._bound) | set(self._pending[0] if self._pending
+                                                          else {})),
+                "peer_addr": self.bootstrap_addr}
 
 
 class KVManager:
-    """One engine rank: registers itself, keeps its lease, makes participants, and
-    (on the decode side) watches the peers its rooms are bound to."""
+    """One engine rank: registers itself (one owner per engine name), keeps its lease on
+    a connection of its own, makes participants, and watches its peers: the decode side
+    the prefill engines its receivers are bound to, the prefill side the receivers its
+    live senders write to. A peer whose lease lapsed or that restarted fails the rooms
+    bound to it, with a reason naming it."""
 
     def __init__(
         self,
@@ -315,11 +468,14 @@ class KVManager:
         bootstrap_timeout: float = 300.0,
         waiting_timeout: float = 300.0,
         transfer_timeout: float = 60.0,
+        ranks: int = 1,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         if lease <= 0 or bootstrap_timeout < 0 or waiting_timeout < 0 or transfer_timeout <= 0:
             raise ValueError("lease and transfer_timeout must be > 0, timeouts >= 0 (0 = none)")
+        if not _is_int(ranks) or ranks < 1:
+            raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
         self.store = store
         self.role = role
         self.side: Side = ROLES[role]
@@ -335,10 +491,12 @@ class KVManager:
         self.registry = Registry(store)
         self._lock = threading.Lock()
         self._live: dict[int, _Participant] = {}
-        self._watched: dict[str, tuple[str, str]] = {}  # peer engine -> (addr, incarnation)
-        self._misses: dict[str, int] = {}  # peer engine -> checks in a row without a lease
-        self._by_addr: dict[str, list[EngineInfo]] = {}
+        self._watched: set[tuple[str, str, str]] = set()  # (peer engine, addr, incarnation)
+        self._misses: dict[tuple[str, str], int] = {}  # (engine, incarnation) -> checks missing
         self._peers: dict[tuple[str, str], EngineInfo] = {}
+        self._forked = False
+        self._closed = False
+        self._taken: Claim | None = None  # who holds our name since our lease lapsed
         self.info = EngineInfo(
             engine=self.engine,
             role=role,
@@ -347,12 +505,22 @@ class KVManager:
             endpoint=transport.endpoint() if transport else b"",
             layout=transport.layout() if transport else {},
             gpus=gpu_facts(),
+            ranks=ranks,
         )
-        self.registry.register(self.info, lease)
+        # The heartbeat's own client and pool: a workload holding every connection of
+        # the shared pool (or a server at maxclients) cannot make the lease lapse.
+        self._hb_store = store.dedicated()
+        self._hb_registry = Registry(self._hb_store)
+        try:
+            self._hb_registry.register(self.info, lease)
+        except BaseException:
+            self._hb_store.close()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name=f"kvstate-{engine}",
                                         daemon=True)
         self._thread.start()
+        _MANAGERS.add(self)
 
     def __repr__(self) -> str:
         return f"<KVManager {self.role} {self.engine} {self.incarnation} {self.store!r}>"
@@ -363,21 +531,35 @@ class KVManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _check_usable(self, new: bool = False) -> None:
+        """Refuse use from a forked child, and (``new``) new participants of a manager
+        whose engine name another process holds now."""
+        if self._forked:
+            raise ForkedManagerError(
+                f"KVManager {self.engine} was made in another process (this one is a fork "
+                "of it): a fork shares its engine name and lease without a heartbeat. Make "
+                "a new kvstate.connect() and KVManager, with its own engine name, in the "
+                "child"
+            )
+        taken = self._taken
+        if new and taken is not None:  # our lease lapsed (we stalled) and was taken
+            raise EngineNameTakenError(self.engine, taken.holder, taken.host, taken.pid,
+                                       self.store.namespace)
+
     # -- participants --------------------------------------------------------------
     def sender(self, room: object, required_receivers: int = 1) -> KVSender:
         return self._keep(KVSender(self, room, required_receivers))
 
     def receiver(self, room: object, bootstrap_addr: str, required_senders: int | None = None,
                  senders: Iterable[str] | None = None) -> KVReceiver:
-        """A receiver bound to the engines at ``bootstrap_addr`` (all prefill engines
-        registered there, or those named in ``senders``)."""
+        """A receiver bound to the prefill engines at ``bootstrap_addr`` as they register
+        (or to those named in ``senders``). It needs an ack from ``required_senders`` of
+        them; by default from as many as the prefill group declares (its ``ranks``), or
+        as are registered there at its first binding, whichever is more. Never raises for
+        a prefill that is not up yet (it stays Bootstrapping); touches no Redis here."""
         check_room(room)
-        peers = self._resolve(check_name(bootstrap_addr, "bootstrap_addr"), senders)
-        rcv = KVReceiver(self, room, bootstrap_addr, peers, required_senders or len(peers))
-        with self._lock:
-            for p in peers:
-                self._watched[p.engine] = (bootstrap_addr, p.incarnation)
-        return self._keep(rcv)
+        names = None if senders is None else [check_name(s, "sender engine") for s in senders]
+        return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
 
     def _keep(self, p: Any) -> Any:
         with self._lock:
@@ -389,30 +571,17 @@ class KVManager:
             if self._live.get(p.room) is p:
                 del self._live[p.room]
 
-    def _resolve(self, addr: str, senders: Iterable[str] | None) -> list[EngineInfo]:
-        if senders is not None:
-            names = [check_name(s, "sender engine") for s in senders]
-            found = self.registry.get_many(names)
-            missing = [n for n, info in found.items() if info is None]
-            if missing:
-                raise PeerNotFoundError(
-                    f"no live registration for {', '.join(missing)} in namespace "
-                    f"{self.store.namespace!r}: is that prefill engine running?"
-                )
-            return [i for i in found.values() if i is not None]
+    def _prefill_engines(self, addr: str, names: list[str] | None) -> list[EngineInfo]:
+        """The live prefill engines at ``addr`` (or among ``names``), read fresh: a
+        remembered answer would bind a receiver to a group that has grown since."""
+        if names:
+            return [i for i in self.registry.get_many(names).values()
+                    if i is not None and i.role == "prefill"]
+        return self.registry.at_addr(addr, role="prefill")
+
+    def _watch(self, addr: str, bound: dict[str, str]) -> None:
         with self._lock:
-            cached = self._by_addr.get(addr)
-        if cached:
-            return cached
-        peers = self.registry.at_addr(addr, role="prefill")
-        if not peers:
-            raise PeerNotFoundError(
-                f"no prefill engine registered at {addr} in namespace {self.store.namespace!r}; "
-                "start it first, or pass senders=[...]"
-            )
-        with self._lock:
-            self._by_addr[addr] = peers
-        return peers
+            self._watched.update((engine, addr, inc) for engine, inc in bound.items())
 
     def peer(self, engine: str, incarnation: str) -> EngineInfo:
         """A receiver's registration (endpoint, layout), cached per incarnation."""
@@ -467,45 +636,90 @@ class KVManager:
     def fail_peer(self, bootstrap_addr: str, reason: str, engine: str = "",
                   incarnation: str = "") -> int:
         """Fail every non-terminal receiver bound to a peer; returns how many failed."""
-        n = self.store.fail_bound(check_name(bootstrap_addr, "bootstrap_addr"), engine,
-                                  incarnation, reason)
+        return self._fail_peer(self.store, check_name(bootstrap_addr, "bootstrap_addr"),
+                               reason, engine, incarnation)
+
+    def _fail_peer(self, store: Store, addr: str, reason: str, engine: str,
+                   incarnation: str) -> int:
+        """Through the address tracker, and this manager's own receivers by key: a
+        receiver that outlived its tracker entry (room TTL shorter than its timeouts)
+        is still reached."""
+        n = store.fail_bound(addr, engine, incarnation, reason)
         with self._lock:
-            self._by_addr.pop(bootstrap_addr, None)
-        return n
+            own = [p.key for p in self._live.values() if isinstance(p, KVReceiver)
+                   and p.bootstrap_addr == addr and p._create_sent and not p._cleared]
+        replies = store.execute([store.fail_receiver(k, engine, incarnation, reason)
+                                 for k in own])
+        return n + sum(int(r) for r in replies)
+
+    def _verdict(self, engine: str, inc: str, now: str | None) -> str:
+        """Why a peer bound at ``inc`` is dead, or '' while it is not (yet)."""
+        if now == inc:
+            self._misses.pop((engine, inc), None)
+            return ""
+        if now is None:
+            # A lease must be missing on two checks in a row (still well within two
+            # lease periods): right after a Redis restart, peers have not yet
+            # registered again, and their rooms are not theirs to lose.
+            misses = self._misses[(engine, inc)] = self._misses.get((engine, inc), 0) + 1
+            if misses < 2:
+                return ""
+            why = f"lost its lease (incarnation {inc})"
+        else:
+            why = f"restarted (incarnation {inc} -> {now})"
+        self._misses.pop((engine, inc), None)
+        return why
 
     def _check_peers(self) -> None:
+        """Fan-out both ways: receivers bound to a dead prefill (decode side), senders
+        writing to a dead decode (prefill side)."""
         with self._lock:
-            watched = dict(self._watched)
-        if not watched:
-            return
-        now = self.registry.incarnations(list(watched))
-        for engine, (addr, inc) in watched.items():
-            if now[engine] == inc:
-                self._misses.pop(engine, None)
+            watched = set(self._watched)
+            senders = [p for p in self._live.values() if isinstance(p, KVSender)
+                       and p._infos and not p._cleared and not p._peer_failed
+                       and p._status not in (KVPoll.Failed, KVPoll.Success)]
+        writes_to: dict[tuple[str, str], list[KVSender]] = {}
+        for snd in senders:
+            try:
+                incarnations = snd._receiver_incarnations()
+            except CorruptStateError as exc:  # that room's send() will say so; watch the rest
+                log.warning("heartbeat of %s: %s", self.engine, exc)
                 continue
-            if now[engine] is None:
-                # A lease must be missing on two checks in a row (still well within two
-                # lease periods): right after a Redis restart, peers have not yet
-                # registered again, and their rooms are not theirs to lose.
-                self._misses[engine] = self._misses.get(engine, 0) + 1
-                if self._misses[engine] < 2:
-                    continue
-                why = f"peer {engine} at {addr} lost its lease (incarnation {inc})"
-            else:
-                why = f"peer {engine} at {addr} restarted (incarnation {inc} -> {now[engine]})"
-            n = self.fail_peer(addr, why, engine, inc)
-            self._misses.pop(engine, None)
-            log.warning("%s: failed %d room(s)", why, n)
-            with self._lock:
-                if self._watched.get(engine) == (addr, inc):
-                    del self._watched[engine]
+            for engine, inc in incarnations.items():
+                writes_to.setdefault((engine, inc), []).append(snd)
+        pairs = {(e, i) for e, _, i in watched} | set(writes_to)
+        if not pairs:
+            return
+        now = self._hb_registry.incarnations(sorted({e for e, _ in pairs}))
+        dead = {(e, i): why for e, i in pairs if (why := self._verdict(e, i, now[e]))}
+        for engine, addr, inc in watched:
+            if (engine, inc) in dead:
+                why = f"peer {engine} at {addr} {dead[engine, inc]}"
+                n = self._fail_peer(self._hb_store, addr, why, engine, inc)
+                log.warning("%s: failed %d room(s)", why, n)
+                with self._lock:
+                    self._watched.discard((engine, addr, inc))
+        calls, failed = [], []
+        for (engine, inc), snds in writes_to.items():
+            if (engine, inc) in dead:
+                reason = f"receiver {engine} {dead[engine, inc]}"
+                calls += [self._hb_store.update(s.room, "tx", self.engine, KVPoll.Failed, reason)
+                          for s in snds]
+                failed += snds
+                log.warning("%s: failed %d sender(s)", reason, len(snds))
+        self._hb_store.execute(calls)
+        for snd in failed:
+            snd._peer_failed = True  # once is enough: its next poll reads Failed
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
             try:
-                if not self.registry.renew(self.engine, self.incarnation, self.lease):
-                    log.warning("lease of %s lapsed; registering again", self.engine)
-                    self.registry.register(self.info, self.lease)
+                claim = self._hb_registry.renew(self.info, self.lease)
+                if claim.answer == "taken":
+                    self._lease_taken(claim)
+                    return
+                if claim.answer == "lapsed":
+                    log.warning("lease of %s had lapsed; registered again", self.engine)
                 self._check_peers()
             except KVStateError as exc:
                 log.warning("heartbeat of %s: %s", self.engine, exc)
@@ -513,17 +727,42 @@ class KVManager:
                 log.warning("heartbeat of %s: unexpected %s: %s", self.engine,
                             type(exc).__name__, exc)
 
-    def close(self) -> None:
-        """Stop the heartbeat and drop the lease."""
-        if self._stop.is_set():
-            return
+    def _lease_taken(self, claim: Claim) -> None:
+        """Another process registered this name after our lease lapsed (we stalled):
+        stop renewing, never displace it, and fail our own rooms with the reason."""
+        self._taken = claim
+        reason = (
+            f"engine {self.engine}'s lease lapsed and another process took the name (host "
+            f"{claim.host}, pid {claim.pid}, incarnation {claim.holder}); this one "
+            f"({self.info.host}, pid {self.info.pid}) stopped renewing it"
+        )
         self._stop.set()
+        log.error("%s", reason)
+        with self._lock:
+            mine = [p for p in self._live.values() if p._create_sent and not p._cleared]
+        self._hb_store.execute([self._hb_store.update(p.room, p.side, self.engine,
+                                                      KVPoll.Failed, reason)
+                                for p in mine])
+
+    def close(self) -> None:
+        """Stop the heartbeat and drop the lease (if it is still ours). In a forked child
+        only marks this copy closed: the lease is the parent's."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._forked:
+            return
         try:
-            with self.store.bounded():  # the join and the drop share one call_timeout
-                self._thread.join(timeout=5)
-                self.registry.drop(self.engine, self.incarnation)
+            with self._hb_store.bounded():  # the join and the drop share one call_timeout
+                if self._thread is not threading.current_thread():
+                    self._thread.join(timeout=5)
+                if self._taken is None:
+                    self._hb_registry.drop(self.engine, self.incarnation, self.bootstrap_addr)
         except KVStateError as exc:
             log.warning("could not drop the registration of %s: %s", self.engine, exc)
+        finally:
+            self._hb_store.close()
 
 
 __all__ = ["KVManager", "KVReceiver", "KVSender"]

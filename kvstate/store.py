@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -67,7 +68,8 @@ from kvstate.keys import Keys, Side
 from kvstate.poll import KVPoll
 
 SCRIPT_NAMES = (
-    "create", "poll", "update", "begin", "publish", "finish", "abort", "fail_bound", "track"
+    "create", "poll", "update", "begin", "publish", "finish", "abort", "fail_bound", "track",
+    "register", "index",
 )
 _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
 _SCRIPT_WRAPPER = re.compile(r"^Error running script \(call to f_[0-9a-f]+\): (@\w+:? ?\d+: )*-?")
@@ -115,6 +117,7 @@ class Status:
     status: KVPoll | None
     reason: str
     infos: dict[str, bytes] = field(default_factory=dict)
+    version: int = -1  # of the infos (poll.lua); -1 when none came back
 
     @classmethod
     def parse(cls, raw: Any) -> Status:
@@ -124,7 +127,8 @@ class Status:
         if len(raw) > 2:
             flat = raw[2]
             infos = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
-        return cls(KVPoll[name] if name else None, "" if not name else reason, infos)
+        version = int(raw[3]) if len(raw) > 3 else -1
+        return cls(KVPoll[name] if name else None, "" if not name else reason, infos, version)
 
 
 def _identity(raw: Any) -> Any:
@@ -178,6 +182,24 @@ class Store:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         self.client.close()
+
+    def dedicated(self) -> Store:
+        """The same Redis, options and namespace over a client with its own connection
+        pool: for a heartbeat that the workload's pool must not starve."""
+        client: Client
+        if self.cluster:
+            cluster = self.client
+            assert not isinstance(cluster, redis.Redis)
+            nodes = [ClusterNode(n.host, n.port) for n in cluster.get_primaries()]
+            with self.errors():  # a Cluster client asks a node for the slot map when made
+                client = RedisCluster(startup_nodes=nodes,
+                                      **cluster.nodes_manager.connection_kwargs)
+        else:
+            assert isinstance(self.client, redis.Redis)
+            pool = self.client.connection_pool
+            client = redis.Redis.from_pool(
+                type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs))
+        return Store(client, self.url, self.namespace, self.room_ttl, self.options)  # url redacted
 
     # -- execution ----------------------------------------------------------------
     @contextmanager
@@ -454,11 +476,14 @@ class Store:
         return self.script("create", keys, [self.ttl_ms, k.part_member(side, engine), *flat],
                            Status.parse)
 
-    def poll(self, room: int, side: Side, engine: str, with_infos: bool = False) -> Call:
+    def poll(self, room: int, side: Side, engine: str, with_infos: bool = False,
+             infos_version: int = -1) -> Call:
+        """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
+        they are still at ``infos_version`` (the version the caller holds)."""
         keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
         if with_infos:
             keys.append(self.keys.xfer(room, engine))
-        return self.script("poll", keys, [self.ttl_ms], Status.parse)
+        return self.script("poll", keys, [self.ttl_ms, infos_version], Status.parse)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
         _check_reason(reason)
@@ -466,13 +491,17 @@ class Store:
         return self.script("update", keys, [KVPoll.parse(status).name, reason, self.ttl_ms],
                            Status.parse)
 
-    def publish(self, room: int, receiver: str, payloads: dict[str, bytes]) -> Call:
+    def publish(self, room: int, receiver: str, senders: dict[str, str], payload: bytes = b"",
+                required: int = 0) -> Call:
+        """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
+        publish it to them; see publish.lua."""
         k = self.keys
         keys = [k.participant(room, "rx", receiver), k.parts(room)]
-        for sender in payloads:
+        args: list[Any] = [self.ttl_ms, receiver, payload, required]
+        for sender, incarnation in senders.items():
             keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
-        return self.script("publish", keys, [self.ttl_ms, receiver, *payloads.values()],
-                           Status.parse)
+            args += [sender, incarnation]
+        return self.script("publish", keys, args, Status.parse)
 
     def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys

@@ -78,7 +78,7 @@ def test_late_updates_after_clear_create_nothing(store: Store) -> None:
             s.update(9, "tx", p.engine, KVPoll.Transferring),
             s.update(9, "rx", d.engine, KVPoll.Failed, "late"),
             s.poll(9, "rx", d.engine),
-            s.publish(9, d.engine, {p.engine: b"x"}),
+            s.publish(9, d.engine, {p.engine: p.incarnation}, b"x"),
             s.finish(9, p.engine, [d.engine]),
             s.poll(9, "tx", p.engine),
         ]
@@ -190,12 +190,18 @@ def test_two_senders_one_receiver_needs_both_acks(store: Store) -> None:
     with p1, p2, d:
         s1, s2 = p1.sender(5), p2.sender(5)
         rcv = d.receiver(5, PREFILL_ADDR)
-        assert sorted(rcv.senders) == ["prefill-a.tp0", "prefill-a.tp1"]
+        assert rcv.senders == []  # bound with its first operation, not at construction
         rcv.init([9, 10])
+        assert rcv.senders == ["prefill-a.tp0", "prefill-a.tp1"]
         assert s1.poll() == s2.poll() == KVPoll.WaitingForInput
-        s1.send([0, 1])
+        for s in (s1, s2):
+            with pytest.raises(kvstate.KVStateError, match="begin_transfer"):
+                s.send([0, 1])  # no transport: nothing would move
+        assert s1.begin_transfer() == KVPoll.Transferring
+        s1.finish_transfer()
         assert rcv.poll() == KVPoll.WaitingForInput  # one of two acks
-        s2.send([0, 1])
+        s2.begin_transfer()
+        s2.finish_transfer()
         assert rcv.poll() == KVPoll.Success
         for x in (s1, s2, rcv):
             x.clear()
@@ -257,7 +263,7 @@ def test_sender_never_begins_into_a_failed_or_cleared_receiver(store: Store) -> 
         snd = p.sender(71)
         assert snd.poll() == KVPoll.WaitingForInput
         rcv.fail("decode ran out of memory")  # only the receiver
-        assert snd.send([5, 6]) == KVPoll.Failed  # begin refused: nothing written
+        assert snd.begin_transfer() == KVPoll.Failed  # refused: nothing may be written
         assert "decode-b.tp0 failed before the transfer: decode ran out of memory" in (
             snd.failure_exception().reason)
         rcv.clear()

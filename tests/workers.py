@@ -104,12 +104,7 @@ def ucx_decode(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[
     with kvstate.KVManager(store, "decode", engine, transport=transport) as mgr:
         rcvs = {}
         for room, dst in rooms.items():
-            for _ in range(600):
-                try:
-                    rcvs[room] = mgr.receiver(room, addr)
-                    break
-                except kvstate.PeerNotFoundError:
-                    time.sleep(0.05)
+            rcvs[room] = mgr.receiver(room, addr)  # binds the prefill once it registered
             rcvs[room].init([] if dummy else dst, dummy=dummy)
         out = {}
         for room, rcv in rcvs.items():
@@ -133,13 +128,79 @@ def ucx_decode_hang(url: str, ns: str, engine: str, addr: str, room: int, dst: l
     transport = UCXTransport()
     transport.register_buffers(_pool(layers, 256, page_bytes, fill=None), [page_bytes] * layers)
     mgr = kvstate.KVManager(store, "decode", engine, transport=transport)
-    for _ in range(600):
-        try:
-            rcv = mgr.receiver(room, addr)
-            break
-        except kvstate.PeerNotFoundError:
-            time.sleep(0.05)
+    rcv = mgr.receiver(room, addr)
     rcv.init(dst)
     results.put(("published", engine))
+    while True:
+        time.sleep(1)
+
+
+def prefill_rank(url: str, ns: str, engine: str, addr: str, ranks: int, lease: float,
+                 delay: float, rooms: list[int], results: Queue,
+                 hold: Event | None = None) -> None:
+    """A prefill TP rank without a transport: after ``delay`` it registers (waiting for
+    its name if a dead predecessor's lease still holds it), serves ``rooms`` (begin /
+    finish once its receivers published; after ``hold`` is set, if given), reports
+    each step on ``results``, and stays alive until killed."""
+    time.sleep(delay)
+    store = kvstate.connect(url, namespace=ns)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            mgr = kvstate.KVManager(store, "prefill", engine, addr, lease=lease, ranks=ranks)
+            break
+        except kvstate.EngineNameTakenError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(lease / 10)
+    results.put(("ready", engine, mgr.incarnation))
+    out = {}
+    senders = {room: mgr.sender(room) for room in rooms}
+    for snd in senders.values():
+        deadline = time.monotonic() + 60
+        while snd.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if hold is not None:
+        results.put(("holding", engine, None))
+        hold.wait(60)
+    for room, snd in senders.items():
+        if snd.begin_transfer() == KVPoll.Transferring:
+            snd.finish_transfer()
+        out[room] = (snd.status.name, snd._reason)
+    results.put(("done", engine, out))
+    while True:
+        time.sleep(1)
+
+
+def stale_owner(url: str, ns: str, engine: str, lease: float, room: int,
+                results: Queue) -> None:
+    """A prefill engine with one live room that keeps asking for new senders; the test
+    SIGSTOPs it past its lease, lets another process take the name, then SIGCONTs it."""
+    store = kvstate.connect(url, namespace=ns)
+    mgr = kvstate.KVManager(store, "prefill", engine, lease=lease,
+                            heartbeat_interval=lease / 5)
+    mgr.sender(room).poll()
+    results.put(("ready", mgr.incarnation, None))
+    n = room
+    while True:
+        n += 1
+        try:
+            mgr.sender(n)
+        except kvstate.EngineNameTakenError as exc:
+            results.put(("refused", mgr.incarnation, str(exc)))
+            break
+        time.sleep(lease / 10)
+    while True:
+        time.sleep(1)
+
+
+def decode_rank(url: str, ns: str, engine: str, addr: str, lease: float, rooms: list[int],
+                results: Queue) -> None:
+    """A decode rank that publishes pages for ``rooms`` and then waits to be killed."""
+    store = kvstate.connect(url, namespace=ns)
+    mgr = kvstate.KVManager(store, "decode", engine, lease=lease)
+    for room in rooms:
+        mgr.receiver(room, addr).init([room % 200, room % 200 + 1])
+    results.put(("published", engine, mgr.incarnation))
     while True:
         time.sleep(1)

@@ -1,6 +1,7 @@
 -- finish.lua: a sender finished moving its pages. Sender -> Success; for each
 -- receiver still waiting, add this sender to its acks and flip it to Success when
--- every required sender has acked. A Failed or missing sender acks nothing; a
+-- every required sender has acked (a receiver that does not know yet how many it
+-- needs, peers 0, cannot be flipped). A Failed or missing sender acks nothing; a
 -- missing receiver (cleared) gets no acks set (no resurrection). Idempotent.
 -- KEYS[1] sender participant hash
 -- KEYS[2] room parts hash (TTL refreshed with the participants')
@@ -23,7 +24,8 @@ for j = 1, (#KEYS - 2) / 2 do
     if rank ~= 0 and rank ~= 4 then
       redis.call('SADD', acks, ARGV[2])
       redis.call('PEXPIRE', acks, ttl)
-      if redis.call('SCARD', acks) >= number_of(rx, 'peers', r[2]) then
+      local peers = number_of(rx, 'peers', r[2])
+      if peers >= 1 and redis.call('SCARD', acks) >= peers then
         set_status(rx, 'Success', now, ttl, nil)
       end
     end
