@@ -160,6 +160,8 @@ class _BoundedPool(redis.ConnectionPool):
 
     def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
         bounded = _BOUNDED.get(connection_class)
+        if bounded is None and issubclass(connection_class, _BoundedConnection):
+            bounded = connection_class  # a copy of a pool that is bounded already
         if bounded is None:
             name = f"Bounded{connection_class.__name__}"
             bounded = _BOUNDED[connection_class] = type(name, (_BoundedConnection,
