@@ -20,10 +20,9 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,28 +171,25 @@ def _alive(pid: int) -> bool:
 def running_demo() -> dict[str, Any] | None:
     """The newest discovery record of a live `kvstate demo` of this user: a JSON file
     ``kvstate-demo-<pid>.json`` ({"url", "namespace", "pid"}) in ``$XDG_RUNTIME_DIR``
-    or the temp directory. Files of other users are ignored (/tmp is shared)."""
-    folders = {Path(d) for d in (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(),
-                                 "/tmp") if d}
+    (else /tmp). Files of other users are ignored (/tmp is shared)."""
+    folder = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")  # where the demo writes it
     found: list[tuple[float, dict[str, Any]]] = []
-    for folder in folders:
+    try:
+        paths = list(folder.glob(DEMO_RECORD))
+    except OSError:
+        paths = []
+    for path in paths:
         try:
-            paths = list(folder.glob(DEMO_RECORD))
-        except OSError:
-            continue
-        for path in paths:
-            try:
-                st = path.stat()
-                if st.st_uid != os.getuid():
-                    continue
-                doc = json.loads(path.read_text())
-                pid = int(doc["pid"])
-                record = {"url": str(doc["url"]), "namespace": str(doc["namespace"]),
-                          "pid": pid}
-            except (OSError, ValueError, KeyError, TypeError):
+            st = path.stat()
+            if st.st_uid != os.getuid():
                 continue
-            if _alive(pid):
-                found.append((st.st_mtime, record))
+            doc = json.loads(path.read_text())
+            pid = int(doc["pid"])
+            record = {"url": str(doc["url"]), "namespace": str(doc["namespace"]), "pid": pid}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _alive(pid):
+            found.append((st.st_mtime, record))
     return max(found, key=lambda f: f[0])[1] if found else None
 
 
@@ -328,6 +324,11 @@ def _empty_json(store: Store, note: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- show
 
 
+def _name_width(names: Iterable[str]) -> int:
+    """Room for whole engine names in narrow terminals (longer ones wrap, never cut)."""
+    return min(20, max((len(n) for n in names), default=6))
+
+
 def _participants_table(parts: list[Participant], with_room: bool) -> Table:
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     if with_room:
@@ -335,7 +336,8 @@ def _participants_table(parts: list[Participant], with_room: bool) -> Table:
     for name in ("side", "engine", "status", "age", "in status", "ttl", "reason / peers"):
         # names are never cut: "...tp0" and "...tp1" must not look the same at 80 columns
         t.add_column(name, overflow="fold" if name == "engine" else "ellipsis",
-                     min_width=8 if name == "engine" else None)
+                     min_width=_name_width(p.engine for p in parts) if name == "engine"
+                     else None)
     for p in parts:
         extra = p.reason or ""
         if not extra and p.side == "rx":
@@ -633,7 +635,8 @@ def engines(obj: Ctx, as_json: bool) -> None:
     for name in ("engine", "role", "addr", "incarnation", "lease left", "endpoint", "host:pid",
                  "gpus"):
         t.add_column(name, overflow="fold" if name in ("engine", "addr") else "ellipsis",
-                     min_width=8 if name == "engine" else None)
+                     min_width=_name_width(d["engine"] for d in docs) if name == "engine"
+                     else None)
     for d in docs:
         gpus = ", ".join(f"{g.get('index')}:{g.get('name')}" for g in d["gpus"]) or "-"
         t.add_row(d["engine"], d["role"], d["addr"], d["incarnation"],

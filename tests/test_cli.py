@@ -208,10 +208,11 @@ def test_doctor_reports_unreachable_redis(tmp_path: Path) -> None:
     assert "cannot reach Redis" in result.output
 
 
-def test_read_commands_need_a_url() -> None:
+def test_read_commands_need_a_url(tmp_path: Path) -> None:
+    no_demo = {"XDG_RUNTIME_DIR": str(tmp_path)}  # no running demo's record to fall back on
     for args in (["ls"], ["show", "1"], ["top", "--once"], ["engines"], ["audit"],
                  ["abort", "1"], ["monitor", "--duration", "0"]):
-        result = run(*args)
+        result = run(*args, env=no_demo)
         assert result.exit_code == 2, (args, result.output)
         assert "no Redis URL" in result.output and "KVSTATE_REDIS_URL" in result.output
         assert len(result.output.strip().splitlines()) == 1
