@@ -433,8 +433,8 @@ def _status_names(values: tuple[str, ...]) -> set[str]:
 @click.pass_obj
 def ls(obj: Ctx, statuses: tuple[str, ...], side: str | None, older_than: float | None,
        engine: str | None, limit: int, as_json: bool) -> None:
-    """List participants (SCAN, never KEYS), oldest first. Exit status 1 when none
-    matches (and a note when the namespace holds no kvstate key at all)."""
+    """List participants (SCAN, never KEYS), oldest first. Exit status 1 when the
+    namespace holds no kvstate key at all (a mistyped -n), 0 when none matches."""
     wanted = _status_names(statuses)
     min_age = None if older_than is None else int(older_than * 1000)
     with opened(obj) as store:
@@ -451,11 +451,11 @@ def ls(obj: Ctx, statuses: tuple[str, ...], side: str | None, older_than: float 
     if as_json:
         emit_json({"count": len(found), "participants": [p.to_json() for p in shown],
                    **doc_empty})
-        sys.exit(EXIT_OK if found else EXIT_FINDINGS)
+        sys.exit(EXIT_FINDINGS if note else EXIT_OK)
     out = console()
     if not found:
         out.print(note or "no participants match")
-        sys.exit(EXIT_FINDINGS)
+        sys.exit(EXIT_FINDINGS if note else EXIT_OK)
     out.print(_participants_table(shown, with_room=True))
     more = f" (showing {limit})" if len(found) > limit else ""
     out.print(f"{len(found)} participant(s){more}")
@@ -618,7 +618,7 @@ def _engine_json(e: EngineInfo) -> dict[str, Any]:
 @click.pass_obj
 def engines(obj: Ctx, as_json: bool) -> None:
     """Registered engines: lease left, endpoint, incarnation, host, GPUs. Exit status 1
-    when none holds a lease."""
+    when the namespace holds no kvstate key at all."""
     with opened(obj) as store:
         infos = Registry(store).all()
         note = None if infos else empty_namespace_note(store)
@@ -626,11 +626,11 @@ def engines(obj: Ctx, as_json: bool) -> None:
     docs = [_engine_json(e) for e in infos]
     if as_json:
         emit_json({"engines": docs, **extra})
-        sys.exit(EXIT_OK if docs else EXIT_FINDINGS)
+        sys.exit(EXIT_FINDINGS if note else EXIT_OK)
     out = console()
     if not docs:
         out.print(note or "no engines registered (none holds a lease)")
-        sys.exit(EXIT_FINDINGS)
+        sys.exit(EXIT_FINDINGS if note else EXIT_OK)
     t = Table(box=None, header_style="bold")
     for name in ("engine", "role", "addr", "incarnation", "lease left", "endpoint", "host:pid",
                  "gpus"):
@@ -987,7 +987,7 @@ def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
         for c in checks:
             t.add_row(c.name, styled(c.state, style[c.state]), c.detail)
         out.print(t)
-    sys.exit(EXIT_FINDINGS if failed else 0)
+    sys.exit(EXIT_FINDINGS if failed else EXIT_OK)
 
 
 # --------------------------------------------------------------------------- demo
