@@ -111,8 +111,8 @@ PERIOD = Duration(minimum=0.1)
 
 @dataclass
 class Ctx:
-    url: str | None
-    namespace: str | None
+    url: str | None = None
+    namespace: str | None = "default"
     namespace_given: bool = False  # -n or $KVSTATE_NAMESPACE: a found demo's does not apply
 
     @property
@@ -241,10 +241,6 @@ def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
 
 
-def parse_room(value: str) -> int:
-    return parse_room_text(value)
-
-
 @contextmanager
 def opened(obj: Ctx, need_url: bool = True, room_ttl: float = 900.0,
            patient: bool = False) -> Iterator[Store]:
@@ -274,9 +270,7 @@ def _override(name: str) -> Callable[[click.Context, click.Parameter, Any], None
     def set_it(ctx: click.Context, param: click.Parameter, value: Any) -> None:
         if value is None:
             return
-        obj = ctx.find_object(Ctx)
-        if obj is None:  # the subcommand invoked on its own (tests, embedding)
-            obj = ctx.ensure_object(Ctx)
+        obj = ctx.ensure_object(Ctx)  # the group's, or a fresh one for a lone subcommand
         setattr(obj, name, value or None)
         if name == "namespace":
             obj.namespace_given = True
@@ -292,7 +286,10 @@ def common(f: Callable[..., Any]) -> Callable[..., Any]:
                         callback=_override("url"), help=_URL_HELP)(f)
 
 
-@click.group(cls=KVGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=KVGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="Exit status, for every command: 0 ok; 1 findings or nothing found (audit "
+                    "findings left, a failed doctor check, no such room, an empty "
+                    "namespace); 2 an error, printed as one line.")
 @click.option("--url", metavar="URL", envvar=ENV_URL, help=_URL_HELP)
 @click.option("--namespace", "-n", metavar="NS", envvar=ENV_NAMESPACE, help=_NS_HELP)
 @click.version_option(package_name="kvstate")
@@ -358,7 +355,7 @@ def _participants_table(parts: list[Participant], with_room: bool) -> Table:
 def show(obj: Ctx, room: str, as_json: bool) -> None:
     """Every participant of ROOM, its status, age, TTL, decoded transfer infos and abort
     mark. Exit status 1 when nothing is stored for the room."""
-    r = parse_room(room)
+    r = parse_room_text(room)
     with opened(obj) as store:
         view = room_view(store, r)
     if as_json:
@@ -574,7 +571,7 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool) -> None:
     poll, and a participant created later (within the room TTL) starts Failed. A room
     already aborted keeps its first reason. Exit status 1 when there is nothing to
     abort (finished and cleared, mistyped, or another namespace)."""
-    r = parse_room(room)
+    r = parse_room_text(room)
     with opened(obj) as store:
         view = room_view(store, r)
         if view.aborted is not None:
@@ -594,6 +591,10 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool) -> None:
     if not view.members:
         click.echo(f"room {r}: no participants yet; marked aborted, so either side that "
                    f"joins within the room TTL starts Failed; reason: {reason}")
+        return
+    if not n:
+        click.echo(f"room {r}: its {len(view.members)} participant(s) had already failed "
+                   f"({', '.join(view.members)}); marked aborted; reason: {reason}")
         return
     click.echo(f"room {r}: failed {n} of {len(view.members)} participant(s) "
                f"({', '.join(view.members)}); reason: {reason}")
