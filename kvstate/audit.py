@@ -6,7 +6,7 @@ server clock. ``fix=True`` repairs only what cannot hurt a live request:
 ============================  ================================================
 finding                       fix
 ============================  ================================================
-no_ttl (PTTL -1)              PEXPIRE with the room TTL (the ledger: 7 days)
+no_ttl (PTTL -1)              PEXPIRE with the room's remaining TTL (ledger: 7 d)
 terminal_uncleared            none: the owner may still read it; TTL reaps it
 stuck (past its timeout)      the poll script fails it with the timeout reason
 orphan_tracker                ZREM the member whose participant is gone
@@ -19,10 +19,18 @@ server_setting                none: an operator changes server config
 ============================  ================================================
 
 A live participant is never deleted. Every repair is appended to the ledger.
+
+A finding must hold on a second look: on a busy namespace SCAN sees keys that a
+clear() removes a moment later, so every finding of the first pass is checked again
+on fresh reads of its keys and only those found both times are reported. A repair
+whose target went away or moved on meanwhile is ``resolved``, not left. Repairs that
+write give the key the room's remaining TTL (the longest left on its index and
+participants), never a fresh default, so a room does not end with mixed TTLs.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +38,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoPermissionError
 
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.inspect import BATCH, Participant, fmt_ms, read_participants
 from kvstate.keys import SIDES
 from kvstate.ledger import LEDGER_TTL_MS, Entry, Ledger, config_value
@@ -44,7 +52,8 @@ DEFAULT_GRACE = 60.0
 @dataclass
 class Finding:
     """One leak or risk: ``kind`` (see FINDING_KINDS), the key it is about, what is wrong,
-    and, after a fix, what was done (``fixed``) or why nothing was (``left``)."""
+    and, after a fix, what was done (``fixed``), why nothing was (``left``), or that
+    nothing was needed any more (``resolved``: cleared or moved on meanwhile)."""
 
     kind: str
     key: str
@@ -56,14 +65,27 @@ class Finding:
     age_ms: int | None = None
     fixed: str = ""
     left: str = ""
+    resolved: str = ""
     target: tuple[str, ...] = ()  # what a fix acts on (tracker member; peer, incarnation)
+
+    @property
+    def ident(self) -> tuple[str, str, tuple[str, ...]]:
+        """What makes two looks at the state the same finding."""
+        return self.kind, self.key, self.target
 
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind, "key": self.key, "detail": self.detail, "room": self.room,
             "side": self.side, "engine": self.engine, "status": self.status,
             "age_ms": self.age_ms, "fixed": self.fixed, "left": self.left,
+            "resolved": self.resolved,
         }
+
+
+def acl_refused(exc: BaseException) -> bool:
+    """A command refused by the server's ACL (the store words it so)."""
+    return isinstance(exc, NoPermissionError) or (
+        isinstance(exc, StateConnectionError) and "under its ACL" in str(exc))
 
 
 def _about(kind: str, p: Participant, detail: str) -> Finding:
@@ -79,8 +101,8 @@ class Report:
 
     @property
     def remaining(self) -> list[Finding]:
-        """Findings not repaired."""
-        return [f for f in self.findings if not f.fixed]
+        """Findings neither repaired nor gone by themselves."""
+        return [f for f in self.findings if not f.fixed and not f.resolved]
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(FINDING_KINDS, 0)
@@ -94,6 +116,8 @@ class Report:
             "scanned_keys": self.scanned,
             "findings": [f.to_json() for f in self.findings],
             "fixed": sum(1 for f in self.findings if f.fixed),
+            "resolved": sum(1 for f in self.findings if f.resolved),
+            "left": len(self.remaining),
             "notes": self.notes,
         }
 
@@ -111,20 +135,30 @@ class Auditor:
     def run(self, fix: bool = False) -> Report:
         report = Report()
         self._server_settings(report)
-        now = self.store.server_time_ms()
         all_keys = sorted(set(self.store.scan(self.keys.all_pattern)))
         report.scanned = len(all_keys)
-        groups = self._classify(all_keys)
-        self._no_ttl(all_keys, report)
-        parts = read_participants(self.store, groups["participant"], now)
-        self._participants(parts, now, report)
-        self._dead_engines(parts, report)
-        self._unindexed(parts, report)
-        self._trackers(groups["addr"], report)
-        self._xfers(groups["xfer"], report)
+        first = self._detect(all_keys, report.notes)
+        if first:  # the second look: fresh reads of only the keys involved
+            again = self._detect(sorted({f.key for f in first}), report.notes)
+            kept = {f.ident for f in first}
+            report.findings += [f for f in again if f.ident in kept]
         if fix:
             self._fix(report)
         return report
+
+    def _detect(self, keys: Sequence[str], notes: list[str]) -> list[Finding]:
+        """Every check but the server settings, on ``keys`` as they are now."""
+        scratch = Report(notes=notes)
+        now = self.store.server_time_ms()
+        groups = self._classify(keys)
+        self._no_ttl(keys, scratch)
+        parts = read_participants(self.store, groups["participant"], now)
+        self._participants(parts, now, scratch)
+        self._dead_engines(parts, scratch)
+        self._unindexed(parts, scratch)
+        self._trackers(groups["addr"], scratch)
+        self._xfers(groups["xfer"], scratch)
+        return scratch.findings
 
     def _classify(self, all_keys: Sequence[str]) -> dict[str, list[str]]:
         k = self.keys
@@ -257,16 +291,22 @@ class Auditor:
         k = self.keys
         for start in range(0, len(parts), BATCH):
             chunk = parts[start : start + BATCH]
-            raw = s.execute([
-                s.command("HEXISTS", k.parts(p.room), args=[k.part_member(p.side, p.engine)])  # type: ignore[arg-type]
-                for p in chunk
-            ])
-            for p, n in zip(chunk, raw, strict=True):
-                if not int(n):
-                    report.findings.append(_about(
-                        "unindexed", p,
-                        f"not in {k.parts(p.room)} (the index expired before the participant, "
-                        "or a clear was cut short): abort and show cannot reach it"))
+            # EXISTS and HEXISTS in one transaction (one slot per room): a clear between
+            # reading the participant and its index must not read as "unindexed"
+            calls = []
+            for p in chunk:
+                calls += [s.command("EXISTS", p.key),
+                          s.command("HEXISTS", k.parts(p.room),
+                                    args=[k.part_member(p.side, p.engine)])]  # type: ignore[arg-type]
+            raw = s.execute(calls, transaction=True)
+            for i, p in enumerate(chunk):
+                if int(raw[2 * i]) and not int(raw[2 * i + 1]):
+                    f = _about("unindexed", p,
+                               f"not in {k.parts(p.room)} (the index expired before the "
+                               "participant, or a clear was cut short): abort and show "
+                               "cannot reach it")
+                    f.target = (str(p.created_ms or 0),)
+                    report.findings.append(f)
 
     def _trackers(self, trackers: Sequence[str], report: Report) -> None:
         s = self.store
@@ -323,10 +363,14 @@ class Auditor:
         try:
             raw = s.execute(calls)
         except KVStateError as exc:  # LFU maxmemory policy: idle time is not tracked
-            if "IDLETIME" not in str(exc):
+            if acl_refused(exc):
+                note = ("OBJECT IDLETIME is not allowed for this user: unclaimed transfer "
+                        "infos not checked (the README's operator ACL line allows it)")
+            elif "IDLETIME" in str(exc):
+                note = ("OBJECT IDLETIME refused (LFU maxmemory policy?): unclaimed transfer "
+                        "infos not checked")
+            else:
                 raise
-            note = "OBJECT IDLETIME refused (LFU maxmemory policy?): unclaimed transfer " \
-                   "infos not checked"
             if note not in report.notes:
                 report.notes.append(note)
             return [(True, True, None) for _ in chunk]
@@ -345,37 +389,78 @@ class Auditor:
                 f.left = f"fix failed: {exc}"
             if f.fixed:
                 done.append(f)
-        Ledger(self.store).append([
+        entries = [
             Entry(f"audit:{f.kind}", f.room, f.side, f.engine, f.status or "", f.age_ms, f.key,
                   f.fixed)
             for f in done
-        ])
+        ]
+        try:
+            Ledger(self.store).append(entries)
+        except KVStateError as exc:
+            if not acl_refused(exc):
+                raise
+            report.notes.append("XADD is not allowed for this user: the repairs above are not "
+                                "recorded in the ledger")
+
+    def _room_ttl_ms(self, room: int, also: Sequence[str] = ()) -> int:
+        """The longest TTL left on the room's index, its listed participants and
+        ``also``: what a repair gives the keys it writes. The store's TTL (--room-ttl)
+        only when none of them has one."""
+        s = self.store
+        k = self.keys
+        keys = [k.parts(room), *also]
+        for member in s.members(room):
+            side, _, engine = member.partition(":")
+            if side in SIDES:
+                keys.append(k.participant(room, side, engine))  # type: ignore[arg-type]
+        ttls = [int(t) for t in s.execute([s.command("PTTL", key) for key in keys])]
+        return max((t for t in ttls if t > 0), default=s.ttl_ms)
+
+    def _store_for(self, room: int | None, also: Sequence[str] = ()) -> Store:
+        """The store, with the room's remaining TTL as the TTL its scripts write."""
+        if room is None:
+            return self.store
+        view = copy.copy(self.store)
+        view.room_ttl = self._room_ttl_ms(room, also) / 1000
+        return view
 
     def _fix_one(self, f: Finding) -> None:
         s = self.store
         if f.kind == "no_ttl":
-            ttl = LEDGER_TTL_MS if f.key == self.keys.ledger else s.ttl_ms
-            n = s.execute([s.command("PEXPIRE", f.key, args=[ttl])])[0]
-            if int(n):
-                f.fixed = f"set a TTL of {fmt_ms(ttl)}"
+            if f.key == self.keys.ledger:
+                ttl = LEDGER_TTL_MS
+            elif f.room is not None:
+                ttl = self._room_ttl_ms(f.room)
             else:
-                f.left = "key vanished before the fix"
+                ttl = s.ttl_ms
+            now = int(s.execute([s.command("PTTL", f.key)])[0])
+            if now != -1:  # only keys that still have no TTL
+                f.resolved = ("it is gone" if now == -2 else
+                              f"it got a TTL meanwhile ({fmt_ms(now)} left)")
+                return
+            s.execute([s.command("PEXPIRE", f.key, args=[ttl])])
+            f.fixed = f"set a TTL of {fmt_ms(ttl)}" + (
+                " (the room's remaining TTL)" if f.room is not None else "")
         elif f.kind == "stuck":
             assert f.room is not None
-            st: Status = s.execute([s.poll(f.room, f.side, f.engine)])[0]  # type: ignore[arg-type]
+            st: Status = s.execute(
+                [self._store_for(f.room).poll(f.room, f.side, f.engine)])[0]  # type: ignore[arg-type]
             if st.status == KVPoll.Failed:
                 f.fixed = f"failed it: {st.reason}"
             else:
-                f.left = f"it moved on ({st.status.name if st.status else 'gone'})"
+                f.resolved = f"it moved on ({st.status.name if st.status else 'gone'})"
         elif f.kind == "orphan_tracker":
             (member,) = f.target
-            s.execute([s.command("ZREM", f.key, args=[member])])
-            f.fixed = f"removed {member} from the tracker"
+            n = s.execute([s.command("ZREM", f.key, args=[member])])[0]
+            if int(n):
+                f.fixed = f"removed {member} from the tracker"
+            else:
+                f.resolved = "the member was removed meanwhile"
         elif f.kind == "unclaimed_xfer":
             assert f.room is not None
             exists = s.execute([s.command("EXISTS", s.keys.participant(f.room, "tx", f.engine))])
             if int(exists[0]):
-                f.left = "its sender appeared meanwhile"
+                f.resolved = "its sender appeared meanwhile"
             else:
                 s.execute([s.command("DEL", f.key)])
                 f.fixed = "deleted the unclaimed transfer infos"
@@ -383,32 +468,35 @@ class Auditor:
             engine, inc, addr = f.target
             reason = (f"peer {engine} at {addr or '?'} is gone (incarnation {inc}); "
                       "failed by kvstate audit")
-            n = s.execute([s.fail_receiver(f.key, engine, inc, reason)])[0]
+            view = self._store_for(f.room)
+            n = s.execute([view.fail_receiver(f.key, engine, inc, reason)])[0]
             if int(n):
                 f.fixed = f"failed it: {reason}"
             else:
-                f.left = "it reached a terminal status meanwhile"
+                f.resolved = "it reached a terminal status or was cleared meanwhile"
         elif f.kind == "dead_owner":
             assert f.room is not None
             reason = f"engine {f.engine} lost its lease; failed by kvstate audit"
+            view = self._store_for(f.room)
             st2: Status = s.execute(
-                [s.update(f.room, f.side, f.engine, KVPoll.Failed, reason)])[0]  # type: ignore[arg-type]
+                [view.update(f.room, f.side, f.engine, KVPoll.Failed, reason)])[0]  # type: ignore[arg-type]
             if st2.status == KVPoll.Failed and st2.reason == reason:
                 f.fixed = f"failed it: {reason}"
             else:
-                f.left = f"it moved on ({st2.status.name if st2.status else 'gone'})"
+                f.resolved = f"it moved on ({st2.status.name if st2.status else 'gone'})"
         elif f.kind == "unindexed":
             assert f.room is not None
             k = self.keys
             member = k.part_member(f.side, f.engine)  # type: ignore[arg-type]
             exists = s.execute([s.command("EXISTS", f.key)])[0]
             if not int(exists):
-                f.left = "it was cleared meanwhile"
+                f.resolved = "it was cleared meanwhile"
                 return
-            s.execute([s.command("HSET", k.parts(f.room), args=[member, f.age_ms or 0]),
-                       s.command("PEXPIRE", k.parts(f.room), args=[s.ttl_ms])],
+            ttl = self._room_ttl_ms(f.room, also=[f.key])
+            s.execute([s.command("HSET", k.parts(f.room), args=[member, f.target[0]]),
+                       s.command("PEXPIRE", k.parts(f.room), args=[ttl])],
                       transaction=True)
-            f.fixed = f"added {member} back to the room's index"
+            f.fixed = f"added {member} back to the room's index (TTL {fmt_ms(ttl)})"
         elif f.kind == "terminal_uncleared":
             f.left = "left for its TTL: the owner may still read the status"
         elif f.kind == "corrupt":

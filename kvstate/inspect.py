@@ -13,7 +13,7 @@ from typing import Any
 
 from kvstate.codec import TransferInfo
 from kvstate.errors import CorruptStateError
-from kvstate.keys import SIDES
+from kvstate.keys import ROOT, SIDES, namespace_of
 from kvstate.poll import KVPoll
 from kvstate.store import Call, Store
 
@@ -213,6 +213,13 @@ class RoomView:
     participants: list[Participant]
     infos: dict[str, dict[str, TransferInfo | str]]  # sender -> receiver -> info or error
     acks: dict[str, list[str]]  # receiver -> senders that acked
+    aborted: str | None = None  # the abort mark's reason, if the room was aborted
+    aborted_ttl_ms: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        """Nothing at all is stored for the room (not even an abort mark)."""
+        return not self.members and not self.participants and self.aborted is None
 
     @property
     def unindexed(self) -> list[str]:
@@ -242,6 +249,8 @@ class RoomView:
             "participants": [p.to_json() for p in self.participants],
             "transfer_infos": infos,
             "acks": self.acks,
+            "aborted": None if self.aborted is None else {
+                "reason": self.aborted, "ttl_ms": self.aborted_ttl_ms},
         }
 
 
@@ -287,7 +296,10 @@ def room_view(store: Store, room: int) -> RoomView:
     sender_list, receiver_list = sorted(senders), sorted(receivers)
     calls = [store.command("HGETALL", k.xfer(room, s)) for s in sender_list]
     calls += [store.command("SMEMBERS", k.acks(room, r)) for r in receiver_list]
+    calls += [store.command("GET", k.aborted(room)), store.command("PTTL", k.aborted(room))]
     raw = store.execute(calls)
+    mark, mark_ttl = raw[-2:]
+    raw = raw[:-2]
     infos: dict[str, dict[str, TransferInfo | str]] = {}
     for s, h in zip(sender_list, raw[: len(sender_list)], strict=True):
         if not h:
@@ -307,7 +319,27 @@ def room_view(store: Store, room: int) -> RoomView:
         if a
     }
     parts.sort(key=lambda p: (p.side != "tx", p.engine))
-    return RoomView(room, now, members, parts, infos, acks)
+    aborted = None if mark is None else mark.decode("utf-8", "replace")
+    return RoomView(room, now, members, parts, infos, acks, aborted,
+                    None if mark is None else int(mark_ttl))
+
+
+def holds_keys(store: Store) -> bool:
+    """Whether the namespace holds any kvstate key at all (SCAN, stops at the first)."""
+    return next(iter(store.scan(store.keys.all_pattern)), None) is not None
+
+
+def namespaces(store: Store, max_keys: int = 200_000) -> tuple[list[str], bool]:
+    """The namespaces that hold kvstate keys (SCAN of every kvstate key, up to
+    ``max_keys`` of them); the flag says whether the scan stopped early."""
+    found: set[str] = set()
+    for i, key in enumerate(store.scan(ROOT + "*")):
+        if i >= max_keys:
+            return sorted(found), True
+        ns = namespace_of(key)
+        if ns is not None:
+            found.add(ns)
+    return sorted(found), False
 
 
 def fmt_ms(ms: int | None) -> str:

@@ -15,7 +15,9 @@ Side = Literal["tx", "rx"]
 SIDES: tuple[Side, ...] = ("tx", "rx")
 MAX_ROOM = 2**63
 
+ROOT = "kvstate:"  # every kvstate key starts with it, then "<namespace>:"
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_ROOM = re.compile(r"[0-9]{1,19}")  # ASCII digits only: int() also takes "4_2" and "٤٢"
 # Engine ids and bootstrap addresses end up inside key names and Lua-built
 # messages: allow what host:port, IPv6 brackets and rank suffixes need, no
 # whitespace, braces (hash tags) or glob characters (SCAN patterns).
@@ -49,12 +51,29 @@ def check_namespace(namespace: object) -> str:
     return namespace
 
 
+def parse_room_text(text: str) -> int:
+    """A room id typed by a person: ASCII digits only (``int()`` would read ``4_2``,
+    `` 42`` and Arabic-Indic digits as room 42)."""
+    if not _ROOM.fullmatch(text) or int(text) >= MAX_ROOM:
+        raise InvalidRoomError(f"room must be an integer in [0, 2**63) written in ASCII "
+                               f"digits, got {text!r}")
+    return int(text)
+
+
+def namespace_of(key: str) -> str | None:
+    """The namespace a kvstate key belongs to, else None (to list the namespaces)."""
+    if not key.startswith(ROOT):
+        return None
+    ns = key[len(ROOT) :].partition(":")[0]
+    return ns if _NAMESPACE.fullmatch(ns) else None
+
+
 class Keys:
     """Key builder for one namespace."""
 
     def __init__(self, namespace: str = "default") -> None:
         self.namespace = check_namespace(namespace)
-        self.prefix = f"kvstate:{self.namespace}:"
+        self.prefix = f"{ROOT}{self.namespace}:"
 
     # -- per room (one slot) -------------------------------------------------
     def room_prefix(self, room: int) -> str:
@@ -126,9 +145,9 @@ class Keys:
         tag_end = key.find("}:", len(self.prefix))
         if tag_end < 0:
             return None
-        try:
-            room = int(key[len(self.prefix) + 1 : tag_end])
-        except ValueError:
+        tag = key[len(self.prefix) + 1 : tag_end]
+        if not _ROOM.fullmatch(tag) or int(tag) >= MAX_ROOM:
             return None
+        room = int(tag)
         kind, _, rest = key[tag_end + 2 :].partition(":")
         return room, kind, rest

@@ -83,7 +83,7 @@ class Entry:
         room, age = h.get("room", ""), h.get("age_ms", "")
         return cls(
             event=h.get("event", ""),
-            room=int(room) if room.isdigit() else None,
+            room=int(room) if room.isascii() and room.isdigit() else None,
             side=h.get("side", ""),
             engine=h.get("engine", ""),
             status=h.get("status", ""),

@@ -15,7 +15,7 @@ from click.testing import CliRunner, Result
 import kvstate
 from kvstate.cli import main
 from kvstate.codec import TransferInfo
-from kvstate.ledger import Ledger
+from kvstate.ledger import Entry, Ledger
 from kvstate.poll import KVPoll
 from kvstate.store import Store
 
@@ -271,6 +271,9 @@ def test_config_denied_degrades_with_a_note(redis_url: str, redis_cli: Any) -> N
         "-config",
     )
     url = redis_url.replace("unix://", "unix://auditor:audit-pw-123@")
+    store = kvstate.connect(redis_url)
+    Ledger(store).append([Entry("test", None, "", "", "", None, "")])  # not empty
+    store.close()
     result, doc = audit(url)
     assert result.exit_code == 0, result.output
     assert any("CONFIG GET is not allowed" in n for n in doc["notes"])

@@ -28,9 +28,9 @@ def run(*args: str, env: dict[str, str] | None = None) -> Result:
     return CliRunner().invoke(main, list(args), env=env)
 
 
-def run_json(*args: str) -> Any:
+def run_json(*args: str, code: int = 0) -> Any:
     result = run(*args)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == code, result.output
     return json.loads(result.stdout)
 
 
@@ -84,7 +84,7 @@ def test_ls_filters(room: tuple[Store, Any, Any], state_url: str) -> None:
         store.client.hset(old.key, "created_ms", now - 120_000)
 
         def rows(*args: str) -> list[tuple[int, str, str]]:
-            doc = run_json("--url", state_url, "ls", "--json", *args)
+            doc = run_json("--url", state_url, "ls", "--json", *args)  # 0 on no match too
             return sorted((r["room"], r["side"], r["status"]) for r in doc["participants"])
 
         assert len(rows()) == 3
@@ -149,13 +149,28 @@ def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str
         capture_output=True, text=True, timeout=60, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "failed 2 of 2" in proc.stdout
+    # a second abort says so and keeps the first reason; show shows the mark
+    again = run("abort", "77", "--reason", "second thoughts", "--url", state_url)
+    assert again.exit_code == 0, again.output
+    assert "already aborted (router gave up)" in again.output
+    shown = run("show", "77", "--url", state_url)
+    assert shown.exit_code == 0 and "aborted: router gave up" in shown.output
     assert snd.poll() == KVPoll.Failed
     assert rcv.poll() == KVPoll.Failed
     assert snd.failure_exception().reason == "router gave up"
     assert rcv.failure_exception().reason == "router gave up"
+    # the room is cleared now: an abort of it (or of a mistyped room) writes nothing
+    for r in ("77", "7"):
+        refused = run("--url", state_url, "abort", r)
+        assert refused.exit_code == 1, refused.output
+        assert "nothing to abort" in refused.output and "--pre-emptive" in refused.output
+    assert sorted(store.scan(store.keys.all_pattern)) == sorted(
+        store.keys.engine(e) for e in ("decode-b.tp0", "prefill-a.tp0"))
     # a router may abort before either side joined: whoever joins later starts Failed
-    again = run("--url", state_url, "abort", "77", "--reason", "too late")
+    again = run("--url", state_url, "abort", "77", "--reason", "too late", "--pre-emptive")
     assert again.exit_code == 0 and "no participants yet" in again.output
+    shown = run("--url", state_url, "show", "77", "--json")
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["aborted"]["reason"] == "too late"
     late = snd.mgr.sender(77)
     assert late.poll() == KVPoll.Failed
     assert late.failure_exception().reason == "too late"  # clears, mark included
@@ -191,18 +206,19 @@ def test_doctor_reports_unreachable_redis(tmp_path: Path) -> None:
     assert "cannot reach Redis" in result.output
 
 
-def test_read_commands_need_a_url() -> None:
+def test_read_commands_need_a_url(tmp_path: Path) -> None:
+    no_demo = {"XDG_RUNTIME_DIR": str(tmp_path)}  # no running demo's record to fall back on
     for args in (["ls"], ["show", "1"], ["top", "--once"], ["engines"], ["audit"],
                  ["abort", "1"], ["monitor", "--duration", "0"]):
-        result = run(*args)
+        result = run(*args, env=no_demo)
         assert result.exit_code == 2, (args, result.output)
         assert "no Redis URL" in result.output and "KVSTATE_REDIS_URL" in result.output
         assert len(result.output.strip().splitlines()) == 1
 
 
 def test_namespaces_are_separate(room: tuple[Store, Any, Any], state_url: str) -> None:
-    doc = run_json("--url", state_url, "--namespace", "other", "ls", "--json")
-    assert doc["count"] == 0
+    doc = run_json("--url", state_url, "--namespace", "other", "ls", "--json", code=1)
+    assert doc["count"] == 0 and doc["namespace_empty"] and doc["namespaces"] == ["default"]
     env_doc = CliRunner().invoke(main, ["--url", state_url, "ls", "--json"],
                                  env={"KVSTATE_NAMESPACE": "default"})
     assert json.loads(env_doc.stdout)["count"] == 2
@@ -260,6 +276,8 @@ def test_malformed_url_with_password() -> None:
 
 def test_password_never_printed_by_the_real_command(locked: RedisProcess) -> None:
     """Through $KVSTATE_REDIS_URL, as a real process, with a wrong password too."""
+    store = kvstate.connect(locked.unix_url)
+    mgr = kvstate.KVManager(store, "prefill", "prefill-a", ADDR)  # not an empty namespace
     for url, code in ((locked.unix_url, 0), (locked.unix_url.replace(PASSWORD, "nope"), 2)):
         env = {**os.environ, "KVSTATE_REDIS_URL": url}
         proc = subprocess.run([str(KVSTATE_BIN), "top", "--once"], capture_output=True,
@@ -270,3 +288,5 @@ def test_password_never_printed_by_the_real_command(locked: RedisProcess) -> Non
         if code == 2:
             assert proc.stderr.count("\n") == 1
             assert "authentication" in proc.stderr and "***" in proc.stderr
+    mgr.close()
+    store.close()
