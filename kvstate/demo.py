@@ -837,7 +837,10 @@ class _Router:
             if engine != self.killed:
                 inbox.put((kind,))
         deadline = time.monotonic() + (20 if self.interrupted else 60)
-        while {e for e in self.inboxes if e != self.killed} - set(self.stats):
+        # Interrupted before every worker attached: wait only for those that exist.
+        expected = {e for e in self.inboxes if e != self.killed and
+                    (not self.interrupted or e in self.addrs or e in self.procs)}
+        while expected - set(self.stats):
             try:
                 msg = self._get(deadline, interruptible=False)
             except KVStateError:
@@ -1247,26 +1250,30 @@ def _run_attached(role: str, engine: str, router: str, url: str | None,
     return got
 
 
-def _banner(err: Any, store: Any, cfg: WorkerConfig, opts: Options, embedded: bool,
+def _banner(store: Any, cfg: WorkerConfig, opts: Options, embedded: bool,
             record: Path | None) -> None:
-    """Where the run's state lives and how to look at it while it runs."""
+    """Where the run's state lives and how to look at it while it runs (plain lines on
+    stderr, never wrapped, so the commands can be copied)."""
+    def say(text: str) -> None:
+        click.echo(text, err=True)
+
     where = "embedded, stops with the demo" if embedded else "given"
-    err.print(f"kvstate demo: Redis {store.url} ({where}), namespace {store.namespace}; "
-              f"{opts.prefill_workers} prefill + {opts.decode_workers} decode worker(s), "
-              f"{opts.requests} requests")
+    say(f"kvstate demo: Redis {store.url} ({where}), namespace {store.namespace}; "
+        f"{opts.prefill_workers} prefill + {opts.decode_workers} decode worker(s), "
+        f"{opts.requests} requests")
     ns = store.namespace
     if record is not None:
-        err.print(f"  inspect while it runs: kvstate ls | kvstate show ROOM   (they find this "
-                  f"run through {record}; or add --url {store.url} -n {ns})")
+        say(f"  inspect while it runs: kvstate ls  /  kvstate show ROOM  (they find this run "
+            f"through {record})")
+        say(f"  or name it: kvstate --url {store.url} --namespace {ns} ls")
     else:
-        err.print(f"  inspect while it runs: kvstate --url URL -n {ns} ls | show ROOM   "
-                  f"(URL: {store.url}; with a password, export {ENV_URL} instead of --url, "
-                  "which `ps` shows)")
+        say(f"  inspect while it runs: kvstate --url URL --namespace {ns} ls  /  show ROOM")
+        say(f"  (URL: {store.url}; with a password, export {ENV_URL} rather than pass --url, "
+            "which `ps` shows)")
     if cfg.hold:
-        err.print(f"  each room waits {cfg.hold:g} s in WaitingForInput before its transfer "
-                  "(--hold)")
+        say(f"  each room waits {cfg.hold:g} s in WaitingForInput before its transfer (--hold)")
     else:
-        err.print("  rooms live ~50 ms: add --hold 30 to keep each one visible for 30 s")
+        say("  rooms live ~50 ms: add --hold 30 to keep each one visible for 30 s")
 
 
 def _run(opts: Options, url: str | None, namespace: str, base: WorkerConfig,
@@ -1281,7 +1288,7 @@ def _run(opts: Options, url: str | None, namespace: str, base: WorkerConfig,
     announce = _announced(real_url, store.namespace) if url is None else \
         contextlib.nullcontext(None)
     with announce as record, _Signals() as signals:
-        _banner(err, store, cfg, opts, url is None, record)
+        _banner(store, cfg, opts, url is None, record)
         rtr = _Router(opts, cfg, store, signals)
         counts: dict[str, int] = {}
         seconds = 0.0
