@@ -1499,15 +1499,15 @@ def _print_summary(doc: dict[str, Any]) -> None:
               f"the transport's write alone, via {path}")
     t.add_row("send() call", f"{doc['send_gb_per_s']:.2f} GB/s: the same bytes / time inside "
               f"send() = that write + 2 Redis state transitions; "
-              f"{doc['state_share_of_send']:.0%} of it was the state")
+              f"{doc['state_share_of_send']:.0%} of it outside the write")
     lat = doc["latency_ms"]
     t.add_row("room latency", f"p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms "
               "(router dispatch to both sides' results)")
     r = doc["redis"]
     t.add_row("redis per room", f"{r['round_trips_per_room']} round trips from the workers "
-              "(both sides, polls while waiting and heartbeats included; a full lifecycle "
-              f"takes 7, tools/bench_state.py); {r['commands_per_room']} commands executed "
-              "(script internals included)")
+              "(both sides; polls while waiting and heartbeats included, a poll_many shared "
+              f"by the rooms it covers; one room alone: 7); {r['commands_per_room']} commands "
+              "Redis executed (script internals included)")
     t.add_row("keys left", f"{doc['keys_left']}" + (
         f" after {doc['waited_for_keys_s']:.1f} s" if doc["waited_for_keys_s"] >= 0.5 else ""))
     t.add_row("audit", escape(doc["audit"]["result"]))
