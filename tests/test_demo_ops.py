@@ -123,6 +123,22 @@ def test_hold_keeps_rooms_visible_to_the_cli() -> None:
     assert not record.exists()
 
 
+def test_a_password_url_stays_out_of_output_and_records(redis_server_factory: Any) -> None:
+    """Given through $KVSTATE_REDIS_URL (the advice: not `ps`-visible), the URL is shown
+    redacted, and no discovery record is written (it would hold the password)."""
+    password = "pw-" + os.urandom(6).hex()
+    server = redis_server_factory(port="auto", password=password)
+    assert password in server.tcp_url
+    proc = _start("--requests", "5", "--json", *SMALL,
+                  env=_env(KVSTATE_REDIS_URL=server.tcp_url, KVSTATE_NAMESPACE="pw"))
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err
+    assert password not in out + err
+    assert ":***@" in err and "KVSTATE_REDIS_URL" in err
+    assert "kvstate-demo-" not in err  # no record announced
+    assert json.loads(out)["redis"]["url"].count(":***@") == 1
+
+
 # --------------------------------------------------------------------------- TCP queues
 
 
