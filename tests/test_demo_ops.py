@@ -64,18 +64,21 @@ def _check_interrupted(proc: subprocess.Popen[str], out: str, err: str, sig: sig
     return doc
 
 
-def test_ctrl_c_clears_rooms_on_a_shared_redis(redis_url: str) -> None:
-    """SIGINT to the whole process group (Ctrl-C): no traceback or semaphore warning, a
-    partial summary, exit 130, and not one key of the run left on the shared server."""
-    ns = "ctrlc"
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_group_clears_rooms_on_a_shared_redis(redis_url: str,
+                                                            sig: signal.Signals) -> None:
+    """SIGINT to the whole process group (Ctrl-C in a terminal), or SIGTERM to it (a
+    service manager): no traceback or semaphore warning, a partial summary, exit 130 /
+    143, and not one key of the run left on the shared server."""
+    ns = "group-" + sig.name.lower()
     proc = _start("--url", redis_url, "--namespace", ns, "--requests", "500", "--hold", "1",
                   "--json", *SMALL)
     try:
         assert wait_for(lambda: len(_participants(redis_url, ns)) >= 4, 60), "no rooms in flight"
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
     finally:
         out, err = _finish(proc)
-    _check_interrupted(proc, out, err, signal.SIGINT)
+    _check_interrupted(proc, out, err, sig)
     assert _keys(redis_url, ns) == []  # engines dropped their leases too
 
 
