@@ -18,7 +18,12 @@ Workers are module-level functions (``prefill_worker``, ``decode_worker``) so th
 ``spawn`` start method can import them. For containers (docker-compose) the
 router can serve its queues over TCP (``--listen``) and workers started as
 ``kvstate demo --worker prefill --engine prefill-0 --router HOST:PORT`` attach to
-it; the bytes and the state then move exactly as in the one-machine run.
+it; the bytes and the state then move exactly as in the one-machine run. Those queues
+carry pickles, so both sides need the secret in ``$KVSTATE_DEMO_AUTHKEY``.
+
+Operators: ``--hold`` keeps rooms visible to ``kvstate ls/show``, which find a running
+demo's embedded server through its discovery record; SIGINT/SIGTERM make every worker
+clear its rooms in flight before a partial summary (exit 130/143).
 """
 
 from __future__ import annotations
