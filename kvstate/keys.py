@@ -121,6 +121,10 @@ class Keys:
     def ledger(self) -> str:
         return f"{self.prefix}ledger"
 
+    def transfer_stats(self, engine: str) -> str:
+        """An engine's transfer counters, published for the monitor (kvstate.metrics)."""
+        return f"{self.prefix}stats:{engine}"
+
     # -- patterns and parsing (for SCAN-based tools) ---------------------------
     @property
     def all_pattern(self) -> str:
@@ -133,6 +137,10 @@ class Keys:
     @property
     def engine_pattern(self) -> str:
         return f"{self.prefix}engine:*"
+
+    @property
+    def transfer_stats_pattern(self) -> str:
+        return f"{self.prefix}stats:*"
 
     @property
     def addr_pattern(self) -> str:

@@ -316,8 +316,8 @@ class Monitor:
         m = self.metrics
         assert m is not None
         m.set_census(Census.of(participants))
-        for e in entries:
-            m.reaped.labels(e.status).inc()
+        m.count_reaped(entries)
+        m.load_transfers(self.store)
         roles: dict[str, int] = {}
         s = self.store
         engine_keys = list(s.scan(s.keys.engine_pattern))

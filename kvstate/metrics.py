@@ -1,5 +1,15 @@
 """Prometheus view of the state: gauges computed from Redis by the monitor, so they
-survive engine crashes, plus a hook engines call for their own transfer stats.
+survive engine crashes, plus transfer counters that engines publish to Redis.
+
+Why transfer counters go through Redis: the monitor is its own process, and a
+prometheus_client counter only counts what happens in the process that holds it,
+so ``kvstate_transfer_bytes_total`` stayed 0 while engines moved gigabytes. Each
+engine now keeps its totals in memory (:class:`TransferRecorder`) and writes them,
+as absolute values, to ``kvstate:<ns>:stats:<engine>`` at most once per
+``flush_interval`` (one HSET + PEXPIRE: no extra round trip per transfer, and a
+retried write cannot double count). The monitor reads every engine's hash each
+sweep and exports them labelled by engine; an engine that restarts starts again
+from 0, which Prometheus reads as a counter reset.
 
 Each ``Metrics`` has its own registry (never prometheus_client's global one), so
 several can live in one process and tests scrape exactly what they set. No URL
@@ -8,13 +18,26 @@ or other secret is ever a label.
 
 from __future__ import annotations
 
+import bisect
+import errno
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 
+from kvstate.errors import KVStateError
 from kvstate.inspect import AGE_BUCKETS, STATUSES, Census
 from kvstate.keys import SIDES
+from kvstate.store import Store
+
+log = logging.getLogger(__name__)
 
 FINDING_KINDS: tuple[str, ...] = (
     "no_ttl",
@@ -28,7 +51,141 @@ FINDING_KINDS: tuple[str, ...] = (
     "corrupt",
     "server_setting",
 )
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                   10)
+STATS_TTL_S = 24 * 3600  # an engine's counters outlive it by a day, then expire
+LOCAL_ENGINE = "this-process"  # the label of transfers observed in the exporting process
+_REAPED_MEMORY = 100_000  # rooms remembered so a room is counted once, not per participant
+
+
+class MetricsPortError(KVStateError):
+    """The metrics port cannot be bound (taken, or not allowed)."""
+
+
+@dataclass
+class TransferTotals:
+    """One engine's transfers since it started: bytes, count, seconds, and the latency
+    histogram (count per bucket, not cumulative; the last slot is +Inf)."""
+
+    bytes: int = 0
+    count: int = 0
+    seconds: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        seconds = max(0.0, float(seconds))
+        self.bytes += max(0, int(nbytes))
+        self.count += 1
+        self.seconds += seconds
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+
+    def fields(self) -> dict[str, Any]:
+        """The hash fields (readable with redis-cli: ``le:<bound>`` = transfers that took
+        at most that many seconds and more than the previous bound)."""
+        out: dict[str, Any] = {"bytes": self.bytes, "count": self.count,
+                               "seconds": repr(self.seconds)}
+        for bound, n in zip((*LATENCY_BUCKETS, "+Inf"), self.buckets, strict=True):
+            out[f"le:{bound}"] = n
+        return out
+
+    @classmethod
+    def parse(cls, raw: dict[Any, Any]) -> TransferTotals:
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+        try:
+            t = cls(int(h.get("bytes", 0)), int(h.get("count", 0)), float(h.get("seconds", 0)))
+            for i, bound in enumerate((*LATENCY_BUCKETS, "+Inf")):
+                t.buckets[i] = int(h.get(f"le:{bound}", 0))
+        except ValueError:  # written by something else: export nothing rather than lie
+            return cls()
+        return t
+
+
+class TransferRecorder:
+    """An engine's transfer counters, published to Redis for the monitor.
+
+    ``observe()`` is cheap (memory only) and writes at most once per ``flush_interval``;
+    ``close()`` writes the final figures. A failed write is logged and retried with
+    the next one: metrics never break a transfer."""
+
+    def __init__(self, store: Store, engine: str, flush_interval: float = 1.0,
+                 ttl: float = STATS_TTL_S) -> None:
+        self.store, self.engine = store, engine
+        self.key = store.keys.transfer_stats(engine)
+        self.flush_interval, self.ttl_ms = flush_interval, int(ttl * 1000)
+        self.totals = TransferTotals()
+        self._lock = threading.Lock()
+        self._flushed = 0.0
+        self._dirty = False
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.totals.add(nbytes, seconds)
+            self._dirty = True
+            due = time.monotonic() - self._flushed >= self.flush_interval
+        if due:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._dirty:
+                return
+            flat: list[Any] = []
+            for name, value in self.totals.fields().items():
+                flat += [name, value]
+            self._dirty = False
+            self._flushed = time.monotonic()
+        s = self.store
+        try:
+            s.execute([s.command("HSET", self.key, args=flat),
+                       s.command("PEXPIRE", self.key, args=[self.ttl_ms])], transaction=True)
+        except KVStateError as exc:
+            log.warning("transfer counters of %s not published: %s", self.engine, exc)
+            with self._lock:
+                self._dirty = True
+
+    def close(self) -> None:
+        self.flush()
+
+
+def read_transfer_totals(store: Store) -> dict[str, TransferTotals]:
+    """Every engine's published transfer counters in the namespace (SCAN + HGETALLs)."""
+    prefix = store.keys.transfer_stats("")
+    keys = sorted(store.scan(store.keys.transfer_stats_pattern))
+    if not keys:
+        return {}
+    raw = store.execute([store.command("HGETALL", k) for k in keys])
+    return {k[len(prefix):]: TransferTotals.parse(h) for k, h in zip(keys, raw, strict=True) if h}
+
+
+class _TransferCollector:
+    """Exports per-engine transfer totals as a counter and a histogram at scrape time."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, TransferTotals] = {}
+        self.lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            totals = {e: t for e, t in self.totals.items()}
+        nbytes = CounterMetricFamily("kvstate_transfer_bytes",
+                                     "KV bytes moved, by engine (published by each engine)",
+                                     labels=["engine"])
+        hist = HistogramMetricFamily("kvstate_transfer_seconds",
+                                     "Latency of one room's transfer (the write alone), by engine",
+                                     labels=["engine"])
+        for engine in sorted(totals):
+            t = totals[engine]
+            nbytes.add_metric([engine], t.bytes)
+            cumulative, running = [], 0
+            for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], t.buckets, strict=True):
+                running += n
+                cumulative.append((bound, float(running)))
+            hist.add_metric([engine], cumulative, t.seconds)
+        yield nbytes
+        yield hist
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self.collect())
 
 
 class Metrics:
@@ -45,19 +202,22 @@ class Metrics:
             "Non-terminal participants by age since creation (server clock)", ["age"], registry=r)
         self.reaped = Counter(
             "kvstate_rooms_reaped",
-            "Participants reaped by TTL (never cleared), by last status seen", ["status"],
-            registry=r)
+            "Rooms with a participant reaped by TTL (never cleared), by the first such "
+            "participant's last status; each room counted once", ["status"], registry=r)
+        self.participants_reaped = Counter(
+            "kvstate_participants_reaped",
+            "Participants reaped by TTL (never cleared), by side and last status",
+            ["side", "status"], registry=r)
         self.findings = Gauge(
             "kvstate_audit_findings", "Findings of the latest audit, by kind", ["kind"],
             registry=r)
         self.engines = Gauge(
             "kvstate_engines_alive", "Engines holding a lease, by role", ["role"], registry=r)
-        self.transfer_bytes = Counter(
-            "kvstate_transfer_bytes", "KV bytes moved by this process's transports", registry=r)
-        self.transfer_seconds = Histogram(
-            "kvstate_transfer_seconds", "Latency of one room's transfer", registry=r,
-            buckets=_LATENCY_BUCKETS)
+        self._transfers = _TransferCollector()
+        self._local = TransferTotals()
+        r.register(self._transfers)  # type: ignore[arg-type]
         self.sweeps = Counter("kvstate_monitor_sweeps", "Monitor sweeps done", registry=r)
+        self._reaped_rooms: OrderedDict[int, None] = OrderedDict()
 
     def set_census(self, census: Census) -> None:
         """Replace the participant gauges (labels absent from the census go to 0)."""
@@ -76,17 +236,60 @@ class Metrics:
         for role in sorted({"prefill", "decode"} | set(by_role)):
             self.engines.labels(role).set(by_role.get(role, 0))
 
+    def count_reaped(self, entries: Iterable[Any]) -> None:
+        """Count ledger entries (``room``, ``side``, ``status``): every participant, and
+        each room once although its participants expire one by one, often in different
+        sweeps (the last rooms seen are remembered for that)."""
+        for e in entries:
+            self.participants_reaped.labels(e.side, e.status).inc()
+            if e.room is None or e.room in self._reaped_rooms:
+                continue
+            self._reaped_rooms[e.room] = None
+            if len(self._reaped_rooms) > _REAPED_MEMORY:
+                self._reaped_rooms.popitem(last=False)
+            self.reaped.labels(e.status).inc()
+
+    def set_transfers(self, by_engine: dict[str, TransferTotals]) -> None:
+        """Replace the engines' published transfer totals (read from Redis by the monitor);
+        what this process observed itself stays under engine="this-process"."""
+        with self._transfers.lock:
+            self._transfers.totals = dict(by_engine)
+            if self._local.count:
+                self._transfers.totals[LOCAL_ENGINE] = self._local
+
+    def load_transfers(self, store: Store) -> None:
+        """Read every engine's transfer counters from Redis (one SCAN, one pipeline)."""
+        self.set_transfers(read_transfer_totals(store))
+
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
-        self.transfer_bytes.inc(max(0, int(nbytes)))
-        self.transfer_seconds.observe(max(0.0, float(seconds)))
+        """A transfer made by this very process (engines in other processes publish
+        theirs with :class:`TransferRecorder` instead)."""
+        with self._transfers.lock:
+            self._local.add(nbytes, seconds)
+            self._transfers.totals[LOCAL_ENGINE] = self._local
 
     def render(self) -> bytes:
         """The text exposition format, as a scrape would return it."""
         return generate_latest(self.registry)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
-        """Serve /metrics over HTTP from a daemon thread; returns the server."""
-        result = start_http_server(port, addr=addr, registry=self.registry)
+        """Serve /metrics over HTTP from a daemon thread; returns the server. A port that
+        is taken or not allowed is a :class:`MetricsPortError` saying what to do."""
+        try:
+            result = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                why = "is already in use (another monitor or exporter?)"
+            elif exc.errno == errno.EACCES:
+                why = "needs privileges (ports below 1024)"
+            elif exc.errno == errno.EADDRNOTAVAIL:
+                why = f"cannot be bound: {addr} is not an address of this host"
+            else:
+                why = f"cannot be bound ({exc.strerror or exc})"
+            raise MetricsPortError(
+                f"metrics port {addr}:{port} {why}; pick another with --metrics-port "
+                "(0 picks a free one) or stop what holds it"
+            ) from None
         return result[0] if isinstance(result, tuple) else result
 
 
@@ -94,6 +297,6 @@ DEFAULT = Metrics()
 
 
 def observe_transfer(nbytes: int, seconds: float) -> None:
-    """Record one room's transfer (bytes moved, seconds taken) in this process's
-    metrics; roles and the demo call it, ``DEFAULT.serve(port)`` exports it."""
+    """Record one transfer in this process's default metrics (``DEFAULT.serve(port)``
+    exports it); engines that the monitor should see use :class:`TransferRecorder`."""
     DEFAULT.observe_transfer(nbytes, seconds)

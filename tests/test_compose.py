@@ -4,9 +4,11 @@ exists in the CLI with those options."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,7 @@ def test_workers_attach_to_the_router(services: dict[str, dict[str, Any]]) -> No
         assert sorted(engines) == [f"{role}-{i}" for i in range(want)]
     for name in cmds:
         env = services[name]["environment"]
-        assert env["KVSTATE_REDIS_URL"].endswith("redis://redis:6379}"), name
+        assert env["KVSTATE_REDIS_URL"].endswith("@redis:6379}"), name
         assert env["KVSTATE_NAMESPACE"] == "demo"
 
 
@@ -110,6 +112,81 @@ def test_every_kvstate_command_exists_in_the_cli(services: dict[str, dict[str, A
             sub.make_context(sub_name, list(sub_args), parent=ctx)
         except click.UsageError as exc:
             pytest.fail(f"service {name}: `kvstate {' '.join(args)}`: {exc}")
+
+
+def test_nothing_is_published_on_public_interfaces(services: dict[str, dict[str, Any]]) -> None:
+    """A published port binds 127.0.0.1 only (Docker's default is 0.0.0.0); the router's
+    queue port is not published at all."""
+    published = {name: s.get("ports", []) for name, s in services.items() if s.get("ports")}
+    assert published, "expected Redis and the metrics port on the host's loopback"
+    for name, ports in published.items():
+        for p in ports:
+            assert str(p).startswith("127.0.0.1:"), f"{name} publishes {p}"
+    assert "ports" not in services["router"]
+
+
+def _required(value: str, var: str) -> bool:
+    """``${VAR:?message}``: compose refuses to start while VAR is unset or empty."""
+    return value.startswith(f"${{{var}:?")
+
+
+def test_secrets_come_from_the_user(services: dict[str, dict[str, Any]]) -> None:
+    """No committed secret and no default one: Redis requires a password and the queues
+    a key, both from the user's environment / .env, and refused when unset."""
+    text = COMPOSE.read_text()
+    assert "kvstate-demo}" not in text and ":-kvstate" not in text  # the old public key
+    assert not re.search(r"(PASSWORD|AUTHKEY|AUTH):?-", text), "a secret with a default"
+    for name, svc in services.items():
+        env = svc.get("environment") or {}
+        if argv(svc)[:1] == ["kvstate"]:
+            assert _required(env["KVSTATE_DEMO_AUTHKEY"], "KVSTATE_DEMO_AUTHKEY"), name
+            assert "${KVSTATE_REDIS_PASSWORD:?" in env["KVSTATE_REDIS_URL"], name
+        cmd = " ".join(argv(svc))
+        if "redis-server" in cmd:
+            assert _required(env["REDIS_PASSWORD"], "KVSTATE_REDIS_PASSWORD"), name
+            assert _required(env["REDISCLI_AUTH"], "KVSTATE_REDIS_PASSWORD"), name
+            assert "requirepass" in cmd and "--requirepass" not in cmd, name  # not in argv
+
+
+def test_redis_command_requires_the_password(tmp_path: Path) -> None:
+    """Run the redis service's own command with the real redis-server (on a free port
+    and a temp file): without the password every command is refused."""
+    from kvstate.servers import find_redis_server, free_port
+
+    doc = yaml.safe_load(COMPOSE.read_text())
+    cmd = argv(doc["services"]["redis"])
+    assert cmd[:2] == ["sh", "-c"]
+    conf = tmp_path / "auth.conf"
+    script = cmd[2].replace("/tmp/redis-auth.conf", str(conf))
+    script = script.replace("exec redis-server", f"exec {find_redis_server()}")
+    port = free_port()
+    script += f" --port {port} --bind 127.0.0.1 --dir {tmp_path}"
+    password = "pw-" + tmp_path.name
+    proc = subprocess.Popen(["sh", "-c", script], env={"REDIS_PASSWORD": password,
+                                                       "PATH": "/usr/bin:/bin"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with redis.Redis(port=port, password=password, socket_timeout=2) as c:
+                    assert c.ping()
+                    break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        with redis.Redis(port=port, socket_timeout=2) as c, \
+                pytest.raises(redis.AuthenticationError):
+            c.ping()
+        with redis.Redis(port=port, password=password, socket_timeout=2) as c:
+            assert c.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.mark.skipif(shutil.which("docker") is None, reason="docker is not installed")

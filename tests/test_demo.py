@@ -33,10 +33,15 @@ def _command() -> list[str]:
     return [sys.executable, "-m", "kvstate.demo"]
 
 
-def _env() -> dict[str, str]:
+AUTHKEY = "test-secret-" + os.urandom(8).hex()
+
+
+def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("KVSTATE_REDIS_URL",
-                                                              "KVSTATE_NAMESPACE")}
+                                                              "KVSTATE_NAMESPACE",
+                                                              "KVSTATE_DEMO_AUTHKEY")}
     env["COLUMNS"] = "120"
+    env.update(extra)
     return env
 
 
@@ -122,17 +127,19 @@ def _free_port() -> int:
 def test_demo_router_and_standalone_workers() -> None:
     """The docker-compose shape: a router serving its queues, workers attached by TCP."""
     addr = f"127.0.0.1:{_free_port()}"
+    env = _env(KVSTATE_DEMO_AUTHKEY=AUTHKEY)
     router = subprocess.Popen([*_command(), "--listen", addr, "--requests", "20", "--json",
                                *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=_env())
+                              text=True, env=env)
     workers = [subprocess.Popen([*_command(), "--worker", role, "--engine", f"{role}-0",
                                  "--router", addr], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env=_env())
+                                stderr=subprocess.PIPE, text=True, env=env)
                for role in ("prefill", "decode")]
     try:
         out, err = router.communicate(timeout=120)
-        for w in workers:
-            assert w.wait(30) == 0, w.stderr.read() if w.stderr else ""
+        logs = [w.communicate(timeout=30)[1] for w in workers]
+        for w, text in zip(workers, logs, strict=True):
+            assert w.returncode == 0, text
     finally:
         for p in (router, *workers):
             if p.poll() is None:
@@ -141,6 +148,9 @@ def test_demo_router_and_standalone_workers() -> None:
     doc = json.loads(out)
     assert doc["outcomes"]["done"] == 20 and doc["keys_left"] == 0
     check_successes(doc)
+    # the workers log what they do (docker compose logs shows it)
+    assert "prefill-0: prefill engine registered at" in logs[0]
+    assert logs[0].count(" Success") == 20 and logs[1].count(" Success") == 20
 
 
 # --------------------------------------------------------------------------- no processes

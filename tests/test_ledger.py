@@ -175,10 +175,12 @@ def test_monitor_subprocess_ledger_and_metrics(redis_url: str) -> None:
         got = sorted((e.room, e.side, e.status) for e in led.recent(10))
         assert got == [(31, "rx", "WaitingForInput"), (31, "tx", "WaitingForInput")]
 
-        def counted() -> bool:
-            m = re.search(r'kvstate_rooms_reaped_total\{status="WaitingForInput"\} (\S+)',
-                          scrape(port))
-            return m is not None and float(m[1]) == 2.0
+        def counted() -> bool:  # one room, two participants
+            text = scrape(port)
+            m = re.search(r'kvstate_rooms_reaped_total\{status="WaitingForInput"\} (\S+)', text)
+            n = re.findall(r'kvstate_participants_reaped_total\{side="[tr]x",'
+                           r'status="WaitingForInput"\} 1\.0', text)
+            return m is not None and float(m[1]) == 1.0 and len(n) == 2
 
         assert wait_for(counted, 5.0), scrape(port)
         text = scrape(port)
@@ -208,7 +210,9 @@ def test_monitor_thread_with_metrics(store: Store, state_url: str) -> None:
         led = Ledger(store)
         assert wait_for(lambda: len(led.recent(10)) >= 2, 10.0)
         assert {e.status for e in led.recent(10)} == {"WaitingForInput"}
-        assert b'kvstate_rooms_reaped_total{status="WaitingForInput"} 2.0' in metrics.render()
+        text = metrics.render()
+        assert b'kvstate_rooms_reaped_total{status="WaitingForInput"} 1.0' in text  # 1 room
+        assert text.count(b'kvstate_participants_reaped_total{side=') == 2
         for m in mgrs:
             m.close()
         s.close()
