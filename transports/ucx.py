@@ -207,6 +207,28 @@ def _env_flag(name: str, default: bool) -> bool:
     return raw.strip().lower() in ("1", "y", "yes", "true", "on")
 
 
+#: UCX variables set for this process unless its environment already sets them
+#: (the environment wins). Why each, with measurements: the module docstring.
+UCX_DEFAULTS: dict[str, str] = {
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_TCP_TX_SEG_SIZE": "256K",
+    "UCX_TCP_RX_SEG_SIZE": "512K",
+}
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+               "G": 1 << 30, "GB": 1 << 30}
+
+
+def _size(raw: str) -> int | None:
+    """A UCX memory size ("256K", "1m", "65536") in bytes; None if not one."""
+    text = raw.strip().upper()
+    digits = text.rstrip("BKMG")
+    unit = text[len(digits):]
+    if not digits.isdigit() or unit not in _SIZE_UNITS:
+        return None
+    return int(digits) * _SIZE_UNITS[unit]
+
+
 @dataclass(frozen=True)
 class UCXSettings:
     """UCX knobs; defaults come from the environment (see the module docstring)."""
@@ -220,14 +242,29 @@ class UCXSettings:
     cma: bool = field(default_factory=lambda: _env_flag("KVSTATE_UCX_CMA", True))
     tls: str | None = field(default_factory=lambda: os.environ.get("UCX_TLS"))
     rndv_scheme: str | None = field(default_factory=lambda: os.environ.get("UCX_RNDV_SCHEME"))
+    #: who may ptrace (and so CMA-write into) this process: "off", "any" or a pid
+    ptracer: str | int = field(
+        default_factory=lambda: cma.parse_ptracer(os.environ.get(cma.PTRACER_ENV))
+    )
 
-    def apply_env(self) -> None:
-        """Export the UCX variables; UCX reads them once, when ucxx creates its context."""
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    def apply_env(self) -> dict[str, str]:
+        """Export the UCX variables (UCX reads them once, when ucxx creates its context);
+        return the values in effect for the ones kvstate has defaults for."""
+        for name, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         if self.tls:
             os.environ["UCX_TLS"] = self.tls
         if self.rndv_scheme:
             os.environ["UCX_RNDV_SCHEME"] = self.rndv_scheme
+        tx = _size(os.environ["UCX_TCP_TX_SEG_SIZE"])
+        rx = _size(os.environ["UCX_TCP_RX_SEG_SIZE"])
+        if tx is not None and rx is not None and tx > rx:
+            raise TransportError(
+                f"UCX_TCP_TX_SEG_SIZE={os.environ['UCX_TCP_TX_SEG_SIZE']} is larger than "
+                f"UCX_TCP_RX_SEG_SIZE={os.environ['UCX_TCP_RX_SEG_SIZE']}: UCX refuses that; "
+                "set both (kvstate's defaults: 256K and 512K)"
+            )
+        return {name: os.environ[name] for name in UCX_DEFAULTS}
 
 
 class _Runtime:
@@ -255,11 +292,17 @@ class _Runtime:
                 "'polling' (puts must be posted on the thread that progresses the worker)"
             )
         self.settings = settings
-        settings.apply_env()
+        self.ucx_env = settings.apply_env()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="kvstate-ucx", daemon=True)
         self.thread.start()
-        self.call(self._init(), timeout=60.0, what="starting UCX")
+        try:
+            self.call(self._init(), timeout=60.0, what="starting UCX")
+        except Exception as exc:
+            ucx = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
+            raise TransportError(
+                f"starting UCX failed: {exc}; check the UCX_* variables in effect: {ucx}"
+            ) from exc
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -413,7 +456,7 @@ class UCXTransport(Transport):
                     f"buffer {i}: {nbytes} bytes is not a whole number of {pb}-byte pages"
                 )
             regions.append(_Region(buf, addr, nbytes, pb, nbytes // pb, memory))
-        cma.allow_peers()
+        cma.apply_ptracer(self.settings.ptracer)
         self._rt.call(self._map(regions), timeout=60.0, what="registering buffers")
 
     async def _map(self, regions: list[_Region]) -> None:
@@ -451,6 +494,10 @@ class UCXTransport(Transport):
 
     def endpoint(self) -> bytes:
         return self._rt.address
+
+    def ucx_env(self) -> dict[str, str]:
+        """The UCX variables kvstate has defaults for, as this process's UCX read them."""
+        return dict(self._rt.ucx_env)
 
     def layout(self) -> dict[str, Any]:
         return {
