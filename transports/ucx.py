@@ -14,8 +14,10 @@ How a write moves bytes
       ``ucp_put_nbx`` per run and layer, then ``ucp_ep_flush_nbx``; the flush
       completes only when every put is complete at the receiver.
 
-    The receiver's CPU takes no part. ``write`` returns only after remote
-    completion, or raises :class:`TransportError` with a reason.
+    Over RDMA or CMA the receiver's CPU takes no part; over TCP, UCX emulates
+    puts with active messages that the receiver's UCX thread copies in.
+    ``write`` returns only after remote completion, or raises
+    :class:`TransportError` with a reason.
 
 Why this split (measured here, 2 vCPUs, UCX 1.21; ``tools/bench_transfer.py``)
     * ucxx 0.52 has no RMA in Python; a Python-level message costs 55-200 us,
@@ -41,10 +43,27 @@ Settings (each can be overridden)
       is accepted). ``thread`` is refused: its progress thread would race the
       ctypes calls, which must run on the thread that progresses the worker.
       Blocking beat thread by 1.5-2x on 2 cores; polling spins a core.
+    * ``UCX_DEFAULTS`` are exported unless the environment sets them (the
+      environment wins; ``ucx_env()`` says what is in effect):
+      ``UCX_TCP_TX_SEG_SIZE=256K`` and ``UCX_TCP_RX_SEG_SIZE=512K`` (UCX: 8K
+      and 64K). With error handling on, UCX has no zero-copy put over TCP and
+      emulates each put with active messages of at most one TX segment
+      (``UCX_PROTO_INFO=y`` shows it), so 8K segments meant 2048 messages per
+      16 MiB put. Measured between two network namespaces over a veth pair
+      (``tools/bench_transfer.py --cross-host``; see the README): 1.6-3.5x
+      the best rep of 8K, 256K within noise of 1M/2M; the issue's quiet run
+      went from 0.85 to 2.77 GB/s. Cost: the segments come from UCX memory
+      pools that grow per connection in use: +0.4-0.5 MiB resident per process
+      for one peer moving 64 MiB, +1.0 MiB on a sender writing to 4 receivers
+      (+0.4 MiB on each receiver) against UCX's defaults. TX must not exceed
+      RX (UCX refuses it; checked here with a clear error). Other transports
+      (RDMA, cuda_ipc, shared memory) ignore these.
     * ``UCX_TLS``, ``UCX_RNDV_SCHEME`` and the rest are left to UCX unless set
       in the environment (puts do not use rendezvous; UCX picks RDMA,
-      cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is set
-      because ucxx sets a variable UCX 1.21 no longer knows.
+      cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is a
+      default because ucxx sets a variable UCX 1.21 no longer knows.
+    * ``KVSTATE_CMA_PTRACER``: ``off`` (default), ``any`` or one sender pid;
+      see ``transports.cma``. Applied at ``register_buffers`` and logged once.
 
 Threads and processes
     ``ucxx``'s asyncio loop lives in one daemon thread per process, shared by
