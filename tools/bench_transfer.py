@@ -44,6 +44,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -754,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of systems or kinds: kvstate-cma,kvstate-ucx,ucxx,ucxx-eh,"
                          "nixl,mooncake,socket")
     args = ap.parse_args(argv)
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the namespaces are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = sys.stdout
     if args.json:
         # Peers' C libraries (and their Python wrappers) log to stdout: send every write to
