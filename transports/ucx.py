@@ -108,6 +108,7 @@ from transports.pages import check_indices, check_unique, merge_runs
 __all__ = ["UCXSettings", "UCXTransport", "run_on_ucx_thread"]
 
 LAYOUT_VERSION = 1
+_ARM_TRIES = 64  # progress calls per wake-up before the event loop gets a turn
 _T = TypeVar("_T")
 
 # ---------------------------------------------------------------------------
@@ -337,6 +338,23 @@ class _Runtime:
         self.worker = self.ctx.worker
         self.address: bytes = bytes(ucxx.get_worker_address())
         self.lib = _LibUCP()
+        if self.settings.progress_mode == "blocking":
+            # ucxx 0.52's blocking mode progresses once per wake-up of the worker's epoll
+            # fd but never re-arms the worker, so after the first event the fd stays
+            # readable and the loop spins a core for good (measured: 55-97% CPU in idle
+            # processes after one transfer). Start it now and take over its fd reader.
+            self.ctx.continuous_ucx_progress(self.loop)
+            fd = self.worker.epoll_file_descriptor
+            self.loop.remove_reader(fd)
+            self.loop.add_reader(fd, self._on_ucx_event)
+
+    def _on_ucx_event(self) -> None:
+        """Progress until UCX agrees to arm the worker (nothing left pending), so the fd
+        only wakes the loop for new events; give the loop back after a bounded burst."""
+        for _ in range(_ARM_TRIES):
+            self.worker.progress()
+            if self.worker.arm():
+                return
 
     def call(self, coro: Coroutine[Any, Any, _T], timeout: float, what: str) -> _T:
         """Run ``coro`` on the UCX thread and wait at most ``timeout`` seconds."""
