@@ -23,11 +23,12 @@ namespaces only; removed afterwards), CMA off and every UCX user on
 cannot be made (not root, no ``ip``), it falls back to loopback with CMA off
 and says so.
 
-Every system gets the same warm-up and reps, alternating the layouts rep by
-rep; the receiver's bytes are checked (SHA-256 of every layer) after the timed
-part. Figures: median GB/s and the spread (slowest..fastest rep). Compare
-ratios within one run only: the host may be shared (the load average is
-printed).
+Every system gets the same warm-up and reps: all pairs are started first, then
+timed in turn one rep at a time (layouts alternating within a rep; the pairs
+not being timed are SIGSTOPped), so load from elsewhere hits them alike; the
+receiver's bytes are checked (SHA-256 of every layer) after the timed part.
+Figures: median GB/s and the spread (slowest..fastest rep). Compare ratios
+within one run only: the host may be shared (the load average is printed).
 
 Usage: ``python tools/bench_transfer.py [--cross-host] [--json] [--plot out.png] [--reps N]``
 (``--plot`` runs both the same-host and the cross-host set).
@@ -514,7 +515,8 @@ def _driver(system: System, cfg: Config, site: Site, info: dict[str, Any],
 
 def _tx_main(system: System, cfg: Config, site: Site, info: dict[str, Any],
              layouts: dict[str, Any], conn: Connection, rx: Connection) -> None:
-    """Sender: time every case (layouts alternating rep by rep), then verify each."""
+    """Sender: on ``rep``, one timed transfer of every case (layouts alternating); on
+    ``verify``, one more transfer per case into zeroed pages, then the digests."""
     _enter_netns(site.tx_ns)
     os.environ.update(system.env)
     try:
@@ -529,29 +531,34 @@ def _tx_main(system: System, cfg: Config, site: Site, info: dict[str, Any],
 
         drv = _driver(system, cfg, site, info, layouts, bufs, rx_call, rx)
         cases = list(drv.ops)
-        seq = cases * (cfg.warmup + cfg.reps)
-        times: dict[str, list[float]] = {c: [] for c in cases}
         rx_call("reset")
-        drv.start(seq)
-        for i, case in enumerate(seq):
-            t0 = time.perf_counter()
-            drv.op(case)
-            if i >= cfg.warmup * len(cases):
-                times[case].append(time.perf_counter() - t0)
-        drv.finish()
-        results: dict[str, Any] = {}
-        for case in cases:  # outside the timed part: one more transfer into zeroed pages
-            rx_call("reset")
-            drv.start([case])
-            drv.op(case)
-            drv.finish()
-            src, dst = layouts.get(case) or (np.arange(cfg.pages),) * 2
-            ok = rx_call("digest") == expected_digests(cfg, src, dst)
-            results[case] = {"times": times[case], "verified": ok,
-                             "rss_mib": {"tx": rss_mib(), "rx": rx_call("rss")}}
-            if not ok:
-                raise RuntimeError(f"{system.key}/{case}: receiver bytes differ")
-        conn.send(("ok", results))
+        conn.send(("ok", cases))
+        while True:
+            cmd = conn.recv()
+            if cmd == "rep":
+                times = {}
+                drv.start(cases)
+                for case in cases:
+                    t0 = time.perf_counter()
+                    drv.op(case)
+                    times[case] = time.perf_counter() - t0
+                drv.finish()
+                conn.send(("ok", times))
+            elif cmd == "verify":
+                results: dict[str, Any] = {}
+                for case in cases:  # outside the timed part
+                    rx_call("reset")
+                    drv.start([case])
+                    drv.op(case)
+                    drv.finish()
+                    src, dst = layouts.get(case) or (np.arange(cfg.pages),) * 2
+                    ok = rx_call("digest") == expected_digests(cfg, src, dst)
+                    results[case] = {"verified": ok,
+                                     "rss_mib": {"tx": rss_mib(), "rx": rx_call("rss")}}
+                conn.send(("ok", results))
+            else:
+                conn.send(("ok", None))
+                return
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -586,39 +593,59 @@ def _descs(cfg: Config, bufs: list[np.ndarray], remote_addrs: list[int], src: np
     return np.concatenate(local).astype(np.uint64), np.concatenate(remote).astype(np.uint64)
 
 
-def run_system(system: System, cfg: Config, site: Site,
-               layouts: dict[str, Any]) -> dict[str, Any]:
-    """Spawn receiver and sender for one system; return per-case results."""
-    ctx = multiprocessing.get_context("spawn")
-    a, b = ctx.Pipe()
-    rxp = ctx.Process(target=_rx_main, args=(system, cfg, site, layouts, b), daemon=True)
-    rxp.start()
-    txp = None
-    try:
-        if not a.poll(120):
-            raise RuntimeError("receiver did not start")
-        status, info = a.recv()
+class Pair:
+    """A system's receiver and sender processes, driven one rep at a time."""
+
+    def __init__(self, system: System, cfg: Config, site: Site,
+                 layouts: dict[str, Any]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.system = system
+        self.rx, rx_end = ctx.Pipe()
+        self.procs = [ctx.Process(target=_rx_main, args=(system, cfg, site, layouts, rx_end),
+                                  daemon=True)]
+        self.procs[0].start()
+        try:
+            info = self._reply(self.rx, 120, "receiver did not start")
+            self.tx, tx_end = ctx.Pipe()
+            self.procs.append(ctx.Process(
+                target=_tx_main, args=(system, cfg, site, info, layouts, tx_end, self.rx),
+                daemon=True))
+            self.procs[1].start()
+            self.cases: list[str] = self._reply(self.tx, 120, "sender did not start")
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _reply(conn: Connection, timeout: float, what: str) -> Any:
+        if not conn.poll(timeout):
+            raise RuntimeError(f"{what} within {timeout:.0f} s")
+        status, value = conn.recv()
         if status != "ok":
-            raise RuntimeError(info)
-        c, d = ctx.Pipe()
-        txp = ctx.Process(target=_tx_main, args=(system, cfg, site, info, layouts, d, a),
-                          daemon=True)
-        txp.start()
-        if not c.poll(300):
-            raise RuntimeError("sender did not finish within 300 s")
-        status, res = c.recv()
-        if status != "ok":
-            raise RuntimeError(res)
-        return dict(res)
-    finally:
+            raise RuntimeError(value)
+        return value
+
+    def pause(self, stop: bool) -> None:
+        """SIGSTOP / SIGCONT both processes: an idle pair must not take CPU from the one
+        being timed (NIXL's idle processes spin a core each here)."""
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+
+    def call(self, cmd: str, timeout: float = 300) -> Any:
+        self.tx.send(cmd)
+        return self._reply(self.tx, timeout, f"sender did not answer {cmd!r}")
+
+    def close(self) -> None:
         with contextlib.suppress(Exception):
-            if txp is not None:
-                txp.join(10)
-            a.send(("stop",))
-            a.poll(10)
-        rxp.join(5)
-        for p in (txp, rxp):
-            if p is not None and p.is_alive():
+            self.pause(False)
+            if len(self.procs) > 1:
+                self.call("stop", 10)
+            self.rx.send(("stop",))
+            self.rx.poll(10)
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
                 p.kill()
 
 
@@ -673,12 +700,15 @@ def row(mode: str, system: System, case: str, nbytes: int, r: dict[str, Any]) ->
 
 def run_mode(mode: str, cfg: Config, layouts: dict[str, Any], skip: set[str], lanes: int,
              say: Callable[[str], None], notes: list[str]) -> list[dict[str, Any]]:
+    """Start every system's pair, then time them rep by rep in turn (so a burst of load
+    from elsewhere hits all of them alike), then verify each."""
     rows: list[dict[str, Any]] = []
     site_cm = cross_host_site() if mode == "cross-host" else contextlib.nullcontext(
         Site("same-host", note="one host, loopback / shared memory"))
-    with site_cm as site:
+    with site_cm as site, contextlib.ExitStack() as stack:
         say(f"[{mode}] {site.note}")
         notes.append(f"{mode}: {site.note}")
+        pairs: list[Pair] = []
         for system in systems(mode, lanes):
             if system.key in skip or system.kind in skip:
                 notes.append(f"{mode}: {system.label}: skipped (--skip)")
@@ -687,13 +717,43 @@ def run_mode(mode: str, cfg: Config, layouts: dict[str, Any], skip: set[str], la
                 notes.append(f"{mode}: {system.label}: not installed (see the README's "
                              "Development section)")
                 continue
-            say(f"[{mode}] running {system.label} ...")
+            say(f"[{mode}] starting {system.label} ...")
             try:
-                res = run_system(system, cfg, site, layouts)
+                pairs.append(Pair(system, cfg, site, layouts))
             except Exception as exc:
                 notes.append(f"{mode}: {system.label}: failed: {str(exc).splitlines()[0]}")
                 continue
-            rows += [row(mode, system, case, cfg.total_bytes, r) for case, r in res.items()]
+            stack.callback(pairs[-1].close)
+            pairs[-1].pause(True)
+        times: dict[str, dict[str, list[float]]] = {p.system.key: {} for p in pairs}
+        say(f"[{mode}] {cfg.warmup} warm-up and {cfg.reps} timed reps, systems in turn ...")
+        for rep in range(cfg.warmup + cfg.reps):
+            for pair in list(pairs):
+                try:
+                    pair.pause(False)
+                    got = pair.call("rep")
+                    pair.pause(True)
+                except Exception as exc:
+                    notes.append(f"{mode}: {pair.system.label}: failed: "
+                                 f"{str(exc).splitlines()[0]}")
+                    pairs.remove(pair)
+                    continue
+                if rep >= cfg.warmup:
+                    for case, t in got.items():
+                        times[pair.system.key].setdefault(case, []).append(t)
+        for pair in pairs:
+            try:
+                pair.pause(False)
+                checks = pair.call("verify")
+                pair.pause(True)
+            except Exception as exc:
+                notes.append(f"{mode}: {pair.system.label}: failed: {str(exc).splitlines()[0]}")
+                continue
+            for case, check in checks.items():
+                r = {"times": times[pair.system.key][case]} | check
+                rows.append(row(mode, pair.system, case, cfg.total_bytes, r))
+                if not check["verified"]:
+                    notes.append(f"{mode}: {pair.system.label}/{case}: receiver bytes differ")
     if mode == "same-host":
         mem = System("memcpy", "numpy memcpy in one process", "memcpy")
         rows += [row(mode, mem, case, cfg.total_bytes, r)
