@@ -42,22 +42,25 @@ Settings (each can be overridden)
     * Progress mode ``blocking`` (``KVSTATE_UCX_PROGRESS_MODE``; ``polling``
       is accepted). ``thread`` is refused: its progress thread would race the
       ctypes calls, which must run on the thread that progresses the worker.
-      Blocking beat thread by 1.5-2x on 2 cores; polling spins a core.
+      Blocking beat thread by 1.5-2x on 2 cores; polling spins a core. In
+      blocking mode the transport re-arms the worker after progress itself
+      (ucxx 0.52 does not, and its loop then spins a core while idle).
     * ``UCX_DEFAULTS`` are exported unless the environment sets them (the
       environment wins; ``ucx_env()`` says what is in effect):
       ``UCX_TCP_TX_SEG_SIZE=256K`` and ``UCX_TCP_RX_SEG_SIZE=512K`` (UCX: 8K
       and 64K). With error handling on, UCX has no zero-copy put over TCP and
       emulates each put with active messages of at most one TX segment
       (``UCX_PROTO_INFO=y`` shows it), so 8K segments meant 2048 messages per
-      16 MiB put. Measured between two network namespaces over a veth pair
-      (``tools/bench_transfer.py --cross-host``; see the README): 1.6-3.5x
-      the best rep of 8K, 256K within noise of 1M/2M; the issue's quiet run
-      went from 0.85 to 2.77 GB/s. Cost: the segments come from UCX memory
-      pools that grow per connection in use: +0.4-0.5 MiB resident per process
-      for one peer moving 64 MiB, +1.0 MiB on a sender writing to 4 receivers
-      (+0.4 MiB on each receiver) against UCX's defaults. TX must not exceed
-      RX (UCX refuses it; checked here with a clear error). Other transports
-      (RDMA, cuda_ipc, shared memory) ignore these.
+      16 MiB put. Measured between two network namespaces over a veth pair,
+      settings timed in turn (``tools/bench_transfer.py --cross-host``; the
+      README has the figures): fragmented pages 1.4-1.5 -> 3.6 GB/s,
+      contiguous unchanged (1.5-1.6); 1M/2M: contiguous 1.9-2.1, fragmented
+      3.1-3.3, at 4-6x the memory below.
+      Cost: the segments come from UCX memory pools that grow per connection
+      in use: +0.3 MiB resident per process for one peer moving 64 MiB, +1.0
+      MiB on a sender writing to 4 receivers (+0.4 MiB on each receiver),
+      against UCX's defaults. TX must not exceed RX (UCX refuses it; checked
+      here with a clear error). RDMA, cuda_ipc and shared memory ignore them.
     * ``UCX_TLS``, ``UCX_RNDV_SCHEME`` and the rest are left to UCX unless set
       in the environment (puts do not use rendezvous; UCX picks RDMA,
       cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is a
