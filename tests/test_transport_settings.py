@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,35 @@ def test_ucx_defaults_applied_and_environment_wins() -> None:
         rx.call("refill")
         tx.call("write", 2, src, [rx.target(dst)], 30.0)
         assert_layers(rx, [(src, dst)])
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/PID/stat (fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_after_ucx_transfers_takes_no_cpu() -> None:
+    """After UCX puts, idle sender and receiver must not spin (ucxx's blocking progress
+    left the worker unarmed and its event loop spun a core in both)."""
+    rx = Peer("receiver", env=TCP)
+    tx = Peer("sender", env=TCP)
+    try:
+        ident = np.arange(SPEC[0][0], dtype=np.int32)
+        for room in range(3):
+            tx.call("write", room, ident, [rx.target(ident)], 30.0)
+        assert_layers(rx, [(ident, ident)])
+        pids = [p.proc.pid or 0 for p in (rx, tx)]
+        time.sleep(0.5)  # let the last completions settle
+        before = [_cpu_seconds(pid) for pid in pids]
+        time.sleep(2.0)
+        used = [_cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
+        # A spinning process gets >= 0.4 s of these 2 s even on a loaded 2-core host.
+        assert max(used) < 0.15, f"idle CPU seconds over 2 s (receiver, sender): {used}"
     finally:
         tx.stop()
         rx.stop()
