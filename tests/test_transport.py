@@ -49,7 +49,10 @@ def _peer_main(conn: Connection, env: dict[str, str]) -> None:
     transport: Any = None
     bufs: list[np.ndarray] = []
     while True:
-        cmd, *args = conn.recv()
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:  # the test dropped this peer (e.g. after its registration failed)
+            return
         try:
             if cmd == "register":
                 spec, role = args
@@ -64,6 +67,8 @@ def _peer_main(conn: Connection, env: dict[str, str]) -> None:
                 for b in bufs:
                     b.fill(FILL)
                 conn.send(("ok", None))
+            elif cmd == "ucx_env":
+                conn.send(("ok", transport.ucx_env()))
             elif cmd == "dump":
                 conn.send(("ok", [b.tobytes() for b in bufs]))
             elif cmd == "expect":

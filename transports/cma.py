@@ -11,13 +11,23 @@ Python cost, and a dead peer is an ``errno`` (ESRCH), not an abort.
 A peer is addressed by pid; the layout also carries the boot id, the pid
 namespace and the process start time, checked before every write so a
 recycled pid is never written to.
+
+Who may write here: ``process_vm_writev`` needs ptrace rights over the
+receiver. Under Yama ``ptrace_scope=1`` a sibling process has none unless the
+receiver names it with ``prctl(PR_SET_PTRACER, pid)``, or everyone with
+``PR_SET_PTRACER_ANY`` (which lets any process of the user ptrace the engine:
+read its memory, keys and tokens included). That is an operator's choice, so
+nothing is changed by default (``KVSTATE_CMA_PTRACER``, see
+:func:`apply_ptracer`): where the kernel refuses, senders use UCX instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +35,9 @@ import numpy as np
 
 from transports.base import TransportError
 
+log = logging.getLogger(__name__)
+
+PTRACER_ENV = "KVSTATE_CMA_PTRACER"
 IOV_MAX = 1024  # Linux limit on iovecs per process_vm_writev call
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
@@ -92,9 +105,66 @@ class Identity:
         return bool(self.boot_id) and (self.boot_id, self.pid_ns) == (other.boot_id, other.pid_ns)
 
 
-def allow_peers() -> None:
-    """Let same-user processes write into this one where Yama restricts ptrace."""
-    _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+class PtracerError(TransportError, ValueError):
+    """``KVSTATE_CMA_PTRACER`` holds something other than ``off``, ``any`` or a pid."""
+
+
+def ptrace_scope() -> int | None:
+    """Yama's ``kernel.yama.ptrace_scope``; None where Yama is not active."""
+    raw = _read("/proc/sys/kernel/yama/ptrace_scope")
+    return int(raw) if raw.isdigit() else None
+
+
+def parse_ptracer(raw: str | None) -> str | int:
+    """``off`` (default: leave ptrace rights alone), ``any``, or one pid (> 0)."""
+    value = (raw or "off").strip().lower()
+    if value in ("", "off", "0", "no", "none"):
+        return "off"
+    if value == "any":
+        return "any"
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise PtracerError(
+        f"{PTRACER_ENV}={raw!r} is not understood: use 'off' (default), 'any' (any process "
+        "of this user may ptrace this one, so same-host senders can write by CMA under Yama "
+        "ptrace_scope=1) or the pid of the one sender process allowed to"
+    )
+
+
+_logged: set[str] = set()
+_log_lock = threading.Lock()
+
+
+def apply_ptracer(policy: str | int) -> str:
+    """Apply the ptrace policy (``parse_ptracer``) and log once per process what was done.
+
+    ``PR_SET_PTRACER`` names a single process (each call replaces the last), so
+    a pid only fits a receiver written by exactly one sender; several senders
+    need ``any`` or a ptrace scope of 0 (or CAP_SYS_PTRACE). Returns the message.
+    """
+    scope = ptrace_scope()
+    where = ("Yama inactive" if scope is None else f"Yama ptrace_scope={scope}")
+    if policy == "off":
+        msg = f"{PTRACER_ENV}=off: ptrace rights left as they are ({where})"
+        if scope is not None and scope >= 1:
+            msg += ("; same-host senders that the kernel refuses write through UCX instead "
+                    f"of CMA ({PTRACER_ENV}=any or a sender pid allows CMA)")
+    else:
+        arg = _PR_SET_PTRACER_ANY if policy == "any" else int(policy)
+        rc = _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(arg), 0, 0, 0)
+        err = ctypes.get_errno() if rc != 0 else 0
+        who = "any process of this user" if policy == "any" else f"process {policy}"
+        if rc == 0:
+            msg = (f"{PTRACER_ENV}={policy}: PR_SET_PTRACER set, {who} may ptrace this "
+                   f"process (and write into it by CMA) ({where})")
+        else:
+            msg = (f"{PTRACER_ENV}={policy}: PR_SET_PTRACER for {who} refused: "
+                   f"{os.strerror(err)} ({where}; nothing to change without Yama)")
+    with _log_lock:
+        if msg not in _logged:
+            _logged.add(msg)
+            log.info("%s", msg)
+    return msg
 
 
 def check_alive(peer: Identity, name: str) -> None:

@@ -14,8 +14,10 @@ How a write moves bytes
       ``ucp_put_nbx`` per run and layer, then ``ucp_ep_flush_nbx``; the flush
       completes only when every put is complete at the receiver.
 
-    The receiver's CPU takes no part. ``write`` returns only after remote
-    completion, or raises :class:`TransportError` with a reason.
+    Over RDMA or CMA the receiver's CPU takes no part; over TCP, UCX emulates
+    puts with active messages that the receiver's UCX thread copies in.
+    ``write`` returns only after remote completion, or raises
+    :class:`TransportError` with a reason.
 
 Why this split (measured here, 2 vCPUs, UCX 1.21; ``tools/bench_transfer.py``)
     * ucxx 0.52 has no RMA in Python; a Python-level message costs 55-200 us,
@@ -40,11 +42,31 @@ Settings (each can be overridden)
     * Progress mode ``blocking`` (``KVSTATE_UCX_PROGRESS_MODE``; ``polling``
       is accepted). ``thread`` is refused: its progress thread would race the
       ctypes calls, which must run on the thread that progresses the worker.
-      Blocking beat thread by 1.5-2x on 2 cores; polling spins a core.
+      Blocking beat thread by 1.5-2x on 2 cores; polling spins a core. In
+      blocking mode the transport re-arms the worker after progress itself
+      (ucxx 0.52 does not, and its loop then spins a core while idle).
+    * ``UCX_DEFAULTS`` are exported unless the environment sets them (the
+      environment wins; ``ucx_env()`` says what is in effect):
+      ``UCX_TCP_TX_SEG_SIZE=256K`` and ``UCX_TCP_RX_SEG_SIZE=512K`` (UCX: 8K
+      and 64K). With error handling on, UCX has no zero-copy put over TCP and
+      emulates each put with active messages of at most one TX segment
+      (``UCX_PROTO_INFO=y`` shows it), so 8K segments meant 2048 messages per
+      16 MiB put. Measured between two network namespaces over a veth pair,
+      settings timed in turn (``tools/bench_transfer.py --cross-host``; the
+      README has the figures): fragmented pages 1.4-1.5 -> 3.6 GB/s,
+      contiguous unchanged (1.5-1.6); 1M/2M: contiguous 1.9-2.1, fragmented
+      3.1-3.3, at 4-6x the memory below.
+      Cost: the segments come from UCX memory pools that grow per connection
+      in use: +0.3 MiB resident per process for one peer moving 64 MiB, +1.0
+      MiB on a sender writing to 4 receivers (+0.4 MiB on each receiver),
+      against UCX's defaults. TX must not exceed RX (UCX refuses it; checked
+      here with a clear error). RDMA, cuda_ipc and shared memory ignore them.
     * ``UCX_TLS``, ``UCX_RNDV_SCHEME`` and the rest are left to UCX unless set
       in the environment (puts do not use rendezvous; UCX picks RDMA,
-      cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is set
-      because ucxx sets a variable UCX 1.21 no longer knows.
+      cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is a
+      default because ucxx sets a variable UCX 1.21 no longer knows.
+    * ``KVSTATE_CMA_PTRACER``: ``off`` (default), ``any`` or one sender pid;
+      see ``transports.cma``. Applied at ``register_buffers`` and logged once.
 
 Threads and processes
     ``ucxx``'s asyncio loop lives in one daemon thread per process, shared by
@@ -89,6 +111,7 @@ from transports.pages import check_indices, check_unique, merge_runs
 __all__ = ["UCXSettings", "UCXTransport", "run_on_ucx_thread"]
 
 LAYOUT_VERSION = 1
+_ARM_TRIES = 64  # progress calls per wake-up before the event loop gets a turn
 _T = TypeVar("_T")
 
 # ---------------------------------------------------------------------------
@@ -207,6 +230,28 @@ def _env_flag(name: str, default: bool) -> bool:
     return raw.strip().lower() in ("1", "y", "yes", "true", "on")
 
 
+#: UCX variables set for this process unless its environment already sets them
+#: (the environment wins). Why each, with measurements: the module docstring.
+UCX_DEFAULTS: dict[str, str] = {
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_TCP_TX_SEG_SIZE": "256K",
+    "UCX_TCP_RX_SEG_SIZE": "512K",
+}
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+               "G": 1 << 30, "GB": 1 << 30}
+
+
+def _size(raw: str) -> int | None:
+    """A UCX memory size ("256K", "1m", "65536") in bytes; None if not one."""
+    text = raw.strip().upper()
+    digits = text.rstrip("BKMG")
+    unit = text[len(digits):]
+    if not digits.isdigit() or unit not in _SIZE_UNITS:
+        return None
+    return int(digits) * _SIZE_UNITS[unit]
+
+
 @dataclass(frozen=True)
 class UCXSettings:
     """UCX knobs; defaults come from the environment (see the module docstring)."""
@@ -220,14 +265,29 @@ class UCXSettings:
     cma: bool = field(default_factory=lambda: _env_flag("KVSTATE_UCX_CMA", True))
     tls: str | None = field(default_factory=lambda: os.environ.get("UCX_TLS"))
     rndv_scheme: str | None = field(default_factory=lambda: os.environ.get("UCX_RNDV_SCHEME"))
+    #: who may ptrace (and so CMA-write into) this process: "off", "any" or a pid
+    ptracer: str | int = field(
+        default_factory=lambda: cma.parse_ptracer(os.environ.get(cma.PTRACER_ENV))
+    )
 
-    def apply_env(self) -> None:
-        """Export the UCX variables; UCX reads them once, when ucxx creates its context."""
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    def apply_env(self) -> dict[str, str]:
+        """Export the UCX variables (UCX reads them once, when ucxx creates its context);
+        return the values in effect for the ones kvstate has defaults for."""
+        for name, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         if self.tls:
             os.environ["UCX_TLS"] = self.tls
         if self.rndv_scheme:
             os.environ["UCX_RNDV_SCHEME"] = self.rndv_scheme
+        tx = _size(os.environ["UCX_TCP_TX_SEG_SIZE"])
+        rx = _size(os.environ["UCX_TCP_RX_SEG_SIZE"])
+        if tx is not None and rx is not None and tx > rx:
+            raise TransportError(
+                f"UCX_TCP_TX_SEG_SIZE={os.environ['UCX_TCP_TX_SEG_SIZE']} is larger than "
+                f"UCX_TCP_RX_SEG_SIZE={os.environ['UCX_TCP_RX_SEG_SIZE']}: UCX refuses that; "
+                "set both (kvstate's defaults: 256K and 512K)"
+            )
+        return {name: os.environ[name] for name in UCX_DEFAULTS}
 
 
 class _Runtime:
@@ -255,11 +315,17 @@ class _Runtime:
                 "'polling' (puts must be posted on the thread that progresses the worker)"
             )
         self.settings = settings
-        settings.apply_env()
+        self.ucx_env = settings.apply_env()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="kvstate-ucx", daemon=True)
         self.thread.start()
-        self.call(self._init(), timeout=60.0, what="starting UCX")
+        try:
+            self.call(self._init(), timeout=60.0, what="starting UCX")
+        except Exception as exc:
+            ucx = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
+            raise TransportError(
+                f"starting UCX failed: {exc}; check the UCX_* variables in effect: {ucx}"
+            ) from exc
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -275,6 +341,23 @@ class _Runtime:
         self.worker = self.ctx.worker
         self.address: bytes = bytes(ucxx.get_worker_address())
         self.lib = _LibUCP()
+        if self.settings.progress_mode == "blocking":
+            # ucxx 0.52's blocking mode progresses once per wake-up of the worker's epoll
+            # fd but never re-arms the worker, so after the first event the fd stays
+            # readable and the loop spins a core for good (measured: 55-97% CPU in idle
+            # processes after one transfer). Start it now and take over its fd reader.
+            self.ctx.continuous_ucx_progress(self.loop)
+            fd = self.worker.epoll_file_descriptor
+            self.loop.remove_reader(fd)
+            self.loop.add_reader(fd, self._on_ucx_event)
+
+    def _on_ucx_event(self) -> None:
+        """Progress until UCX agrees to arm the worker (nothing left pending), so the fd
+        only wakes the loop for new events; give the loop back after a bounded burst."""
+        for _ in range(_ARM_TRIES):
+            self.worker.progress()
+            if self.worker.arm():
+                return
 
     def call(self, coro: Coroutine[Any, Any, _T], timeout: float, what: str) -> _T:
         """Run ``coro`` on the UCX thread and wait at most ``timeout`` seconds."""
@@ -413,7 +496,7 @@ class UCXTransport(Transport):
                     f"buffer {i}: {nbytes} bytes is not a whole number of {pb}-byte pages"
                 )
             regions.append(_Region(buf, addr, nbytes, pb, nbytes // pb, memory))
-        cma.allow_peers()
+        cma.apply_ptracer(self.settings.ptracer)
         self._rt.call(self._map(regions), timeout=60.0, what="registering buffers")
 
     async def _map(self, regions: list[_Region]) -> None:
@@ -451,6 +534,10 @@ class UCXTransport(Transport):
 
     def endpoint(self) -> bytes:
         return self._rt.address
+
+    def ucx_env(self) -> dict[str, str]:
+        """The UCX variables kvstate has defaults for, as this process's UCX read them."""
+        return dict(self._rt.ucx_env)
 
     def layout(self) -> dict[str, Any]:
         return {
