@@ -246,11 +246,15 @@ class _Adapter:
         try:
             fn()
         except (KVStateError, TransportError) as exc:
+            self.kv_mgr._invalidate(self.bootstrap_room)
             log.warning("room %s: %s failed: %s", self.bootstrap_room, what, exc)
             self._fail_local(f"{what} failed: {exc}")
             if self._part is not None:
                 with contextlib.suppress(KVStateError):
                     self._part.abort(f"{what} failed: {exc}")
+        else:
+            # the step's cached poll of this room predates what just changed
+            self.kv_mgr._invalidate(self.bootstrap_room)
 
     def _polled(self, status: KVPoll) -> KVPoll:
         if self._local_reason:
@@ -313,7 +317,7 @@ class KVStateKVManager(_BaseManager):
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
                  is_mla_backend: bool | None = False, *, store: Store | None = None,
                  settings: Settings | None = None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, mirror: bool = False) -> None:
         check_version()
         self.kv_args = args
         self.server_args = server_args
@@ -343,7 +347,11 @@ class KVStateKVManager(_BaseManager):
             engine = f"decode@{self.addr}/dp{self.dp_rank}/tp{self.tp_rank}"
         self.store = store or connect(self.settings.url, self.settings.namespace)
         memory = self.settings.memory or _default_memory()
-        self.spaces = transport if transport is not None else Spaces(args, memory)
+        # mirror mode: another backend moves the bytes, kvstate keeps the state only
+        self.mirror = mirror
+        self.spaces: Transport | None = None
+        if not mirror:
+            self.spaces = transport if transport is not None else Spaces(args, memory)
         waiting = float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "300"))
         bootstrap = float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "300"))
         self.kv = KVManager(self.store, self.role, engine, self.addr, self.spaces,
@@ -413,6 +421,10 @@ class KVStateKVManager(_BaseManager):
             if self._rooms.get(p.bootstrap_room) is p:
                 del self._rooms[p.bootstrap_room]
             self._cache.pop(p.bootstrap_room, None)
+
+    def _invalidate(self, room: int) -> None:
+        with self._lock:
+            self._cache.pop(room, None)
 
     def poll_room(self, p: _Adapter) -> KVPoll:
         """One room's status, from this step's batch (one poll_many per node for all
@@ -537,8 +549,11 @@ class KVStateKVSender(_Adapter, _BaseSender):
             pages = np.asarray(kv_indices)
             total = self._sent + int(pages.size)
             last = self._num_pages is not None and total >= self._num_pages
+            spaces = self.kv_mgr.spaces
+            if spaces is None:
+                raise KVStateError("send() in mirror mode: the mirrored backend moves the bytes")
             t0 = time.perf_counter()
-            before = self.kv_mgr.spaces.stats.bytes_moved
+            before = spaces.stats.bytes_moved
             part = self._part
             assert isinstance(part, KVSender)
             ok = True
@@ -553,7 +568,7 @@ class KVStateKVSender(_Adapter, _BaseSender):
             self._guard("send", move)
             self._sent = total
             self._latency += time.perf_counter() - t0
-            self._bytes += self.kv_mgr.spaces.stats.bytes_moved - before
+            self._bytes += spaces.stats.bytes_moved - before
 
     def _send_slots(self, part: KVSender, state_indices: list[Any] | None) -> None:
         spaces = self.kv_mgr.spaces
@@ -585,6 +600,31 @@ class KVStateKVSender(_Adapter, _BaseSender):
                                    f"state type {i}", room, peer.endpoint, src,
                                    dst[at:at + src.size], timeout)
                 at += src.size
+
+    def mirror(self, theirs: int, backend: str) -> KVPoll:
+        """Mirror mode: record what the other backend's sender reports and answer
+        Failed when kvstate has the room Failed (an abort from anywhere)."""
+        ours = self.poll()
+        part = self._part
+        if ours == KVPoll.Failed or not isinstance(part, KVSender):
+            return KVPoll.Failed
+        with self._lock:
+            if theirs == KVPoll.Failed:
+                self._guard("recording the failure",
+                            lambda: part.fail(f"{backend} reported the transfer failed"))
+                return KVPoll.Failed
+            if theirs == KVPoll.Success and ours != KVPoll.Success:
+                self.mirror_begin()
+                if part.status == KVPoll.Transferring:
+                    self._guard("finish_transfer", part.finish_transfer)
+        return KVPoll(int(theirs))
+
+    def mirror_begin(self) -> None:
+        """Mirror mode: the other backend starts moving pages (Transferring, once)."""
+        with self._lock:
+            part = self._part
+            if isinstance(part, KVSender) and part.status == KVPoll.WaitingForInput:
+                self._guard("begin_transfer", part.begin_transfer)
 
     def get_transfer_metric(self) -> Any:
         return _conn.KVTransferMetric(transfer_latency_s=self._latency,
@@ -666,6 +706,20 @@ class KVStateKVReceiver(_Adapter, _BaseReceiver):
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         """The abort is in Redis already; the prefill learns it on its next poll."""
 
+    def mirror(self, theirs: int, backend: str) -> KVPoll:
+        """Mirror mode: the other backend's status unless kvstate has the room Failed
+        (a prefill abort, a lost prefill lease, ``kvstate abort``)."""
+        ours = self.poll()
+        if ours == KVPoll.Failed:
+            return KVPoll.Failed
+        if theirs == KVPoll.Failed and self._part is not None:
+            part = self._part
+            with self._lock:
+                self._guard("recording the failure",
+                            lambda: part.fail(f"{backend} reported the transfer failed"))
+            return KVPoll.Failed
+        return KVPoll(int(theirs))
+
 
 class KVStateBootstrapServer(_BaseServer):
     """Stands where SGLang starts its bootstrap HTTP server: kvstate needs none
@@ -681,8 +735,98 @@ class KVStateBootstrapServer(_BaseServer):
         """Nothing to stop."""
 
 
+# -- mirror mode ----------------------------------------------------------------------
+
+
+_MIRRORS: dict[type, type] = {}
+
+
+def mirrored(base: type, kind: str, backend: str) -> type:
+    """``base`` (another backend's manager, sender or receiver class) with kvstate
+    keeping the per-room state beside it: the bytes still go the base's way."""
+    key = base
+    if key not in _MIRRORS:
+        body = {"manager": _mirror_manager, "sender": _mirror_sender,
+                "receiver": _mirror_receiver}[kind](base, backend)
+        _MIRRORS[key] = type(f"KVStateMirror{base.__name__}", (base,), body)
+    return _MIRRORS[key]
+
+
+def _mirror_manager(base: type, backend: str) -> dict[str, Any]:
+    def __init__(self: Any, args: Any, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: bool | None = False, **kw: Any) -> None:
+        base.__init__(self, args, disaggregation_mode, server_args, is_mla_backend, **kw)  # type: ignore[misc]
+        self.kvstate = KVStateKVManager(args, disaggregation_mode, server_args,
+                                        is_mla_backend, mirror=True)
+    return {"__init__": __init__}
+
+
+def _mirror_sender(base: type, backend: str) -> dict[str, Any]:
+    def __init__(self: Any, mgr: Any, bootstrap_addr: str, bootstrap_room: int,
+                 *a: Any, **kw: Any) -> None:
+        base.__init__(self, mgr, bootstrap_addr, bootstrap_room, *a, **kw)  # type: ignore[misc]
+        self.kvstate = KVStateKVSender(mgr.kvstate, bootstrap_addr, bootstrap_room)
+
+    def poll(self: Any) -> KVPoll:
+        return self.kvstate.mirror(base.poll(self), backend)  # type: ignore[attr-defined, no-any-return]
+
+    def send(self: Any, *a: Any, **kw: Any) -> Any:
+        self.kvstate.mirror_begin()
+        return base.send(self, *a, **kw)  # type: ignore[attr-defined]
+
+    return {"__init__": __init__, "poll": poll, "send": send, **_mirror_common(base)}
+
+
+def _mirror_receiver(base: type, backend: str) -> dict[str, Any]:
+    def __init__(self: Any, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None,
+                 *a: Any, **kw: Any) -> None:
+        base.__init__(self, mgr, bootstrap_addr, bootstrap_room, *a, **kw)  # type: ignore[misc]
+        self.kvstate = KVStateKVReceiver(mgr.kvstate, bootstrap_addr, bootstrap_room)
+
+    def init(self: Any, prefill_dp_rank: int, *a: Any, **kw: Any) -> Any:
+        self.kvstate.init(prefill_dp_rank)
+        return base.init(self, prefill_dp_rank, *a, **kw)  # type: ignore[attr-defined]
+
+    def send_metadata(self: Any, kv_indices: Any, aux_index: int | None = None,
+                      state_indices: Any = None, *a: Any, **kw: Any) -> Any:
+        # published in kvstate before the other backend can see the metadata, so the
+        # prefill's kvstate sender is ready when its transfer starts
+        self.kvstate.send_metadata(kv_indices, aux_index, state_indices,
+                                   kw.get("decode_prefix_len"))
+        return base.send_metadata(self, kv_indices, aux_index, state_indices, *a, **kw)  # type: ignore[attr-defined]
+
+    def poll(self: Any) -> KVPoll:
+        return self.kvstate.mirror(base.poll(self), backend)  # type: ignore[attr-defined, no-any-return]
+
+    return {"__init__": __init__, "init": init, "send_metadata": send_metadata, "poll": poll,
+            **_mirror_common(base)}
+
+
+def _mirror_common(base: type) -> dict[str, Any]:
+    def failure_exception(self: Any) -> None:
+        """kvstate's reason when kvstate failed the room (an abort the other backend
+        never heard of), else the other backend's own exception."""
+        st = self.kvstate
+        if st._local_reason or (st._part is not None and st._part.status == KVPoll.Failed):
+            with contextlib.suppress(Exception):
+                base.failure_exception(self)  # type: ignore[attr-defined]  # its own cleanup
+            st.failure_exception()  # raises SGLang's KVTransferError with the reason
+        st.clear()
+        base.failure_exception(self)  # type: ignore[attr-defined]
+
+    def abort(self: Any) -> None:
+        self.kvstate.abort()
+        base.abort(self)  # type: ignore[attr-defined]
+
+    def clear(self: Any) -> None:
+        self.kvstate.clear()
+        base.clear(self)  # type: ignore[attr-defined]
+
+    return {"failure_exception": failure_exception, "abort": abort, "clear": clear}
+
+
 __all__ = [
     "KVStateBootstrapServer", "KVStateKVManager", "KVStateKVReceiver", "KVStateKVSender",
     "PrefillInfo", "Settings", "Spaces", "UnsupportedLayoutError", "prefill_engine",
-    "raw_buffer",
+    "mirrored", "raw_buffer",
 ]

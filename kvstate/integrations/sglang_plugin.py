@@ -5,6 +5,7 @@ touched (they changed in each of the four releases before 0.5.23)."""
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -69,11 +70,29 @@ def add_enum_member(cls: type[enum.Enum], name: str, value: str) -> None:
     cls._value2member_map_[value] = member
 
 
+def mirrored_backends() -> set[str]:
+    """``KVSTATE_SGLANG_MIRROR``: backends (comma-separated; ``1`` = mooncake,nixl) whose
+    classes keep their bytes path while kvstate keeps the per-room state."""
+    raw = os.environ.get("KVSTATE_SGLANG_MIRROR", "").strip()
+    if raw.lower() in ("", "0", "false", "no"):
+        return set()
+    if raw.lower() in ("1", "true", "yes"):
+        return {"mooncake", "nixl"}
+    return {b.strip() for b in raw.split(",") if b.strip()}
+
+
 def get_kv_class(original: Callable[..., Any], transfer_backend: Any, class_type: Any) -> Any:
-    """The AROUND hook: kvstate's classes for the kvstate backend, else SGLang's."""
-    if getattr(transfer_backend, "value", transfer_backend) != BACKEND:
-        return original(transfer_backend, class_type)
+    """The AROUND hook: kvstate's classes for the kvstate backend; mirrored classes for
+    the backends named in ``KVSTATE_SGLANG_MIRROR``; else SGLang's own."""
+    value = getattr(transfer_backend, "value", transfer_backend)
     name = getattr(class_type, "value", class_type)
+    if value != BACKEND:
+        cls = original(transfer_backend, class_type)
+        if name in ("manager", "sender", "receiver") and value in mirrored_backends():
+            from kvstate.integrations.sglang import mirrored
+
+            return mirrored(cls, name, value)
+        return cls
     if name == "kvargs":  # every backend shares SGLang's KVArgs
         return original(transfer_backend, class_type)
     from kvstate.integrations import sglang

@@ -362,3 +362,208 @@ def transfer_queue_outcome(sg: SimpleNamespace, group: Any, side: Rank, rx: Any,
     return {"left_queue": not q.queue, "transferred": len(transferred), "abort": reason,
             "released": released, "freed_slots": freed,
             "receiver_cleared": dreq.kv_receiver is None, "streamed": [r.rid for r in streamed]}
+
+
+def scenarios(_index: int, url: str, out: str) -> None:
+    """User reports, one process: duplicate rooms, the room cap, injected rooms' TTLs,
+    a worker thread sending while the scheduler thread polls, mirror mode."""
+    import threading
+    import traceback
+
+    os.environ["KVSTATE_REDIS_URL"] = url
+    os.environ["KVSTATE_SGLANG_MAX_ROOMS"] = "40"
+    sg = sglang()
+    from kvstate.store import connect
+
+    store = connect(url)
+    p = Rank(sg, "prefill", 0, 1, seed=9).start()
+    d = Rank(sg, "decode", 0, 1, seed=None).start()
+    assert d.mgr.try_ensure_parallel_info(ADDR)
+    Sender, Receiver = sg.cls("sender"), sg.cls("receiver")
+    res: dict[str, Any] = {}
+
+    def error(part: Any) -> str:
+        try:
+            part.failure_exception()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def run(pl: dict[str, Any], tx: Any, rx: Any, steps: int = 400) -> tuple[int, int]:
+        rx.send_metadata(pl["dst"], pl["aux_dst"], [pl["state_dst"]], 0)
+        for _ in range(steps):
+            st = tx.poll()
+            if st == 2:
+                tx.init(len(pl["src"]), pl["aux_src"])
+                tx.send(pl["src"], [pl["state_src"]])
+            elif st in (0, 4):
+                break
+        for _ in range(steps):
+            if rx.poll() in (0, 4):
+                break
+        return int(tx.poll()), int(rx.poll())
+
+    def check(name: str, fn: Any) -> None:
+        try:
+            res[name] = fn()
+        except Exception:
+            res[name] = {"crash": traceback.format_exc()}
+
+    def duplicate_local() -> dict[str, Any]:
+        pl = room_plan(0, 11000)
+        rx = Receiver(d.mgr, ADDR, pl["room"])
+        rx.init(0)
+        tx = Sender(p.mgr, ADDR, pl["room"])
+        twin = Sender(p.mgr, ADDR, pl["room"])  # a client reused the room
+        out = {"twin": int(twin.poll()), "twin_error": error(twin)}
+        twin.clear()  # must not clear the first request's state
+        out["first"] = run(pl, tx, rx)
+        tx.clear()
+        rx.clear()
+        return out
+
+    def duplicate_decodes() -> dict[str, Any]:
+        import dataclasses
+
+        pl = room_plan(1, 11000)
+        other = dataclasses.replace(d, mgr=None)
+        saved = os.environ.get("KVSTATE_SGLANG_HOST")
+        os.environ["KVSTATE_SGLANG_HOST"] = "127.0.0.2"  # another decode instance
+        try:
+            other.start()
+        finally:
+            os.environ.pop("KVSTATE_SGLANG_HOST")
+            if saved is not None:
+                os.environ["KVSTATE_SGLANG_HOST"] = saved
+        assert other.mgr.try_ensure_parallel_info(ADDR)
+        tx = Sender(p.mgr, ADDR, pl["room"])
+        rxs = [Receiver(m, ADDR, pl["room"]) for m in (d.mgr, other.mgr)]
+        for r in rxs:
+            r.init(0)
+            r.poll()
+            r.send_metadata(pl["dst"], pl["aux_dst"], [pl["state_dst"]], 0)
+        out = {"tx": int(tx.poll()), "rx": [int(r.poll()) for r in rxs],
+               "tx_error": error(tx), "rx_error": [error(r) for r in rxs]}
+        tx.clear()
+        for r in rxs:
+            r.clear()
+        other.mgr.close()
+        return out
+
+    def cap_and_ttl() -> dict[str, Any]:
+        # rooms injected without a decode request: every key has a TTL; past the cap
+        # new rooms are refused instead of growing state
+        txs = [Sender(p.mgr, ADDR, 12000 + i) for i in range(41)]
+        polls = [int(t.poll()) for t in txs]
+        no_ttl = [k for k in store.scan(store.keys.all_pattern) if store.client.pttl(k) < 0]
+        out = {"polls": polls, "refused": error(txs[-1]), "no_ttl": no_ttl,
+               "rooms": len(p.mgr._rooms)}
+        for t in txs:
+            t.clear()
+        out["after_clear"] = len(p.mgr._rooms)
+        return out
+
+    def threads() -> dict[str, Any]:
+        # SGLang's scheduler thread polls every step while a worker thread sends
+        pls = [room_plan(k, 13000) for k in range(4)]
+        txs = [Sender(p.mgr, ADDR, pl["room"]) for pl in pls]
+        rxs = [Receiver(d.mgr, ADDR, pl["room"]) for pl in pls]
+        for r, pl in zip(rxs, pls, strict=True):
+            r.init(0)
+            r.poll()
+            r.send_metadata(pl["dst"], pl["aux_dst"], [pl["state_dst"]], 0)
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def scheduler() -> None:
+            try:
+                while not stop.is_set():
+                    for t in txs:
+                        t.poll()
+            except Exception:
+                errors.append(traceback.format_exc())
+
+        th = threading.Thread(target=scheduler)
+        th.start()
+        try:
+            for t, pl in zip(txs, pls, strict=True):
+                while t.poll() != 2:
+                    time.sleep(0.01)
+                t.init(len(pl["src"]), pl["aux_src"])
+                for i in range(len(pl["src"])):  # one page per chunk
+                    t.send(pl["src"][i:i + 1], [pl["state_src"]] if i == 4 else None)
+        finally:
+            stop.set()
+            th.join()
+        # polls answer from the step's batch: poll like a scheduler, step after step
+        ok = [0] * len(rxs)
+        for _ in range(100):
+            ok = [int(r.poll()) for r in rxs]
+            if all(s in (0, 4) for s in ok):
+                break
+        same = all(p.pages(0, pl["src"]) == d.pages(0, pl["dst"]) for pl in pls)
+        for t in txs:
+            t.clear()
+        for r in rxs:
+            r.clear()
+        return {"errors": errors, "rx": ok, "bytes_equal": same}
+
+    check("duplicate_local", duplicate_local)
+    check("duplicate_decodes", duplicate_decodes)
+    check("cap_and_ttl", cap_and_ttl)
+    check("threads", threads)
+    p.mgr.close()
+    d.mgr.close()
+    check("mirror", lambda: mirror(sg, url))
+    Path(out, "scenarios.json").write_text(json.dumps(res))
+
+
+def mirror(sg: SimpleNamespace, url: str) -> dict[str, Any]:
+    """Mirror mode over SGLang's fake backend (it moves no bytes, as Mooncake would
+    move them elsewhere): kvstate records each room and an abort reaches both."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    os.environ["KVSTATE_SGLANG_MIRROR"] = "fake"
+    fake = TransferBackend.FAKE
+    classes = {k: get_kv_class(fake, KVClassType(k)) for k in ("manager", "sender", "receiver")}
+    out: dict[str, Any] = {"classes": {k: c.__name__ for k, c in classes.items()}}
+    args = sg.KVArgs()
+    args.engine_rank = 0
+    args.system_dp_rank = 0
+    pm = classes["manager"](args, sg.Mode.PREFILL, server_args("prefill", 1))
+    dm = classes["manager"](args, sg.Mode.DECODE, server_args("decode", 1))
+    from kvstate.store import connect
+
+    store = connect(url)
+    phases: list[Any] = []
+    for room, abort in ((14000, False), (14001, True)):
+        rx = classes["receiver"](dm, ADDR, room)
+        tx = classes["sender"](pm, ADDR, room)
+        rx.init(0)
+        seen = [int(rx.poll())]
+        rx.send_metadata(np.arange(3), 1, None, decode_prefix_len=0)
+        seen.append(int(tx.poll()))
+        tx.init(3, 0)
+        if abort:
+            subprocess.run([sys.executable, "-m", "kvstate.cli", "abort", str(room),
+                            "--reason", "mirror abort"], check=True, env=os.environ)
+        tx.send(np.arange(3))
+        seen += [int(tx.poll()), int(rx.poll())]
+        keys = sorted(k.split(":", 2)[2] for k in store.scan(store.keys.room_prefix(room) + "*"))
+        phases.append({"seen": seen, "keys": keys, "tx_error": error_of(tx),
+                       "rx_error": error_of(rx)})
+        tx.clear()
+        rx.clear()
+    out["rooms"] = phases
+    pm.kvstate.close()
+    dm.kvstate.close()
+    os.environ.pop("KVSTATE_SGLANG_MIRROR")
+    return out
+
+
+def error_of(part: Any) -> str:
+    try:
+        part.failure_exception()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""

@@ -162,3 +162,43 @@ def test_sigkilled_decode_fails_the_prefill_room(redis_url: str, tmp_path: Path)
             decode.kill()
     assert res["status"] == 0
     assert "KVTransferError" in res["error"] and "transfer failed" in res["error"]
+
+
+def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
+    """sglang#40125 (duplicate bootstrap_room), #39428 (injected rooms), the sender used
+    from two threads, and mirror mode under another backend."""
+    from tests.integrations.rig import scenarios
+
+    _join(_spawn(scenarios, (redis_url, str(tmp_path))))
+    res = json.loads((tmp_path / "scenarios.json").read_text())
+    crashed = {k: v["crash"] for k, v in res.items() if isinstance(v, dict) and "crash" in v}
+    assert not crashed, crashed
+
+    dup = res["duplicate_local"]
+    assert dup["twin"] == 0 and "duplicate bootstrap_room 11000" in dup["twin_error"]
+    assert dup["first"] == [4, 4]  # the first request was not disturbed
+
+    dup = res["duplicate_decodes"]
+    assert dup["tx"] == 0 and dup["rx"] == [0, 0]
+    assert "2 decode receivers" in dup["tx_error"]
+    assert all("duplicate bootstrap_room 11001" in e for e in dup["rx_error"])
+
+    cap = res["cap_and_ttl"]
+    assert cap["polls"][:40] == [1] * 40 and cap["polls"][40] == 0
+    assert "cap (KVSTATE_SGLANG_MAX_ROOMS)" in cap["refused"]
+    assert cap["no_ttl"] == [] and cap["after_clear"] == 0
+
+    th = res["threads"]
+    assert th["errors"] == [] and th["rx"] == [4, 4, 4, 4] and th["bytes_equal"]
+
+    mirror = res["mirror"]
+    assert mirror["classes"]["sender"] == "KVStateMirrorFakeKVSender"
+    ok, aborted = mirror["rooms"]
+    # decode: WaitingForInput; prefill: WaitingForInput; then Success on both,
+    # recorded in kvstate (the room's keys exist until clear)
+    assert ok["seen"] == [2, 2, 4, 4] and ok["tx_error"].startswith("Exception: Fake")
+    assert any(k.endswith("tx:127.0.0.1:18998/dp0/tp0") for k in ok["keys"])
+    # an abort only kvstate knew about fails both sides with its reason
+    assert aborted["seen"][2:] == [0, 0]
+    assert "mirror abort" in aborted["tx_error"] and "mirror abort" in aborted["rx_error"]
+    assert keys_of(connect(redis_url)) == []
