@@ -508,6 +508,21 @@ def scenarios(_index: int, url: str, out: str) -> None:
             r.clear()
         return {"errors": errors, "rx": ok, "bytes_equal": same}
 
+    def tp_mismatch() -> dict[str, Any]:
+        os.environ["KVSTATE_SGLANG_HOST"] = "127.0.0.3"  # a decode instance with TP 2
+        try:
+            wide = Rank(sg, "decode", 0, 2, seed=None).start()
+        finally:
+            os.environ.pop("KVSTATE_SGLANG_HOST")
+        assert wide.mgr.try_ensure_parallel_info(ADDR)
+        rx = Receiver(wide.mgr, ADDR, 15000)
+        rx.init(0)
+        out = {"rx": int(rx.poll()), "error": error(rx)}
+        rx.clear()
+        wide.mgr.close()
+        return out
+
+    check("tp_mismatch", tp_mismatch)
     check("duplicate_local", duplicate_local)
     check("duplicate_decodes", duplicate_decodes)
     check("cap_and_ttl", cap_and_ttl)

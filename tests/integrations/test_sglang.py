@@ -174,6 +174,10 @@ def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
     crashed = {k: v["crash"] for k, v in res.items() if isinstance(v, dict) and "crash" in v}
     assert not crashed, crashed
 
+    tp = res["tp_mismatch"]
+    assert tp["rx"] == 0 and "TP mismatch: prefill at 127.0.0.1:18998 has attention TP size 1, " \
+        "this decode 2" in tp["error"]
+
     dup = res["duplicate_local"]
     assert dup["twin"] == 0 and "duplicate bootstrap_room 11000" in dup["twin_error"]
     assert dup["first"] == [4, 4]  # the first request was not disturbed
