@@ -309,15 +309,51 @@ def lone(url: str, out: str, role: str, hold: bool) -> None:
             time.sleep(0.05)
         tx.init(len(pl["src"]), pl["aux_src"])
         tx.send(pl["src"], [pl["state_src"]])
-        st = poll([tx], group)[0]
-        result = {"status": int(st)}
-        try:
-            tx.failure_exception()
-        except Exception as exc:
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        tx.clear()
+        result = inflight_queue_outcome(group, tx, pl, deadline)
     side.mgr.close()
     Path(out, f"{role}.json").write_text(json.dumps(result))
+
+
+def inflight_queue_outcome(group: Any, tx: Any, pl: dict[str, Any],
+                           deadline: float) -> dict[str, Any]:
+    """Run SGLang's prefill inflight queue (process_disagg_prefill_inflight_queue) on the
+    real sender until the room leaves it; report what SGLang did with it."""
+    from types import MethodType
+    from unittest import mock
+
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin as Mixin
+
+    ts = SimpleNamespace(trace_ctx=SimpleNamespace(abort=lambda **_k: None),
+                         set_completion_time=lambda: None,
+                         set_prefill_kv_transfer_finish_time=lambda: None)
+    req = SimpleNamespace(rid=f"req-{pl['room']}", bootstrap_room=pl["room"],
+                          bootstrap_host=HOST, pending_bootstrap=False, disagg_kv_sender=tx,
+                          finished_reason=None, time_stats=ts, return_logprob=False,
+                          return_routed_experts=False, metadata_buffer_index=pl["aux_src"])
+    freed: list[int] = []
+    streamed: list[str] = []
+    released: list[str] = []
+    sched = SimpleNamespace(
+        disagg_prefill_inflight_queue=[req], attn_cp_cpu_group=group, attn_tp_cpu_group=group,
+        tree_cache=None, metrics_reporter=SimpleNamespace(enable_metrics=False),
+        output_streamer=SimpleNamespace(
+            stream_output=lambda reqs, *_a: streamed.extend(r.rid for r in reqs)),
+        req_to_metadata_buffer_idx_allocator=SimpleNamespace(free=freed.append),
+        _release_aborted_request=lambda r: released.append(r.rid), scheduler_stage_metrics=None)
+    sched.handle_inflight_transfer_failure = MethodType(
+        Mixin.handle_inflight_transfer_failure, sched)
+    done: list[Any] = []
+    from sglang.srt.runtime_context import get_parallel
+
+    with mock.patch("sglang.srt.disaggregation.prefill.release_kv_cache",
+                    lambda r, *_a, **_k: released.append(r.rid)), \
+            get_parallel().override(tp_rank=0):
+        while sched.disagg_prefill_inflight_queue and time.monotonic() < deadline:
+            done += Mixin.process_disagg_prefill_inflight_queue(sched)
+            time.sleep(0.1)
+    return {"left_queue": not sched.disagg_prefill_inflight_queue, "done": len(done),
+            "abort": getattr(req.finished_reason, "message", None), "released": released,
+            "freed_slots": freed, "streamed": streamed}
 
 
 def transfer_queue_outcome(sg: SimpleNamespace, group: Any, side: Rank, rx: Any,
