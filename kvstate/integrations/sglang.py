@@ -278,9 +278,9 @@ class _Adapter:
     def _abort(self, side: str) -> None:
         with self._lock:
             self.conclude_state = KVPoll.Failed
-            if self._part is not None:
-                self._guard("abort", lambda: self._part.abort(f"aborted by {side}")  # type: ignore[union-attr]
-                            )
+            part = self._part
+            if part is not None:
+                self._guard("abort", lambda: part.abort(f"aborted by {side}"))
             elif not self._local_reason:
                 self._fail_local(f"aborted by {side}")
 
