@@ -333,6 +333,14 @@ class KVStateKVManager(_BaseManager):
             raise UnsupportedLayoutError(
                 f"pipeline parallel size {pp}: kvstate's SGLang backend supports pp_size 1 "
                 "only; use the mooncake backend (with kvstate mirror mode) for PP")
+        if getattr(server_args, "disaggregation_decode_allocation_policy", None) == \
+                "prefill_complete" or os.environ.get(
+                    "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "").lower() in (
+                    "1", "true"):
+            raise UnsupportedLayoutError(
+                "the prefill_complete decode allocation policy and forced prefill DP-rank "
+                "queries need SGLang's bootstrap HTTP server; kvstate's backend has none: "
+                "use the default allocation policy (the DP rank follows bootstrap_room)")
         dp = int(getattr(server_args, "dp_size", 1) or 1)
         tp = int(getattr(server_args, "tp_size", 1) or 1)
         self.tp_size = tp // dp if getattr(server_args, "enable_dp_attention", False) else tp

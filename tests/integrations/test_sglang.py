@@ -209,3 +209,21 @@ def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
     assert aborted["seen"][2:] == [0, 0]
     assert "mirror abort" in aborted["tx_error"] and "mirror abort" in aborted["rx_error"]
     assert keys_of(connect(redis_url)) == []
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("pp_size", 2, "pipeline parallel size 2"),
+    ("disaggregation_decode_allocation_policy", "prefill_complete", "bootstrap HTTP server"),
+])
+def test_unsupported_layouts_are_refused_at_start(field: str, value: object,
+                                                  message: str) -> None:
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvstate.integrations.sglang import KVStateKVManager, UnsupportedLayoutError
+    from tests.integrations.rig import server_args
+
+    sa = server_args("decode", 1)
+    setattr(sa, field, value)  # the check reads ServerArgs; no Redis, no buffers needed
+    with pytest.raises(UnsupportedLayoutError, match=message):
+        KVStateKVManager(KVArgs(), DisaggregationMode.DECODE, sa)
