@@ -7,10 +7,12 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        skip = pytest.mark.skip(reason="SGLang not installed: pip install -e '.[sglang,test]'")
-        for item in items:
-            if "sglang" in item.keywords:
-                item.add_marker(skip)
+    for marker, module, how in (("sglang", "sglang", "pip install -e '.[sglang,test]'"),
+                                ("vllm", "vllm", "see .ci/run")):
+        try:
+            __import__(module)
+        except ImportError:
+            skip = pytest.mark.skip(reason=f"{module} not installed: {how}")
+            for item in items:
+                if marker in item.keywords:
+                    item.add_marker(skip)
