@@ -91,6 +91,7 @@ class KVStateConnector(KVConnectorBase_V1):
         # scheduler side
         self._recv: dict[str, tuple[int, str, list[int]]] = {}
         self._send: dict[str, tuple[int, list[int]]] = {}
+        self._pending_loads: dict[str, int] = {}  # decode requests whose load is running
         # worker side
         self.mgr: KVManager | None = None
         self.transport: Transport | None = None
@@ -119,9 +120,15 @@ class KVStateConnector(KVConnectorBase_V1):
         if not params.get("do_remote_prefill") or params.get("kvstate_room") is None:
             return
         ids = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        self._recv[request.request_id] = (int(params["kvstate_room"]),
-                                          str(params["remote_engine_id"]), ids)
+        room = int(params["kvstate_room"])
+        self._recv[request.request_id] = (room, str(params["remote_engine_id"]), ids)
+        self._pending_loads[request.request_id] = room
         params["do_remote_prefill"] = False  # once per request
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Loads the workers concluded leave the scheduler's pending set."""
+        for req_id in connector_output.finished_recving or ():
+            self._pending_loads.pop(req_id, None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStateConnectorMetadata:
         meta = KVStateConnectorMetadata(recv=self._recv, send=self._send)
@@ -132,9 +139,12 @@ class KVStateConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
         room = params.get("kvstate_room")
+        pending = self._pending_loads.pop(request.request_id, None)
         if room is not None and not params.get("do_remote_decode"):
-            # a decode request that ends (finished or aborted): if its load is still
-            # pending, fail the room so the prefill frees its blocks now
+            if pending is None and not params.get("do_remote_prefill"):
+                return False, None  # its load concluded: the room is gone already
+            # a decode request that ended before its load did (aborted): fail the room
+            # so the prefill frees its blocks now
             try:
                 self._state().abort(int(room), f"request {request.request_id} ended on "
                                                 f"decode engine {self.engine_id}")

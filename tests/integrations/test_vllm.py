@@ -55,4 +55,5 @@ def test_prefill_to_decode_moves_pages_and_aborts_free_blocks(redis_url: str,
     assert res["d-second"] == [[], ["d-r-cli", "d-r-ok"]]
     assert res["load-errors"] == [6, 7, 8]
     assert res["bytes_equal"] and res["cli_blocks_untouched"]
+    assert res["d-ok-finished"] == [False, None]  # and no abort mark left (0 keys below)
     assert keys_of(connect(redis_url)) == []

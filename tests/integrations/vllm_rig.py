@@ -111,6 +111,13 @@ def flow(_index: int, url: str, out: str) -> None:
     res["p-second"] = [sorted(x or []) for x in step(p_work, p_sched.build_connector_meta(None))]
     res["d-second"] = [sorted(x or []) for x in step(d_work, d_sched.build_connector_meta(None))]
     res["load-errors"] = sorted(d_work.get_block_ids_with_load_errors())
+    # the loaded request runs and finishes on decode later: nothing to abort then
+    from vllm.v1.outputs import KVConnectorOutput
+
+    d_sched.update_connector_output(KVConnectorOutput(finished_recving={"d-r-ok"}))
+    finished = request("d-r-ok", dict(handoff["r-ok"], do_remote_prefill=False),
+                       RequestStatus.FINISHED_STOPPED)
+    res["d-ok-finished"] = list(d_sched.request_finished(finished, [12, 13, 14]))
     same = all(bool((p_kv[k][:, [3, 4, 5]] == d_kv[k][:, [12, 13, 14]]).all()) for k in p_kv)
     untouched = all(bool((d_kv[k][:, [6, 7, 8]] == 0).all()) for k in d_kv)
     res["bytes_equal"], res["cli_blocks_untouched"] = same, untouched
