@@ -81,9 +81,12 @@ class KVStateConnector(KVConnectorBase_V1):
                          "tensor_parallel_size", 1) or 1)
         if tp > 1:
             raise KVStateError(f"KVStateConnector supports tensor_parallel_size 1, got {tp}")
+        if cfg.kv_role not in ("kv_producer", "kv_consumer"):
+            raise KVStateError(f"KVStateConnector needs kv_role kv_producer (prefill) or "
+                               f"kv_consumer (decode), got {cfg.kv_role!r}")
         self.engine_id = str(cfg.engine_id or "vllm")
         self.engine = engine_name(self.engine_id)
-        self.producer = cfg.kv_role in ("kv_producer", "kv_both")
+        self.producer = cfg.kv_role == "kv_producer"
         self._url = extra.get("redis_url") or os.environ.get("KVSTATE_REDIS_URL")
         self._namespace = extra.get("namespace") or os.environ.get("KVSTATE_NAMESPACE")
         self._lease = float(extra.get("lease", 10.0))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstate.errors import KVStateError
 from kvstate.store import connect
 from tests.helpers import keys_of
 
@@ -30,6 +31,9 @@ def test_factory_loads_the_connector_by_module_path_and_by_plugin_name() -> None
     load_general_plugins()  # the vllm.general_plugins entry point registers the name
     by_name = KVTransferConfig(kv_connector="KVStateConnector", kv_role="kv_consumer")
     assert KVConnectorFactory.get_connector_class(by_name) is KVStateConnector
+    with pytest.raises(KVStateError, match="kv_producer .prefill. or kv_consumer"):
+        KVConnectorFactory.create_connector(config("kv_both", "x"), KVConnectorRole.WORKER,
+                                            None)
 
 
 def test_prefill_to_decode_moves_pages_and_aborts_free_blocks(redis_url: str,
