@@ -1,0 +1,18 @@
+"""Integration tests need their stack installed; without it they are skipped, so the
+core suite stays fast (CI installs the extras in their own venvs)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for marker, module, how in (("sglang", "sglang", "pip install -e '.[sglang,test]'"),
+                                ("vllm", "vllm", "see .ci/run")):
+        try:
+            __import__(module)
+        except ImportError:
+            skip = pytest.mark.skip(reason=f"{module} not installed: {how}")
+            for item in items:
+                if marker in item.keywords:
+                    item.add_marker(skip)
