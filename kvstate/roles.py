@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Iterable
@@ -27,6 +28,7 @@ from kvstate.errors import (
 )
 from kvstate.gpu import gpu_facts
 from kvstate.keys import Side, check_name, check_room
+from kvstate.metrics import TransferRecorder
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.store import Call, Status, Store
@@ -289,7 +291,11 @@ class KVSender(_Participant):
             if self._status != KVPoll.Transferring and self.begin_transfer() != KVPoll.Transferring:
                 return self._status
             if targets:
+                moved, t0 = transport.stats.bytes_moved, time.perf_counter()
                 transport.write(self.room, src, targets, self.mgr.transfer_timeout)
+                if self.mgr.recorder is not None:
+                    self.mgr.recorder.observe(transport.stats.bytes_moved - moved,
+                                              time.perf_counter() - t0)
         except (TransportError, InvalidIndicesError) as exc:
             # the whole room: receivers learn it on their next poll instead of
             # waiting out their timeout for pages that will not come
@@ -469,6 +475,7 @@ class KVManager:
         waiting_timeout: float = 300.0,
         transfer_timeout: float = 60.0,
         ranks: int = 1,
+        transfer_stats: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
@@ -516,6 +523,10 @@ class KVManager:
         except BaseException:
             self._hb_store.close()
             raise
+        # Opt-in: the counters' key outlives the engine (24 h) so the monitor can read
+        # its final totals, which tests and users who count keys left would not expect.
+        self.recorder = (TransferRecorder(self._hb_store, self.engine)
+                         if transfer_stats and transport is not None else None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name=f"kvstate-{engine}",
                                         daemon=True)
@@ -757,6 +768,8 @@ class KVManager:
             with self._hb_store.bounded():  # the join and the drop share one call_timeout
                 if self._thread is not threading.current_thread():
                     self._thread.join(timeout=5)
+                if self.recorder is not None:
+                    self.recorder.close()
                 if self._taken is None:
                     self._hb_registry.drop(self.engine, self.incarnation, self.bootstrap_addr)
         except KVStateError as exc:

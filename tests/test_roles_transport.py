@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvstate
+from kvstate.metrics import read_transfer_totals
 from kvstate.store import Store
 from tests import workers
 from tests.helpers import assert_every_key_has_ttl, keys_of
@@ -24,10 +25,12 @@ def store(redis_url: str) -> Iterator[Store]:
     s.close()
 
 
-def run(spawn_ctx, url: str, rooms_src: dict, decoders: list[tuple[str, dict, bool]]) -> tuple:
+def run(spawn_ctx, url: str, rooms_src: dict, decoders: list[tuple[str, dict, bool]],
+        stats: bool = False) -> tuple:
     results = spawn_ctx.Queue()
     pre = spawn_ctx.Process(target=workers.ucx_prefill, args=(
-        url, "ucx", "prefill-u.tp0", ADDR, rooms_src, len(decoders), LAYERS, PAGE, results))
+        url, "ucx", "prefill-u.tp0", ADDR, rooms_src, len(decoders), LAYERS, PAGE, results,
+        None, stats))
     pre.start()
     procs = [pre]
     assert results.get(timeout=60) == ("ready", "prefill-u.tp0")
@@ -72,6 +75,23 @@ def test_contiguous_and_fragmented_pages_arrive_byte_exact(store: Store, redis_u
     check_pages(pool, src[1], dst[1])
     check_pages(pool, src[2], dst[2])
     untouched(pool, set(dst[1]) | set(dst[2]))
+    assert keys_of(store) == []
+
+
+def test_engine_publishes_transfer_counters_for_the_monitor(store: Store, redis_url: str,
+                                                           spawn_ctx) -> None:
+    """KVManager(transfer_stats=True): send() counts what the transport moved, and the
+    monitor's reader sees it from another process (issue: counters stayed 0)."""
+    src = {1: list(range(0, 32)), 2: list(range(40, 50))}
+    dst = {1: list(range(100, 132)), 2: list(range(0, 10))}
+    prefill, _ = run(spawn_ctx, redis_url, src, [("decode-u.tp0", dst, False)], stats=True)
+    assert prefill == {1: ("Success", ""), 2: ("Success", "")}
+    totals = read_transfer_totals(store)
+    assert list(totals) == ["prefill-u.tp0"]
+    assert totals["prefill-u.tp0"].bytes == 42 * LAYERS * PAGE
+    assert totals["prefill-u.tp0"].count == 2 and totals["prefill-u.tp0"].seconds > 0
+    assert 0 < store.client.pttl(store.keys.transfer_stats("prefill-u.tp0"))
+    store.client.delete(store.keys.transfer_stats("prefill-u.tp0"))
     assert keys_of(store) == []
 
 

@@ -64,7 +64,7 @@ def expected_page(layer: int, src_page: int, page_bytes: int, fill: int):  # noq
 
 def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[int]],
                 receivers: int, layers: int, page_bytes: int, results: Queue,
-                go: Event | None = None) -> None:
+                go: Event | None = None, stats: bool = False) -> None:
     """A prefill rank: sends each room's source pages once every receiver published
     (and, if given, once ``go`` is set)."""
     from transports.ucx import UCXTransport
@@ -75,7 +75,7 @@ def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list
     # a transfer deadline well inside the tests' queue timeouts: a write to a dead peer
     # that is not refused at once still fails in time, with a reason
     with kvstate.KVManager(store, "prefill", engine, addr, transport=transport,
-                           transfer_timeout=10.0) as mgr:
+                           transfer_timeout=10.0, transfer_stats=stats) as mgr:
         results.put(("ready", engine))
         out = {}
         for room, src in rooms.items():
