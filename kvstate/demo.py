@@ -55,7 +55,7 @@ import click
 import numpy as np
 
 from kvstate.connection import ENV_NAMESPACE, ENV_URL, redact
-from kvstate.errors import KVStateError, PeerNotFoundError
+from kvstate.errors import KVStateError
 from kvstate.metrics import TransferRecorder, read_transfer_totals
 from kvstate.poll import KVPoll
 
@@ -139,9 +139,9 @@ def _count_round_trips(store: Any) -> list[int]:
     count = [0]
     execute = store.execute
 
-    def counted(calls: Any, transaction: bool = False) -> Any:
+    def counted(calls: Any, *args: Any, **kwargs: Any) -> Any:
         count[0] += 1
-        return execute(calls, transaction)
+        return execute(calls, *args, **kwargs)
 
     store.execute = counted
     return count
@@ -486,12 +486,8 @@ class _Decode(_Worker):
             if pages is None:
                 return  # wait for pages of finished rooms
             self.waiting.popleft()
-            try:
-                rcv = self.mgr.receiver(job.room, job.prefill_addr)
-            except PeerNotFoundError as exc:  # the prefill engine is already gone
-                self.pool.release(pages)
-                self._report(job, "Failed", f"{job.prefill}: {exc}")
-                continue
+            # never raises for a prefill that is gone: the room fails with a reason
+            rcv = self.mgr.receiver(job.room, job.prefill_addr)
             room = _Room(job, rcv, pages)
             self.active[job.room] = room
             if rcv.init(pages) == KVPoll.Failed:
