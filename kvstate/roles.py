@@ -22,6 +22,7 @@ from kvstate.errors import (
     CorruptStateError,
     EngineNameTakenError,
     ForkedManagerError,
+    InvalidArgumentError,
     InvalidIndicesError,
     KVStateError,
     KVTransferError,
@@ -49,8 +50,13 @@ _MIN_BULK_LIMIT = 1 << 20  # the smallest proto-max-bulk-len Redis accepts
 
 
 def _reason(reason: object) -> str:
-    """Reasons are text in Redis: None (SGLang passes it) reads as 'no reason given'."""
-    return "no reason given" if reason is None else str(reason)
+    """Reasons are text in Redis: None (SGLang passes it) reads as 'no reason given';
+    anything else that is not text is refused before anything is sent."""
+    if reason is None:
+        return "no reason given"
+    if not isinstance(reason, str):
+        raise InvalidArgumentError(f"a failure reason must be text (str), got {reason!r}")
+    return reason
 
 
 # Managers of this process, so that a fork can mark them unusable in the child: the
