@@ -111,6 +111,8 @@ from transports.pages import check_indices, check_unique, merge_runs
 __all__ = ["UCXSettings", "UCXTransport", "run_on_ucx_thread"]
 
 LAYOUT_VERSION = 1
+# UCX names the symptom (Endpoint timeout, Connection reset...), not the cause
+_PEER_HINT = " (peer dead or unreachable?)"
 _ARM_TRIES = 64  # progress calls per wake-up before the event loop gets a turn
 _T = TypeVar("_T")
 
@@ -781,7 +783,7 @@ class UCXTransport(Transport):
                             if status < 0:
                                 raise TransportError(
                                     f"room {room}: put to {plan.name} failed: "
-                                    f"{lib.status_string(status)}"
+                                    f"{lib.status_string(status)}{_PEER_HINT}"
                                 )
                             pending.append((ptr, plan))
                 # Remote completion of every put above, in one request per target.
@@ -789,7 +791,8 @@ class UCXTransport(Transport):
                 status = _ptr_status(ptr)
                 if status < 0:
                     raise TransportError(
-                        f"room {room}: flush to {plan.name} failed: {lib.status_string(status)}"
+                        f"room {room}: flush to {plan.name} failed: "
+                        f"{lib.status_string(status)}{_PEER_HINT}"
                     )
                 if status == _UCS_INPROGRESS:
                     pending.append((ptr or 0, plan))
@@ -833,7 +836,7 @@ class UCXTransport(Transport):
                     lib.request_free(ptr)
                     if status < 0 and error is None:
                         error = (f"room {room}: transfer to {plan.name} failed: "
-                                 f"{lib.status_string(status)}")
+                                 f"{lib.status_string(status)}{_PEER_HINT}")
                 pending[:] = keep
                 if error is not None:
                     raise TransportError(error)
