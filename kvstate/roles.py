@@ -37,6 +37,8 @@ from transports.base import Target, Transport, TransportError
 
 log = logging.getLogger(__name__)
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
+# (bootstrap addr, named senders or None) -> the prefill engines found there
+_Lookups = dict[tuple[str, tuple[str, ...] | None], list[EngineInfo]]
 STATE_LOST = (
     "state lost: the participant's keys are gone (expired, cleared elsewhere, or Redis restarted)"
 )
@@ -103,7 +105,7 @@ class _Participant:
         return f"<{type(self).__name__} room={self.room} engine={self.engine} {self._status.name}>"
 
     # -- plumbing -------------------------------------------------------------
-    def _create_calls(self) -> list[Call]:
+    def _create_calls(self, lookups: _Lookups | None = None) -> list[Call]:
         """Calls that go ahead of this participant's next operation, in its batch: the
         create (the first time) and, for a receiver, any binding still to make."""
         self.mgr._check_usable()
@@ -367,21 +369,22 @@ class KVReceiver(_Participant):
         """How many senders to bind: the named ones, else the required count (0: ask)."""
         return len(self._explicit) if self._explicit else self._required
 
-    def _create_calls(self) -> list[Call]:
+    def _create_calls(self, lookups: _Lookups | None = None) -> list[Call]:
         calls = super()._create_calls()
         if calls:
             calls.append(self.store.track(self.bootstrap_addr, self.key))
-        bind = self._bind_call()
+        bind = self._bind_call(lookups)
         return calls + [bind] if bind is not None else calls
 
-    def _bind_call(self) -> Call | None:
+    def _bind_call(self, lookups: _Lookups | None = None) -> Call | None:
         """Bind the senders registered since the last look (and publish to them, once
-        init() ran), or None when there is nothing to bind."""
+        init() ran), or None when there is nothing to bind. ``lookups`` shares one
+        registry read per address among the receivers of one batch."""
         wanted = self._wanted()
         if self._cleared or self._status in (KVPoll.Failed, KVPoll.Success) or (
                 wanted and len(self._bound) >= wanted):
             return None
-        found = self.mgr._prefill_engines(self.bootstrap_addr, self._explicit)
+        found = self.mgr._prefill_engines(self.bootstrap_addr, self._explicit, lookups)
         required = self._required
         if not required and found:  # the group's declared size, or all of it that is up
             required = max(len(found), *(e.ranks for e in found))
@@ -588,13 +591,22 @@ class KVManager:
             if self._live.get(p.room) is p:
                 del self._live[p.room]
 
-    def _prefill_engines(self, addr: str, names: list[str] | None) -> list[EngineInfo]:
-        """The live prefill engines at ``addr`` (or among ``names``), read fresh: a
-        remembered answer would bind a receiver to a group that has grown since."""
+    def _prefill_engines(self, addr: str, names: list[str] | None,
+                         lookups: _Lookups | None = None) -> list[EngineInfo]:
+        """The live prefill engines at ``addr`` (or among ``names``), read fresh for
+        each call or batch (``lookups``): a remembered answer would bind a receiver to a
+        group that has grown since."""
+        memo = (addr, tuple(names) if names else None)
+        if lookups is not None and memo in lookups:
+            return lookups[memo]
         if names:
-            return [i for i in self.registry.get_many(names).values()
-                    if i is not None and i.role == "prefill"]
-        return self.registry.at_addr(addr, role="prefill")
+            found = [i for i in self.registry.get_many(names).values()
+                     if i is not None and i.role == "prefill"]
+        else:
+            found = self.registry.at_addr(addr, role="prefill")
+        if lookups is not None:
+            lookups[memo] = found
+        return found
 
     def _watch(self, addr: str, bound: dict[str, str]) -> None:
         with self._lock:
@@ -623,6 +635,7 @@ class KVManager:
         """
         plan: list[tuple[int, _Participant | None, int]] = []
         calls: list[Call] = []
+        lookups: _Lookups = {}  # receivers still binding: one registry read per address
         for room in rooms:
             r = check_room(room)
             with self._lock:
@@ -630,7 +643,7 @@ class KVManager:
             if p is not None and p._cleared:
                 p = None
             if p is not None:
-                calls += p._create_calls()
+                calls += p._create_calls(lookups)
                 calls.append(p._poll_call())
             else:
                 calls.append(self.store.poll(r, self.side, self.engine))
