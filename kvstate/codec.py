@@ -1,6 +1,6 @@
 """msgpack payloads with a schema version, and run-length page indices.
 
-Only structured payloads are msgpack (SPEC rule 6). Page indices are stored as
+Only structured payloads are msgpack (design rule 6). Page indices are stored as
 little-endian int32 ``(start, length)`` pairs, so a contiguous 4096-page
 allocation costs 8 bytes instead of 16 KiB. Decoding is strict: anything that
 does not match the schema raises CorruptStateError naming the key and field.
@@ -64,9 +64,7 @@ def decode_runs(raw: bytes, key: str, field_name: str) -> IndexArray:
     if int((starts + lengths - 1).max()) > MAX_INDEX:  # a run's last page, not one past it
         raise CorruptStateError(key, field_name, f"run list goes past page {MAX_INDEX}")
     offsets = np.cumsum(lengths) - lengths
-    return (np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)).astype(
-        np.int32
-    )
+    return (np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -82,8 +80,12 @@ class TransferInfo:
     incarnation: str = ""  # the receiver engine's, so a sender never writes to a restarted one
 
     def encode(self) -> bytes:
-        doc: dict[str, Any] = {"kv": encode_runs(self.kv_indices), "prefix": self.prefix_len,
-                               "dummy": self.dummy, "inc": self.incarnation}
+        doc: dict[str, Any] = {
+            "kv": encode_runs(self.kv_indices),
+            "prefix": self.prefix_len,
+            "dummy": self.dummy,
+            "inc": self.incarnation,
+        }
         if self.aux_index is not None:  # absent fields keep small payloads under Redis's
             doc["aux"] = self.aux_index  # 64-byte listpack limit
         if self.state_indices is not None:

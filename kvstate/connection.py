@@ -1,7 +1,7 @@
 """Redis URLs and clients: parsing, redaction, timeouts and retry policy.
 
 A URL is shown only through ``redact()``: the password never reaches a log line,
-an exception or a repr (SPEC rule 8).
+an exception or a repr (design rule 8).
 
 Every kvstate call runs under one ``deadline`` (``Options.call_timeout``): the retry
 policy stops and every socket wait is cut when it passes, because redis-py's own
@@ -47,8 +47,9 @@ def redact(url: str) -> str:
         base, mark, query = url.partition("?")
         if query:  # a password given as a query parameter (not supported, but shown)
             pairs = [p.partition("=") for p in query.split("&")]
-            query = "&".join(f"{k}{eq}***" if "pass" in k.lower() else f"{k}{eq}{v}"
-                             for k, eq, v in pairs)
+            query = "&".join(
+                f"{k}{eq}***" if "pass" in k.lower() else f"{k}{eq}{v}" for k, eq, v in pairs
+            )
         parts = urlsplit(base)
         if parts.password is not None:
             host = parts.netloc.rpartition("@")[2]
@@ -164,8 +165,9 @@ class _BoundedPool(redis.ConnectionPool):
             bounded = connection_class  # a copy of a pool that is bounded already
         if bounded is None:
             name = f"Bounded{connection_class.__name__}"
-            bounded = _BOUNDED[connection_class] = type(name, (_BoundedConnection,
-                                                               connection_class), {})
+            bounded = _BOUNDED[connection_class] = type(
+                name, (_BoundedConnection, connection_class), {}
+            )
         super().__init__(connection_class=bounded, **kwargs)
 
 
@@ -192,8 +194,7 @@ class Options:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"Options.{name} must be a number > 0, got {value!r}")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) \
-                or self.retries < 0:
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"Options.retries must be an int >= 0, got {self.retries!r}")
 
     def retry(self) -> Retry:
@@ -224,8 +225,13 @@ class _BoundedRetry(Retry):
         super().__init__(backoff, retries)
         self.call_timeout = call_timeout
 
-    def call_with_retry(self, do: Callable[[], Any], fail: Any, is_retryable: Any = None,
-                        with_failure_count: bool = False) -> Any:
+    def call_with_retry(
+        self,
+        do: Callable[[], Any],
+        fail: Any,
+        is_retryable: Any = None,
+        with_failure_count: bool = False,
+    ) -> Any:
         def retryable(exc: Exception) -> bool:
             if isinstance(exc, (AuthenticationError, DeadlineExceeded)) or is_tls_refusal(exc):
                 return False
@@ -241,10 +247,13 @@ class _BoundedRetry(Retry):
 
 
 # URL query parameters kvstate reads (and what they set); anything else is refused.
-_FLOAT_PARAMS = {"socket_timeout": "socket_timeout", "connect_timeout": "connect_timeout",
-                 "socket_connect_timeout": "connect_timeout", "call_timeout": "call_timeout"}
-_TLS_PARAMS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
-               "ssl_check_hostname"}
+_FLOAT_PARAMS = {
+    "socket_timeout": "socket_timeout",
+    "connect_timeout": "connect_timeout",
+    "socket_connect_timeout": "connect_timeout",
+    "call_timeout": "call_timeout",
+}
+_TLS_PARAMS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 SUPPORTED_PARAMS = ("cluster", "db", *_FLOAT_PARAMS, "retries", *sorted(_TLS_PARAMS))
 
@@ -294,14 +303,16 @@ def _query(url: str, parts: SplitResult) -> tuple[bool | None, dict[str, Any], d
         elif name in _TLS_PARAMS:
             if not parts.scheme.startswith("rediss"):
                 raise InvalidURLError(
-                    f"{name!r} in {redact(url)} needs TLS: use rediss:// (or rediss+cluster://)")
+                    f"{name!r} in {redact(url)} needs TLS: use rediss:// (or rediss+cluster://)"
+                )
             if name == "ssl_cert_reqs" and value not in ("none", "optional", "required"):
                 raise InvalidURLError(f"{bad}: use none, optional or required")
             client[name] = value
         else:
             raise InvalidURLError(
                 f"unknown parameter {name!r} in Redis URL {redact(url)}; kvstate reads "
-                f"only: {supported}")
+                f"only: {supported}"
+            )
     return cluster, options, client
 
 
@@ -362,8 +373,7 @@ def make_client(url: str, cluster: bool | None = None, options: Options | None =
     if parsed.cluster:
         return RedisCluster.from_url(plain, **common)
     common.pop("connection_pool_class")
-    pool = _BoundedPool.from_url(plain, health_check_interval=opts.health_check_interval,
-                                 **common)
+    pool = _BoundedPool.from_url(plain, health_check_interval=opts.health_check_interval, **common)
     client = redis.Redis(connection_pool=pool)
     client.auto_close_connection_pool = True
     return client
@@ -375,8 +385,9 @@ def answers_plain_text(url: str, timeout: float) -> bool:
     for a reply a plain redis-server never sends (it waits for the end of a line)."""
     parts = urlsplit(url)
     try:
-        with socket.create_connection((parts.hostname or "", parts.port or 6379),
-                                      timeout=timeout) as sock:
+        with socket.create_connection(
+            (parts.hostname or "", parts.port or 6379), timeout=timeout
+        ) as sock:
             sock.sendall(b"PING\r\n")
             first = sock.recv(1)
     except OSError:
@@ -387,4 +398,3 @@ def answers_plain_text(url: str, timeout: float) -> bool:
 def check_url(url: str, cluster: bool | None = None) -> bool:
     """Validate ``url``; returns whether it names a Cluster."""
     return _check(url, cluster).cluster
-

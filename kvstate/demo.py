@@ -1,4 +1,4 @@
-"""``kvstate demo``: the end-to-end run (SPEC section 7).
+"""``kvstate demo``: the end-to-end run (docs/design.md, Zero setup).
 
 The parent process is the *router*: it spawns prefill and decode workers, each
 with its own KV pool registered with a :class:`UCXTransport` and its own
@@ -56,7 +56,7 @@ import numpy as np
 
 from kvstate.connection import ENV_NAMESPACE, ENV_URL, redact
 from kvstate.errors import KVStateError
-from kvstate.metrics import TransferRecorder, read_transfer_totals
+from kvstate.ops.metrics import TransferRecorder, read_transfer_totals
 from kvstate.poll import KVPoll
 
 __all__ = ["decode_worker", "demo", "expected_pages", "prefill_worker"]
@@ -177,8 +177,9 @@ class Pool:
         elif self.backend == "torch":
             import torch
 
-            self.layers = [torch.zeros(shape, dtype=torch.uint8, device="cuda")
-                           for _ in range(cfg.layers)]
+            self.layers = [
+                torch.zeros(shape, dtype=torch.uint8, device="cuda") for _ in range(cfg.layers)
+            ]
         else:
             self.layers = [np.zeros(shape, dtype=np.uint8) for _ in range(cfg.layers)]
         free = list(range(cfg.pool_pages))
@@ -293,8 +294,14 @@ class _Worker:
         self.transport.register_buffers(self.pool.layers, [cfg.page_bytes] * cfg.layers)
         self.addr = bootstrap_addr(engine)
         self.mgr = kvstate.KVManager(
-            self.store, self.role, engine, self.addr, transport=self.transport,
-            lease=cfg.lease, bootstrap_timeout=cfg.timeout, waiting_timeout=cfg.timeout,
+            self.store,
+            self.role,
+            engine,
+            self.addr,
+            transport=self.transport,
+            lease=cfg.lease,
+            bootstrap_timeout=cfg.timeout,
+            waiting_timeout=cfg.timeout,
             transfer_timeout=cfg.timeout,
         )
         self.recorder = TransferRecorder(self.store, engine)
@@ -302,12 +309,20 @@ class _Worker:
         self.waiting: deque[Job] = deque()
         self.stopping = False
         self.abandon = False  # set by the router's "abort" or by SIGTERM: clear and leave
-        log.info("%s: %s engine registered at %s in namespace %s (pool %d pages x %d layers)",
-                 engine, self.role, self.addr, cfg.namespace, cfg.pool_pages, cfg.layers)
+        log.info(
+            "%s: %s engine registered at %s in namespace %s (pool %d pages x %d layers)",
+            engine,
+            self.role,
+            self.addr,
+            cfg.namespace,
+            cfg.pool_pages,
+            cfg.layers,
+        )
 
     def run(self) -> None:
-        self.outbox.put(("ready", self.engine, self.role, self.addr, os.getpid(),
-                         socket.gethostname()))
+        self.outbox.put(
+            ("ready", self.engine, self.role, self.addr, os.getpid(), socket.gethostname())
+        )
         idle = 0
         while not (self.stopping and not self.active and not self.waiting):
             if self.abandon:
@@ -374,10 +389,12 @@ class _Worker:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def _report(self, job: Job, status: str, reason: str = "", **extra: Any) -> None:
-        log.info("%s: room %d %s%s", self.engine, job.room, status,
-                 f" ({reason})" if reason else "")
-        self.outbox.put(("result", Result(job.room, self.role, self.engine, status, reason,
-                                          **extra)))
+        log.info(
+            "%s: room %d %s%s", self.engine, job.room, status, f" ({reason})" if reason else ""
+        )
+        self.outbox.put(
+            ("result", Result(job.room, self.role, self.engine, status, reason, **extra))
+        )
 
     def _fail(self, room: _Room) -> None:
         exc = room.part.failure_exception()  # reads the reason and clears
@@ -442,8 +459,10 @@ class _Prefill(_Worker):
 
         pages = self.pool.alloc(room.job.pages)
         if pages is None:  # pages come back as soon as each send returns
-            raise KVStateError(f"{self.engine}: pool of {self.cfg.pool_pages} pages cannot hold "
-                               f"a {room.job.pages}-page request")
+            raise KVStateError(
+                f"{self.engine}: pool of {self.cfg.pool_pages} pages cannot hold "
+                f"a {room.job.pages}-page request"
+            )
         try:
             self.pool.fill(room.job.room, pages)
             t0 = time.perf_counter()
@@ -523,8 +542,15 @@ class _Decode(_Worker):
         self.pool.release(room.pages)
         nbytes = room.job.pages * self.cfg.page_bytes * self.cfg.layers
         reason = f"{bad} page(s) differ from the pattern" if bad else ""
-        self._report(room.job, "Success", reason, verified=bad == 0, bad_pages=bad,
-                     nbytes=nbytes, busy_s=busy)
+        self._report(
+            room.job,
+            "Success",
+            reason,
+            verified=bad == 0,
+            bad_pages=bad,
+            nbytes=nbytes,
+            busy_s=busy,
+        )
 
     def _settle_failed(self, room: _Room) -> None:
         if room.pages is not None:
@@ -536,8 +562,9 @@ class _Decode(_Worker):
             self.pool.release(pages)
 
 
-def _serve(cls: type[_Worker], cfg: WorkerConfig, engine: str, inbox: _Queue,
-           outbox: _Queue) -> int:
+def _serve(
+    cls: type[_Worker], cfg: WorkerConfig, engine: str, inbox: _Queue, outbox: _Queue
+) -> int:
     """Run one worker; returns the signal that stopped it (0 if none).
 
     A worker spawned by the router (``parent_pid`` set) ignores SIGINT: Ctrl-C reaches
@@ -660,8 +687,9 @@ class _RemoteQueues:
         mgr.register("outbox", callable=lambda: self.outbox)
         mgr.register("config", callable=lambda: cfg)
         self.server = mgr.get_server()
-        threading.Thread(target=self.server.serve_forever, name="kvstate-demo-queues",
-                         daemon=True).start()
+        threading.Thread(
+            target=self.server.serve_forever, name="kvstate-demo-queues", daemon=True
+        ).start()
 
 
 def _attach(router: str, engine: str) -> tuple[Any, Any, WorkerConfig]:
@@ -739,8 +767,9 @@ class _Router:
     """Starts the workers, hands out rooms, injects faults and collects results. It never
     reads or writes room state except to inject an out-of-band abort."""
 
-    def __init__(self, opts: Options, cfg: WorkerConfig, store: Any,
-                 signals: _Signals | None = None) -> None:
+    def __init__(
+        self, opts: Options, cfg: WorkerConfig, store: Any, signals: _Signals | None = None
+    ) -> None:
         self.opts, self.cfg, self.store = opts, cfg, store
         self.signals = signals or _Signals()
         self.interrupted = 0  # the signal that stopped the run
@@ -766,9 +795,12 @@ class _Router:
     def start(self) -> None:
         if self.opts.listen:
             self.remote = _RemoteQueues(self.opts.listen, self.cfg)
-            click.echo(f"kvstate demo: waiting for workers {', '.join(self.prefills)}, "
-                       f"{', '.join(self.decodes)} (kvstate demo --worker ROLE --engine NAME "
-                       f"--router {self.opts.listen})", err=True)
+            click.echo(
+                f"kvstate demo: waiting for workers {', '.join(self.prefills)}, "
+                f"{', '.join(self.decodes)} (kvstate demo --worker ROLE --engine NAME "
+                f"--router {self.opts.listen})",
+                err=True,
+            )
             for engine in self.prefills + self.decodes:
                 self.inboxes[engine] = self.remote.inboxes.setdefault(engine, queue.Queue())
         else:
@@ -776,15 +808,21 @@ class _Router:
             cfg = WorkerConfig(**{**asdict(self.cfg), "parent_pid": os.getpid()})
             # Children start with SIGINT ignored (inherited through exec) so a Ctrl-C during
             # their imports cannot print a traceback; they keep it ignored (see _serve).
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) \
-                if threading.current_thread() is threading.main_thread() else None
+            previous = (
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                if threading.current_thread() is threading.main_thread()
+                else None
+            )
             for engine in self.prefills + self.decodes:
                 role = engine.split("-")[0]
                 self.inboxes[engine] = ctx.Queue()
                 reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=WORKERS[role], name=f"kvstate-demo-{engine}",
-                                   args=(cfg, engine, self.inboxes[engine], _PipeOut(writer)),
-                                   daemon=True)
+                proc = ctx.Process(
+                    target=WORKERS[role],
+                    name=f"kvstate-demo-{engine}",
+                    args=(cfg, engine, self.inboxes[engine], _PipeOut(writer)),
+                    daemon=True,
+                )
                 proc.start()
                 writer.close()
                 self.procs[engine] = proc
@@ -839,8 +877,11 @@ class _Router:
                 inbox.put((kind,))
         deadline = time.monotonic() + (20 if self.interrupted else 60)
         # Interrupted before every worker attached: wait only for those that exist.
-        expected = {e for e in self.inboxes if e != self.killed and
-                    (not self.interrupted or e in self.addrs or e in self.procs)}
+        expected = {
+            e
+            for e in self.inboxes
+            if e != self.killed and (not self.interrupted or e in self.addrs or e in self.procs)
+        }
         while expected - set(self.stats):
             try:
                 msg = self._get(deadline, interruptible=False)
@@ -886,8 +927,9 @@ class _Router:
                 break
             except KVStateError as exc:
                 if "timed out" in str(exc):
-                    raise KVStateError(f"{len(live)} room(s) got no result in {backstop:.0f} s: "
-                                       f"{sorted(live)[:5]}") from None
+                    raise KVStateError(
+                        f"{len(live)} room(s) got no result in {backstop:.0f} s: {sorted(live)[:5]}"
+                    ) from None
                 raise
             if msg[0] != "result":
                 continue
@@ -907,8 +949,13 @@ class _Router:
         if self.opts.abort_rate and self.rng.random() < self.opts.abort_rate:
             abort = self.rng.choice(ABORT_KINDS)
         pages = self.rng.randint(self.opts.pages_min, self.opts.pages_max)
-        job = Job(room, pages, prefill, self.addrs[prefill],
-                  abort if abort in ("prefill", "decode") else "")
+        job = Job(
+            room,
+            pages,
+            prefill,
+            self.addrs[prefill],
+            abort if abort in ("prefill", "decode") else "",
+        )
         track = _Track(job, decode, time.monotonic(), abort)
         self.tracks[room] = track
         if abort == "router":
@@ -926,23 +973,26 @@ class _Router:
             if track is None or "decode" in track.results:
                 continue
             members = self.store.members(room)
-            if any(m.startswith("tx:") for m in members) and \
-                    any(m.startswith("rx:") for m in members):
+            if any(m.startswith("tx:") for m in members) and any(
+                m.startswith("rx:") for m in members
+            ):
                 try:
                     if not self.store.abort(room, "demo fault: aborted out of band by the router"):
                         # Both sides finished between the check and the abort, which then
                         # failed nobody but left its mark: take the mark back (no side of
                         # this room will be created again), or it is a key left behind.
-                        self.store.execute([self.store.command(
-                            "DEL", self.store.keys.aborted(room))])
+                        self.store.execute(
+                            [self.store.command("DEL", self.store.keys.aborted(room))]
+                        )
                     continue
                 except KVStateError:  # the room kept changing: try again next tick
                     pass
             keep.append(room)
         self.pending_oob = keep
 
-    def _after_result(self, track: _Track, live: dict[int, _Track],
-                      tick: Callable[[_Track], None]) -> None:
+    def _after_result(
+        self, track: _Track, live: dict[int, _Track], tick: Callable[[_Track], None]
+    ) -> None:
         rx = track.results.get("decode")
         failed = rx is not None and rx.status == "Failed"
         tx_done = "prefill" in track.results or track.prefill_dead
@@ -1015,14 +1065,15 @@ def _wait_for_no_keys(store: Any, limit: float) -> tuple[list[str], float]:
 
 def _audit(store: Any) -> dict[str, Any]:
     try:
-        from kvstate.audit import Auditor
+        from kvstate.ops.audit import Auditor
     except ImportError:
         return {"result": "n/a"}
     report = Auditor(store, grace=0.0).run()
     doc = report.to_json()
     kinds = sorted({f["kind"] for f in doc["findings"]})
-    doc["result"] = "clean" if doc["clean"] else f"{len(doc['findings'])} finding(s): " \
-        + ", ".join(kinds)
+    doc["result"] = (
+        "clean" if doc["clean"] else f"{len(doc['findings'])} finding(s): " + ", ".join(kinds)
+    )
     return doc
 
 
@@ -1049,10 +1100,9 @@ def _size(value: str) -> int:
     text = value.strip().lower()
     num = text.rstrip("kmib")
     try:
-        n = int(num) * units[text[len(num):]]
+        n = int(num) * units[text[len(num) :]]
     except (ValueError, KeyError):
-        raise click.BadParameter(f"expected a size like 16384, 16k or 1m, got {value!r}") \
-            from None
+        raise click.BadParameter(f"expected a size like 16384, 16k or 1m, got {value!r}") from None
     if n < 64 or n % 64:
         raise click.BadParameter(f"page size must be a positive multiple of 64 bytes, got {n}")
     return n
@@ -1134,59 +1184,158 @@ def _announced(url: str, namespace: str) -> Iterator[Path]:
 
 
 @click.command()
-@click.option("--url", metavar="URL", help=f"Redis URL (else ${ENV_URL}, else an embedded "
-              f"redis-server started for this run). A password here shows in `ps`: prefer "
-              f"${ENV_URL}.")
-@click.option("--namespace", metavar="NS", help=f"kvstate namespace (else ${ENV_NAMESPACE}, "
-              "else demo-<random>, so a shared Redis keeps runs apart).")
-@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=100,
-              show_default=True, help="Rooms to push through.")
+@click.option(
+    "--url",
+    metavar="URL",
+    help=f"Redis URL (else ${ENV_URL}, else an embedded "
+    f"redis-server started for this run). A password here shows in `ps`: prefer "
+    f"${ENV_URL}.",
+)
+@click.option(
+    "--namespace",
+    metavar="NS",
+    help=f"kvstate namespace (else ${ENV_NAMESPACE}, "
+    "else demo-<random>, so a shared Redis keeps runs apart).",
+)
+@click.option(
+    "--requests",
+    "n_requests",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Rooms to push through.",
+)
 @click.option("--prefill-workers", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--decode-workers", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--pages-per-request", default="4-64", show_default=True, metavar="MIN-MAX",
-              help="Random request length in pages.")
-@click.option("--page-bytes", default="16k", show_default=True,
-              help="Bytes per page per layer (16k, 4096, 1m).")
-@click.option("--pool-pages", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="Pages in each worker's KV pool.")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="KV buffers per worker (one registered array each).")
-@click.option("--inflight", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Rooms the router keeps in flight.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the KV pools live.")
-@click.option("--abort-rate", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
-              help="Fraction of rooms aborted mid-way by the prefill side, the decode side "
-                   "or out of band (Store.abort).")
-@click.option("--kill-prefill-after", type=click.IntRange(min=0), metavar="N",
-              help="SIGKILL one prefill worker after N rooms completed.")
-@click.option("--lease", type=click.FloatRange(min=0.1), help="Engine lease in seconds "
-              "[default: 2 with --kill-prefill-after, else 10].")
-@click.option("--room-ttl", type=click.FloatRange(min=1.0), help="Room key TTL in seconds "
-              "[default: 8 with --kill-prefill-after, else 60; at least --hold + 60].")
-@click.option("--timeout", type=click.FloatRange(min=1.0), default=30.0, show_default=True,
-              help="Bootstrap, waiting and transfer timeouts of the workers' rooms "
-                   "(raised to --hold + 30 when that is longer).")
-@click.option("--hold", type=click.FloatRange(min=0.0), default=0.0, metavar="SECONDS",
-              help="Keep each room in WaitingForInput this long before its transfer, so "
-                   "`kvstate ls` / `show` can catch it (rooms otherwise live ~50 ms).")
+@click.option(
+    "--pages-per-request",
+    default="4-64",
+    show_default=True,
+    metavar="MIN-MAX",
+    help="Random request length in pages.",
+)
+@click.option(
+    "--page-bytes",
+    default="16k",
+    show_default=True,
+    help="Bytes per page per layer (16k, 4096, 1m).",
+)
+@click.option(
+    "--pool-pages",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Pages in each worker's KV pool.",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="KV buffers per worker (one registered array each).",
+)
+@click.option(
+    "--inflight",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Rooms the router keeps in flight.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the KV pools live.",
+)
+@click.option(
+    "--abort-rate",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.0,
+    show_default=True,
+    help="Fraction of rooms aborted mid-way by the prefill side, the decode side "
+    "or out of band (Store.abort).",
+)
+@click.option(
+    "--kill-prefill-after",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="SIGKILL one prefill worker after N rooms completed.",
+)
+@click.option(
+    "--lease",
+    type=click.FloatRange(min=0.1),
+    help="Engine lease in seconds [default: 2 with --kill-prefill-after, else 10].",
+)
+@click.option(
+    "--room-ttl",
+    type=click.FloatRange(min=1.0),
+    help="Room key TTL in seconds "
+    "[default: 8 with --kill-prefill-after, else 60; at least --hold + 60].",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1.0),
+    default=30.0,
+    show_default=True,
+    help="Bootstrap, waiting and transfer timeouts of the workers' rooms "
+    "(raised to --hold + 30 when that is longer).",
+)
+@click.option(
+    "--hold",
+    type=click.FloatRange(min=0.0),
+    default=0.0,
+    metavar="SECONDS",
+    help="Keep each room in WaitingForInput this long before its transfer, so "
+    "`kvstate ls` / `show` can catch it (rooms otherwise live ~50 ms).",
+)
 @click.option("--seed", type=int, help="Seed for rooms, lengths, workers and faults.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@click.option("--listen", metavar="HOST:PORT", help="Serve the queues over TCP and wait for "
-              "workers prefill-0.. and decode-0.. started with --worker/--router "
-              f"(docker-compose) instead of spawning them. Needs ${ENV_AUTHKEY}.")
-@click.option("--worker", type=click.Choice(["prefill", "decode"]),
-              help="Run one worker attached to a router started with --listen.")
+@click.option(
+    "--listen",
+    metavar="HOST:PORT",
+    help="Serve the queues over TCP and wait for "
+    "workers prefill-0.. and decode-0.. started with --worker/--router "
+    f"(docker-compose) instead of spawning them. Needs ${ENV_AUTHKEY}.",
+)
+@click.option(
+    "--worker",
+    type=click.Choice(["prefill", "decode"]),
+    help="Run one worker attached to a router started with --listen.",
+)
 @click.option("--engine", help="Engine id of this worker (with --worker), e.g. prefill-0.")
-@click.option("--router", metavar="HOST:PORT", help="The router to attach to (with --worker; "
-              f"needs ${ENV_AUTHKEY}, the router's secret).")
+@click.option(
+    "--router",
+    metavar="HOST:PORT",
+    help=f"The router to attach to (with --worker; needs ${ENV_AUTHKEY}, the router's secret).",
+)
 @click.pass_context
-def demo(ctx: click.Context, url: str | None, namespace: str | None, n_requests: int,
-         prefill_workers: int, decode_workers: int, pages_per_request: str, page_bytes: str,
-         pool_pages: int, layers: int, inflight: int, device: str, abort_rate: float,
-         kill_prefill_after: int | None, lease: float | None, room_ttl: float | None,
-         timeout: float, hold: float, seed: int | None, as_json: bool, listen: str | None,
-         worker: str | None, engine: str | None, router: str | None) -> None:
+def demo(
+    ctx: click.Context,
+    url: str | None,
+    namespace: str | None,
+    n_requests: int,
+    prefill_workers: int,
+    decode_workers: int,
+    pages_per_request: str,
+    page_bytes: str,
+    pool_pages: int,
+    layers: int,
+    inflight: int,
+    device: str,
+    abort_rate: float,
+    kill_prefill_after: int | None,
+    lease: float | None,
+    room_ttl: float | None,
+    timeout: float,
+    hold: float,
+    seed: int | None,
+    as_json: bool,
+    listen: str | None,
+    worker: str | None,
+    engine: str | None,
+    router: str | None,
+) -> None:
     """Run a real disaggregated transfer end to end: Redis state, UCX bytes, every byte
     verified, every key gone. Exit 0 only if all of that held; 130 / 143 when stopped by
     SIGINT / SIGTERM (rooms in flight cleared, partial summary printed)."""
@@ -1201,8 +1350,10 @@ def demo(ctx: click.Context, url: str | None, namespace: str | None, n_requests:
     lo, hi = _pages_range(pages_per_request)
     pb = _size(page_bytes)
     if hi > pool_pages:
-        raise click.BadParameter(f"{hi} pages per request do not fit a pool of {pool_pages}",
-                                 param_hint="--pages-per-request")
+        raise click.BadParameter(
+            f"{hi} pages per request do not fit a pool of {pool_pages}",
+            param_hint="--pages-per-request",
+        )
     if kill_prefill_after is not None and prefill_workers < 2:
         raise click.UsageError("--kill-prefill-after needs --prefill-workers 2 or more")
     if listen:
@@ -1217,17 +1368,34 @@ def demo(ctx: click.Context, url: str | None, namespace: str | None, n_requests:
     if device == "cuda":
         with _errors(url):
             _cuda_backend()
-    opts = Options(n_requests, prefill_workers, decode_workers, lo, hi, inflight, abort_rate,
-                   kill_prefill_after, seed, listen)
+    opts = Options(
+        n_requests,
+        prefill_workers,
+        decode_workers,
+        lo,
+        hi,
+        inflight,
+        abort_rate,
+        kill_prefill_after,
+        seed,
+        listen,
+    )
     with _errors(url):
-        code = _run(opts, url, namespace or f"demo-{secrets.token_hex(3)}",
-                    WorkerConfig("", "", pb, pool_pages, layers, device, lease, room_ttl,
-                                 timeout, hold=hold), as_json)
+        code = _run(
+            opts,
+            url,
+            namespace or f"demo-{secrets.token_hex(3)}",
+            WorkerConfig(
+                "", "", pb, pool_pages, layers, device, lease, room_ttl, timeout, hold=hold
+            ),
+            as_json,
+        )
     ctx.exit(code)
 
 
-def _inherit(ctx: click.Context, url: str | None,
-             namespace: str | None) -> tuple[str | None, str | None]:
+def _inherit(
+    ctx: click.Context, url: str | None, namespace: str | None
+) -> tuple[str | None, str | None]:
     """Under ``kvstate demo`` the group's --url/--namespace count too."""
     parent = ctx.parent
     if parent is not None:
@@ -1240,13 +1408,16 @@ def _inherit(ctx: click.Context, url: str | None,
     return url, namespace
 
 
-def _run_attached(role: str, engine: str, router: str, url: str | None,
-                  namespace: str | None) -> int:
+def _run_attached(
+    role: str, engine: str, router: str, url: str | None, namespace: str | None
+) -> int:
     """A worker in its own container: logs what it does (``docker compose logs``);
     returns the signal that stopped it, 0 if the router said stop."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=os.environ.get("KVSTATE_LOG_LEVEL", "INFO").upper(),
-                            format="%(asctime)s %(levelname)s %(message)s")
+        logging.basicConfig(
+            level=os.environ.get("KVSTATE_LOG_LEVEL", "INFO").upper(),
+            format="%(asctime)s %(levelname)s %(message)s",
+        )
     log.info("%s: attaching to router %s", engine, router)
     inbox, outbox, cfg = _attach(router, engine)
     over = {k: v for k, v in (("url", url), ("namespace", namespace)) if v}
@@ -1256,34 +1427,41 @@ def _run_attached(role: str, engine: str, router: str, url: str | None,
     return got
 
 
-def _banner(store: Any, cfg: WorkerConfig, opts: Options, embedded: bool,
-            record: Path | None) -> None:
+def _banner(
+    store: Any, cfg: WorkerConfig, opts: Options, embedded: bool, record: Path | None
+) -> None:
     """Where the run's state lives and how to look at it while it runs (plain lines on
     stderr, never wrapped, so the commands can be copied)."""
+
     def say(text: str) -> None:
         click.echo(text, err=True)
 
     where = "embedded, stops with the demo" if embedded else "given"
-    say(f"kvstate demo: Redis {store.url} ({where}), namespace {store.namespace}; "
+    say(
+        f"kvstate demo: Redis {store.url} ({where}), namespace {store.namespace}; "
         f"{opts.prefill_workers} prefill + {opts.decode_workers} decode worker(s), "
-        f"{opts.requests} requests")
+        f"{opts.requests} requests"
+    )
     ns = store.namespace
     if record is not None:
-        say(f"  inspect while it runs: kvstate ls  /  kvstate show ROOM  (they find this run "
-            f"through {record})")
+        say(
+            f"  inspect while it runs: kvstate ls  /  kvstate show ROOM  (they find this run "
+            f"through {record})"
+        )
         say(f"  or name it: kvstate --url {store.url} --namespace {ns} ls")
     else:
         say(f"  inspect while it runs: kvstate --url URL --namespace {ns} ls  /  show ROOM")
-        say(f"  (URL: {store.url}; with a password, export {ENV_URL} rather than pass --url, "
-            "which `ps` shows)")
+        say(
+            f"  (URL: {store.url}; with a password, export {ENV_URL} rather than pass --url, "
+            "which `ps` shows)"
+        )
     if cfg.hold:
         say(f"  each room waits {cfg.hold:g} s in WaitingForInput before its transfer (--hold)")
     else:
         say("  rooms live ~50 ms: add --hold 30 to keep each one visible for 30 s")
 
 
-def _run(opts: Options, url: str | None, namespace: str, base: WorkerConfig,
-         as_json: bool) -> int:
+def _run(opts: Options, url: str | None, namespace: str, base: WorkerConfig, as_json: bool) -> int:
     import kvstate
     from kvstate import embedded
 
@@ -1291,8 +1469,9 @@ def _run(opts: Options, url: str | None, namespace: str, base: WorkerConfig,
     store = kvstate.connect(real_url, namespace, base.room_ttl)
     cfg = WorkerConfig(**{**asdict(base), "url": real_url, "namespace": store.namespace})
     err = _console(stderr=True)
-    announce = _announced(real_url, store.namespace) if url is None else \
-        contextlib.nullcontext(None)
+    announce = (
+        _announced(real_url, store.namespace) if url is None else contextlib.nullcontext(None)
+    )
     with announce as record, _Signals() as signals:
         _banner(store, cfg, opts, url is None, record)
         rtr = _Router(opts, cfg, store, signals)
@@ -1337,16 +1516,23 @@ def _progress(rtr: _Router, err: Any, counts: dict[str, int], as_json: bool) -> 
         TimeElapsedColumn,
     )
 
-    with Progress(TextColumn("rooms"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[counts]}"), TimeElapsedColumn(),
-                  console=err, transient=as_json) as progress:
+    with Progress(
+        TextColumn("rooms"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[counts]}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=as_json,
+    ) as progress:
         task = progress.add_task("rooms", total=rtr.opts.requests, counts="")
 
         def tick(track: _Track) -> None:
             kind = track.outcome(rtr.killed)
             counts[kind] = counts.get(kind, 0) + 1
-            progress.update(task, advance=1,
-                            counts=" ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+            progress.update(
+                task, advance=1, counts=" ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            )
 
         return rtr.run(tick)
 
@@ -1354,12 +1540,17 @@ def _progress(rtr: _Router, err: Any, counts: dict[str, int], as_json: bool) -> 
 def _take_transfer_counters(store: Any, rtr: _Router) -> dict[str, dict[str, Any]]:
     """The transfer counters the workers published for the monitor, as the monitor
     would export them; then deleted, so the demo leaves no key behind."""
-    totals = {e: t for e, t in read_transfer_totals(store).items()
-              if e in rtr.prefills or e in rtr.decodes}
+    totals = {
+        e: t
+        for e, t in read_transfer_totals(store).items()
+        if e in rtr.prefills or e in rtr.decodes
+    }
     if totals:
         store.execute([store.command("DEL", store.keys.transfer_stats(e)) for e in totals])
-    return {e: {"bytes": t.bytes, "transfers": t.count, "seconds": round(t.seconds, 4)}
-            for e, t in totals.items()}
+    return {
+        e: {"bytes": t.bytes, "transfers": t.count, "seconds": round(t.seconds, 4)}
+        for e, t in totals.items()
+    }
 
 
 def _write_path(rtr: _Router) -> str:
@@ -1367,19 +1558,39 @@ def _write_path(rtr: _Router) -> str:
     with process_vm_writev (CMA) and everything else with UCX puts."""
     hosts = {rtr.hosts.get(e) for e in rtr.prefills + rtr.decodes}
     refused = any(s.get("cma_refused") for s in rtr.stats.values())
-    cma_on = os.environ.get("KVSTATE_UCX_CMA", "1").strip().lower() not in ("0", "n", "no",
-                                                                             "false", "off")
+    cma_on = os.environ.get("KVSTATE_UCX_CMA", "1").strip().lower() not in (
+        "0",
+        "n",
+        "no",
+        "false",
+        "off",
+    )
     if rtr.cfg.device == "cpu" and len(hosts) == 1 and cma_on and not refused:
         return "CMA"
     return "UCX"
 
 
-def _summary(opts: Options, cfg: WorkerConfig, rtr: _Router, seconds: float,
-             before: dict[str, int], after: dict[str, int], left: list[str], waited: float,
-             audit: dict[str, Any], counters: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _summary(
+    opts: Options,
+    cfg: WorkerConfig,
+    rtr: _Router,
+    seconds: float,
+    before: dict[str, int],
+    after: dict[str, int],
+    left: list[str],
+    waited: float,
+    audit: dict[str, Any],
+    counters: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     rooms = []
-    outcomes: dict[str, int] = {"done": 0, "failed": 0, "aborted": 0, "killed": 0, "corrupt": 0,
-                                "interrupted": 0}
+    outcomes: dict[str, int] = {
+        "done": 0,
+        "failed": 0,
+        "aborted": 0,
+        "killed": 0,
+        "corrupt": 0,
+        "interrupted": 0,
+    }
     latencies: list[float] = []
     nbytes = 0
     send_s = write_s = verify_s = 0.0
@@ -1393,20 +1604,30 @@ def _summary(opts: Options, cfg: WorkerConfig, rtr: _Router, seconds: float,
             verify_s += rx.busy_s
             send_s += tx.busy_s if tx is not None else 0.0
             write_s += tx.write_s if tx is not None else 0.0
-        rooms.append({
-            "room": track.job.room, "outcome": kind, "pages": track.job.pages,
-            "prefill": track.job.prefill, "decode": track.decode, "abort": track.abort,
-            "verified": rx.verified if rx is not None else None,
-            "bad_pages": rx.bad_pages if rx is not None else 0,
-            "decode_status": rx.status if rx is not None else None,
-            "decode_reason": rx.reason if rx is not None else "",
-            "prefill_status": tx.status if tx is not None else
-            ("killed" if track.prefill_dead else None),
-            "prefill_reason": tx.reason if tx is not None else "",
-        })
+        rooms.append(
+            {
+                "room": track.job.room,
+                "outcome": kind,
+                "pages": track.job.pages,
+                "prefill": track.job.prefill,
+                "decode": track.decode,
+                "abort": track.abort,
+                "verified": rx.verified if rx is not None else None,
+                "bad_pages": rx.bad_pages if rx is not None else 0,
+                "decode_status": rx.status if rx is not None else None,
+                "decode_reason": rx.reason if rx is not None else "",
+                "prefill_status": tx.status
+                if tx is not None
+                else ("killed" if track.prefill_dead else None),
+                "prefill_reason": tx.reason if tx is not None else "",
+            }
+        )
     injected = [t.abort for t in rtr.tracks.values() if t.abort]
-    aborts = {"injected": len(injected), "landed": outcomes["aborted"],
-              "by": {k: injected.count(k) for k in ABORT_KINDS}}
+    aborts = {
+        "injected": len(injected),
+        "landed": outcomes["aborted"],
+        "by": {k: injected.count(k) for k in ABORT_KINDS},
+    }
     delta = {k: v - before.get(k, 0) for k, v in after.items() if k != "info"}
     by_command = dict(sorted(((k, v) for k, v in delta.items() if v), key=lambda kv: -kv[1]))
     calls = sum(by_command.values())
@@ -1440,16 +1661,21 @@ def _summary(opts: Options, cfg: WorkerConfig, rtr: _Router, seconds: float,
         # share of the time inside send() that was not the write: the state's cost
         "state_share_of_send": round(1 - write_s / send_s, 3) if send_s and write_s else 0.0,
         "verify_s": round(verify_s, 3),
-        "latency_ms": {"p50": round(_percentile(latencies, 50), 2),
-                       "p99": round(_percentile(latencies, 99), 2),
-                       "max": round(max(latencies, default=0.0), 2)},
+        "latency_ms": {
+            "p50": round(_percentile(latencies, 50), 2),
+            "p99": round(_percentile(latencies, 99), 2),
+            "max": round(max(latencies, default=0.0), 2),
+        },
         "redis": {
-            "url": redact(cfg.url), "namespace": cfg.namespace,
+            "url": redact(cfg.url),
+            "namespace": cfg.namespace,
             # calls to Store.execute by the workers (one round trip each on a standalone
             # server): both sides, polls while waiting and heartbeats included
-            "round_trips": trips, "round_trips_per_room": round(trips / dispatched, 1),
+            "round_trips": trips,
+            "round_trips_per_room": round(trips / dispatched, 1),
             # commands Redis executed (INFO commandstats), those inside scripts included
-            "commands": calls, "commands_per_room": round(calls / dispatched, 1),
+            "commands": calls,
+            "commands_per_room": round(calls / dispatched, 1),
             "by_command": by_command,
         },
         "transfer_counters": counters,
@@ -1458,13 +1684,24 @@ def _summary(opts: Options, cfg: WorkerConfig, rtr: _Router, seconds: float,
         "waited_for_keys_s": round(waited, 2),
         "audit": audit,
         "killed": rtr.killed,
-        "workers": {"prefill": opts.prefill_workers, "decode": opts.decode_workers,
-                    "transport": rtr.stats},
-        "config": {"page_bytes": cfg.page_bytes, "pool_pages": cfg.pool_pages,
-                   "layers": cfg.layers, "pages_per_request": [opts.pages_min, opts.pages_max],
-                   "device": cfg.device, "lease_s": cfg.lease, "room_ttl_s": cfg.room_ttl,
-                   "hold_s": cfg.hold, "abort_rate": opts.abort_rate,
-                   "kill_prefill_after": opts.kill_prefill_after, "seed": opts.seed},
+        "workers": {
+            "prefill": opts.prefill_workers,
+            "decode": opts.decode_workers,
+            "transport": rtr.stats,
+        },
+        "config": {
+            "page_bytes": cfg.page_bytes,
+            "pool_pages": cfg.pool_pages,
+            "layers": cfg.layers,
+            "pages_per_request": [opts.pages_min, opts.pages_max],
+            "device": cfg.device,
+            "lease_s": cfg.lease,
+            "room_ttl_s": cfg.room_ttl,
+            "hold_s": cfg.hold,
+            "abort_rate": opts.abort_rate,
+            "kill_prefill_after": opts.kill_prefill_after,
+            "seed": opts.seed,
+        },
         "rooms": rooms,
     }
 
@@ -1487,51 +1724,82 @@ def _print_summary(doc: dict[str, Any]) -> None:
     t = Table(title="kvstate demo", show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("rooms", f"{doc['requests']} requested, {doc['dispatched']} dispatched: "
-              f"done {o['done']}, failed {o['failed']}, aborted {o['aborted']}, "
-              f"killed-peer {o['killed']}, corrupt {o['corrupt']}"
-              + (f", interrupted {o['interrupted']}" if o["interrupted"] else ""))
+    t.add_row(
+        "rooms",
+        f"{doc['requests']} requested, {doc['dispatched']} dispatched: "
+        f"done {o['done']}, failed {o['failed']}, aborted {o['aborted']}, "
+        f"killed-peer {o['killed']}, corrupt {o['corrupt']}"
+        + (f", interrupted {o['interrupted']}" if o["interrupted"] else ""),
+    )
     a = doc["aborts"]
     if a["injected"]:
         by = ", ".join(f"{k} {v}" for k, v in a["by"].items())
-        t.add_row("aborts", f"{a['injected']} injected ({by}); {a['landed']} landed, the rest "
-                  "finished first")
-    t.add_row("bytes verified", f"{doc['bytes_verified'] / 1e6:.1f} MB "
-              f"({'all successful rooms match' if doc['all_success_verified'] else 'MISMATCH'})")
-    t.add_row("end to end", f"{doc['gb_per_s']:.3f} GB/s: verified bytes / {doc['seconds']:.2f} s "
-              "of wall time (waiting, filling and verifying pages included)")
+        t.add_row(
+            "aborts",
+            f"{a['injected']} injected ({by}); {a['landed']} landed, the rest finished first",
+        )
+    t.add_row(
+        "bytes verified",
+        f"{doc['bytes_verified'] / 1e6:.1f} MB "
+        f"({'all successful rooms match' if doc['all_success_verified'] else 'MISMATCH'})",
+    )
+    t.add_row(
+        "end to end",
+        f"{doc['gb_per_s']:.3f} GB/s: verified bytes / {doc['seconds']:.2f} s "
+        "of wall time (waiting, filling and verifying pages included)",
+    )
     path = _PATHS.get(doc["write_path"], doc["write_path"])
-    t.add_row("data plane", f"{doc['write_gb_per_s']:.2f} GB/s: the same bytes / time inside "
-              f"the transport's write alone, via {path}")
-    t.add_row("send() call", f"{doc['send_gb_per_s']:.2f} GB/s: the same bytes / time inside "
-              f"send() = that write + 2 Redis state transitions; "
-              f"{doc['state_share_of_send']:.0%} of it outside the write")
+    t.add_row(
+        "data plane",
+        f"{doc['write_gb_per_s']:.2f} GB/s: the same bytes / time inside "
+        f"the transport's write alone, via {path}",
+    )
+    t.add_row(
+        "send() call",
+        f"{doc['send_gb_per_s']:.2f} GB/s: the same bytes / time inside "
+        f"send() = that write + 2 Redis state transitions; "
+        f"{doc['state_share_of_send']:.0%} of it outside the write",
+    )
     lat = doc["latency_ms"]
-    t.add_row("room latency", f"p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms "
-              "(router dispatch to both sides' results)")
+    t.add_row(
+        "room latency",
+        f"p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms "
+        "(router dispatch to both sides' results)",
+    )
     r = doc["redis"]
-    t.add_row("redis per room", f"{r['round_trips_per_room']} round trips from the workers "
-              "(both sides; polls while waiting and heartbeats included, a poll_many shared "
-              f"by the rooms it covers; one room alone: 7); {r['commands_per_room']} commands "
-              "Redis executed (script internals included)")
-    t.add_row("keys left", f"{doc['keys_left']}" + (
-        f" after {doc['waited_for_keys_s']:.1f} s" if doc["waited_for_keys_s"] >= 0.5 else ""))
+    t.add_row(
+        "redis per room",
+        f"{r['round_trips_per_room']} round trips from the workers "
+        "(both sides; polls while waiting and heartbeats included, a poll_many shared "
+        f"by the rooms it covers; one room alone: 7); {r['commands_per_room']} commands "
+        "Redis executed (script internals included)",
+    )
+    t.add_row(
+        "keys left",
+        f"{doc['keys_left']}"
+        + (f" after {doc['waited_for_keys_s']:.1f} s" if doc["waited_for_keys_s"] >= 0.5 else ""),
+    )
     t.add_row("audit", escape(doc["audit"]["result"]))
     if doc["killed"]:
         lost = [r for r in doc["rooms"] if r["outcome"] == "killed"]
         why = f"; e.g. {escape(lost[0]['decode_reason'])}" if lost else ""
         t.add_row("killed", f"{doc['killed']} (SIGKILL), {len(lost)} room(s) in flight{why}")
     if doc["interrupted"]:
-        t.add_row("result", f"[yellow]INTERRUPTED[/yellow] by {doc['interrupted']}: partial "
-                  f"run, {o['interrupted']} room(s) in flight cleared")
+        t.add_row(
+            "result",
+            f"[yellow]INTERRUPTED[/yellow] by {doc['interrupted']}: partial "
+            f"run, {o['interrupted']} room(s) in flight cleared",
+        )
     else:
         t.add_row("result", "[green]OK[/green]" if doc["ok"] else "[red]FAILED[/red]")
     out = _console()
     out.print(t)
     for room in doc["rooms"]:
         if room["outcome"] in ("failed", "corrupt"):
-            out.print(f"  room {room['room']}: {room['outcome']}: "
-                      f"{escape(room['decode_reason'] or room['prefill_reason'])}")
+            out.print(
+                f"  room {room['room']}: {room['outcome']}: "
+                f"{escape(room['decode_reason'] or room['prefill_reason'])}"
+            )
     for key in doc["keys_left_sample"]:
         out.print(f"  key left: {escape(key)}")
 

@@ -1,4 +1,4 @@
-"""The private redis-server used when no URL is given (SPEC section 7).
+"""The private redis-server used when no URL is given (docs/design.md, Zero setup).
 
 Started once per process tree on a unix socket in a temporary directory; its URL
 goes into ``$KVSTATE_REDIS_URL`` so spawned workers share it; it stops when the
@@ -24,7 +24,7 @@ def ensure_server() -> str:
     global _server
     with _lock:
         if _server is None:
-            from kvstate.servers import RedisProcess
+            from kvstate.testing.servers import RedisProcess
 
             # PR_SET_PDEATHSIG follows the starting *thread*: only tie the server's life
             # to the main thread's; elsewhere the atexit hook alone stops it.

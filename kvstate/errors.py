@@ -61,8 +61,9 @@ class PeerNotFoundError(KVStateError, LookupError):
 class EngineNameTakenError(KVStateError):
     """Another live process holds this engine name: one owner per name."""
 
-    def __init__(self, engine: str, holder: str, host: str, pid: str, namespace: str,
-                 what: str = "") -> None:
+    def __init__(
+        self, engine: str, holder: str, host: str, pid: str, namespace: str, what: str = ""
+    ) -> None:
         self.engine, self.holder, self.host, self.pid = engine, holder, host, pid
         super().__init__(
             f"{what or 'engine name'} {engine!r} in namespace {namespace!r} is held by a live "

@@ -1,4 +1,4 @@
-"""The one place that spells Redis key names (SPEC section 3).
+"""The one place that spells Redis key names (docs/design.md, Data model).
 
 Every per-room key carries the hash tag ``{<room>}`` so that all keys of a room
 share one Cluster slot and one Lua script can move both sides of it.
@@ -55,8 +55,9 @@ def parse_room_text(text: str) -> int:
     """A room id typed by a person: ASCII digits only (``int()`` would read ``4_2``,
     `` 42`` and Arabic-Indic digits as room 42)."""
     if not _ROOM.fullmatch(text) or int(text) >= MAX_ROOM:
-        raise InvalidRoomError(f"room must be an integer in [0, 2**63) written in ASCII "
-                               f"digits, got {text!r}")
+        raise InvalidRoomError(
+            f"room must be an integer in [0, 2**63) written in ASCII digits, got {text!r}"
+        )
     return int(text)
 
 
@@ -122,7 +123,7 @@ class Keys:
         return f"{self.prefix}ledger"
 
     def transfer_stats(self, engine: str) -> str:
-        """An engine's transfer counters, published for the monitor (kvstate.metrics)."""
+        """An engine's transfer counters, published for the monitor (kvstate.ops.metrics)."""
         return f"{self.prefix}stats:{engine}"
 
     # -- patterns and parsing (for SCAN-based tools) ---------------------------

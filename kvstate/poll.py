@@ -44,8 +44,11 @@ class PollResults(dict[int, "KVPoll"]):
     unreachable node, that node's rooms are absent (their status is unknown, not
     Failed) and ``errors`` maps each of them to the node's StateConnectionError."""
 
-    def __init__(self, statuses: Iterable[tuple[int, KVPoll]] | Mapping[int, KVPoll] = (),
-                 errors: Mapping[int, KVStateError] | None = None) -> None:
+    def __init__(
+        self,
+        statuses: Iterable[tuple[int, KVPoll]] | Mapping[int, KVPoll] = (),
+        errors: Mapping[int, KVStateError] | None = None,
+    ) -> None:
         super().__init__(statuses)
         self.errors: dict[int, KVStateError] = dict(errors or {})
 

@@ -57,8 +57,19 @@ class EngineInfo:
         gpus = unpack(h.get("gpus"), key, "gpus").get("gpus")
         if not isinstance(layout, dict) or not isinstance(gpus, list):
             raise CorruptStateError(key, "layout", "layout is not a map or gpus not a list")
-        return cls(engine, text["role"], text["addr"], text["incarnation"], h.get("endpoint", b""),
-                   layout, text["host"], pid, gpus, pttl, ranks)
+        return cls(
+            engine,
+            text["role"],
+            text["addr"],
+            text["incarnation"],
+            h.get("endpoint", b""),
+            layout,
+            text["host"],
+            pid,
+            gpus,
+            pttl,
+            ranks,
+        )
 
 
 @dataclass(frozen=True)
@@ -90,8 +101,16 @@ class Registry:
         for name, value in info.fields().items():
             flat += [name, value]
         s, ms = self.store, int(lease * 1000)
-        claim: Claim = s.execute([s.script("register", [self.keys.engine(info.engine)],
-                                           [ms, info.incarnation, mode, *flat], Claim.parse)])[0]
+        claim: Claim = s.execute(
+            [
+                s.script(
+                    "register",
+                    [self.keys.engine(info.engine)],
+                    [ms, info.incarnation, mode, *flat],
+                    Claim.parse,
+                )
+            ]
+        )[0]
         if claim.answer != "taken":  # a refused or taken claim must not index anything
             s.execute([s.script("index", [self.keys.engines_at(info.addr)], [info.engine, ms])])
         return claim
@@ -101,8 +120,9 @@ class Registry:
         holds it."""
         claim = self.claim(info, lease, "register")
         if claim.answer == "taken":
-            raise EngineNameTakenError(info.engine, claim.holder, claim.host, claim.pid,
-                                       self.store.namespace)
+            raise EngineNameTakenError(
+                info.engine, claim.holder, claim.host, claim.pid, self.store.namespace
+            )
 
     def renew(self, info: EngineInfo, lease: float) -> Claim:
         """Extend the lease (or register again if it lapsed and the name is free)."""
@@ -111,8 +131,13 @@ class Registry:
     def drop(self, engine: str, incarnation: str, addr: str) -> bool:
         """Delete the registration if it is still this incarnation's; True if it was."""
         s = self.store
-        claim = s.execute([s.script("register", [self.keys.engine(engine)],
-                                    [1, incarnation, "drop"], Claim.parse)])[0]
+        claim = s.execute(
+            [
+                s.script(
+                    "register", [self.keys.engine(engine)], [1, incarnation, "drop"], Claim.parse
+                )
+            ]
+        )[0]
         if claim.answer != "dropped":
             return False
         s.execute([s.script("index", [self.keys.engines_at(addr)], [engine, ""])])
@@ -143,7 +168,7 @@ class Registry:
 
     def all(self) -> list[EngineInfo]:
         prefix = self.keys.engine("")
-        names = sorted(k[len(prefix):] for k in self.store.scan(self.keys.engine_pattern))
+        names = sorted(k[len(prefix) :] for k in self.store.scan(self.keys.engine_pattern))
         return [info for info in self.get_many(names).values() if info is not None]
 
     def at_addr(self, addr: str, role: str | None = None) -> list[EngineInfo]:
@@ -154,5 +179,8 @@ class Registry:
         names = sorted(n.decode() for n in raw)
         if not names:
             return []
-        return [e for e in self.get_many(names).values()
-                if e is not None and e.addr == addr and (role is None or e.role == role)]
+        return [
+            e
+            for e in self.get_many(names).values()
+            if e is not None and e.addr == addr and (role is None or e.role == role)
+        ]

@@ -29,7 +29,7 @@ from kvstate.errors import (
 )
 from kvstate.gpu import gpu_facts
 from kvstate.keys import Side, check_name, check_room
-from kvstate.metrics import TransferRecorder
+from kvstate.ops.metrics import TransferRecorder
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.store import Call, Status, Store
@@ -144,8 +144,9 @@ class _Participant:
 
     def fail(self, reason: str | None = None) -> KVPoll:
         """Record a failure of this participant only (Failed is sticky)."""
-        self._run(self.store.update(self.room, self.side, self.engine, KVPoll.Failed,
-                                    _reason(reason)))
+        self._run(
+            self.store.update(self.room, self.side, self.engine, KVPoll.Failed, _reason(reason))
+        )
         return self._status
 
     def abort(self, reason: str | None = "aborted") -> None:
@@ -203,8 +204,9 @@ class KVSender(_Participant):
         self._peer_failed = False  # the heartbeat failed it: a receiver's engine died
 
     def _poll_call(self) -> Call:
-        return self.store.poll(self.room, "tx", self.engine, with_infos=True,
-                               infos_version=self._infos_version)
+        return self.store.poll(
+            self.room, "tx", self.engine, with_infos=True, infos_version=self._infos_version
+        )
 
     def _absorb(self, st: Status) -> Status:
         if st.version >= 0:
@@ -302,8 +304,9 @@ class KVSender(_Participant):
                 moved, t0 = transport.stats.bytes_moved, time.perf_counter()
                 transport.write(self.room, src, targets, self.mgr.transfer_timeout)
                 if self.mgr.recorder is not None:
-                    self.mgr.recorder.observe(transport.stats.bytes_moved - moved,
-                                              time.perf_counter() - t0)
+                    self.mgr.recorder.observe(
+                        transport.stats.bytes_moved - moved, time.perf_counter() - t0
+                    )
         except (TransportError, InvalidIndicesError) as exc:
             # the whole room: receivers learn it on their next poll instead of
             # waiting out their timeout for pages that will not come
@@ -345,10 +348,15 @@ class KVReceiver(_Participant):
 
     side: Side = "rx"
 
-    def __init__(self, mgr: KVManager, room: object, bootstrap_addr: str,
-                 senders: list[str] | None, required_senders: int | None) -> None:
-        if required_senders is not None and (not _is_int(required_senders)
-                                             or required_senders < 1):
+    def __init__(
+        self,
+        mgr: KVManager,
+        room: object,
+        bootstrap_addr: str,
+        senders: list[str] | None,
+        required_senders: int | None,
+    ) -> None:
+        if required_senders is not None and (not _is_int(required_senders) or required_senders < 1):
             raise ValueError(f"required_senders must be an int >= 1, got {required_senders!r}")
         if senders is not None and not senders:
             raise ValueError("senders, when given, must name at least one prefill engine")
@@ -381,8 +389,11 @@ class KVReceiver(_Participant):
         init() ran), or None when there is nothing to bind. ``lookups`` shares one
         registry read per address among the receivers of one batch."""
         wanted = self._wanted()
-        if self._cleared or self._status in (KVPoll.Failed, KVPoll.Success) or (
-                wanted and len(self._bound) >= wanted):
+        if (
+            self._cleared
+            or self._status in (KVPoll.Failed, KVPoll.Success)
+            or (wanted and len(self._bound) >= wanted)
+        ):
             return None
         found = self.mgr._prefill_engines(self.bootstrap_addr, self._explicit, lookups)
         required = self._required
@@ -405,9 +416,14 @@ class KVReceiver(_Participant):
             self.mgr._watch(self.bootstrap_addr, new)
         return super()._absorb(st)
 
-    def init(self, kv_indices: object, aux_index: int | None = None,
-             state_indices: object | None = None, prefix_len: int = 0,
-             dummy: bool = False) -> KVPoll:
+    def init(
+        self,
+        kv_indices: object,
+        aux_index: int | None = None,
+        state_indices: object | None = None,
+        prefix_len: int = 0,
+        dummy: bool = False,
+    ) -> KVPoll:
         """Publish where each sender must write; the pages are made ready first. Senders
         that bind later get the same info when they do."""
         idx = as_indices(kv_indices)
@@ -418,19 +434,24 @@ class KVReceiver(_Participant):
             raise InvalidIndicesError(f"aux_index must be an int in [0, 2**31), got {aux_index!r}")
         if not _is_int(prefix_len) or not 0 <= prefix_len < 2**63:
             raise InvalidIndicesError(
-                f"prefix_len must be an int in [0, 2**63), got {prefix_len!r}")
+                f"prefix_len must be an int in [0, 2**63), got {prefix_len!r}"
+            )
         if self.mgr.transport is not None and not dummy:
             try:
                 self.mgr.transport.expect(self.room, idx)
             except TransportError as exc:
                 raise InvalidIndicesError(f"room {self.room}: {exc}") from None
-        info = TransferInfo(self.engine, idx, aux_index, state, prefix_len, dummy,
-                            self.mgr.incarnation)
+        info = TransferInfo(
+            self.engine, idx, aux_index, state, prefix_len, dummy, self.mgr.incarnation
+        )
         self._payload = info.encode()
         creating = not self._created
         try:
-            self._run(self.store.publish(self.room, self.engine, dict(self._bound),
-                                         self._payload, self._required))
+            self._run(
+                self.store.publish(
+                    self.room, self.engine, dict(self._bound), self._payload, self._required
+                )
+            )
         except KVStateError as exc:
             err = exc
             self._pending = None  # that batch did not run (or not whole): bind again later
@@ -441,7 +462,8 @@ class KVReceiver(_Participant):
                 err = KVStateError(
                     f"room {self.room}: init() failed ({exc}); its transfer info is {size} "
                     "bytes, and Redis drops a connection sent a value above its "
-                    "proto-max-bulk-len: raise that, or publish fewer or less fragmented pages")
+                    "proto-max-bulk-len: raise that, or publish fewer or less fragmented pages"
+                )
             if oversize or (creating and self._create_sent):  # it exists: say why
                 self._fail_quietly(f"init() refused by Redis: {err}")
             if err is exc:
@@ -452,15 +474,19 @@ class KVReceiver(_Participant):
     def _fail_quietly(self, reason: str) -> None:
         """Fail this receiver after an error, when Redis may be what failed."""
         try:
-            self._absorb(self.store.execute([self.store.update(
-                self.room, "rx", self.engine, KVPoll.Failed, reason)])[0])
+            self._absorb(
+                self.store.execute(
+                    [self.store.update(self.room, "rx", self.engine, KVPoll.Failed, reason)]
+                )[0]
+            )
         except KVStateError as exc:
             log.warning("room %s: could not record %r: %s", self.room, reason, exc)
 
     def _clear_args(self) -> dict[str, Any]:
-        return {"senders": sorted(set(self._bound) | set(self._pending[0] if self._pending
-                                                          else {})),
-                "peer_addr": self.bootstrap_addr}
+        return {
+            "senders": sorted(set(self._bound) | set(self._pending[0] if self._pending else {})),
+            "peer_addr": self.bootstrap_addr,
+        }
 
 
 class KVManager:
@@ -534,11 +560,15 @@ class KVManager:
             raise
         # Opt-in: the counters' key outlives the engine (24 h) so the monitor can read
         # its final totals, which tests and users who count keys left would not expect.
-        self.recorder = (TransferRecorder(self._hb_store, self.engine)
-                         if transfer_stats and transport is not None else None)
+        self.recorder = (
+            TransferRecorder(self._hb_store, self.engine)
+            if transfer_stats and transport is not None
+            else None
+        )
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat, name=f"kvstate-{engine}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._heartbeat, name=f"kvstate-{engine}", daemon=True
+        )
         self._thread.start()
         _MANAGERS.add(self)
 
@@ -563,15 +593,21 @@ class KVManager:
             )
         taken = self._taken
         if new and taken is not None:  # our lease lapsed (we stalled) and was taken
-            raise EngineNameTakenError(self.engine, taken.holder, taken.host, taken.pid,
-                                       self.store.namespace)
+            raise EngineNameTakenError(
+                self.engine, taken.holder, taken.host, taken.pid, self.store.namespace
+            )
 
     # -- participants --------------------------------------------------------------
     def sender(self, room: object, required_receivers: int = 1) -> KVSender:
         return self._keep(KVSender(self, room, required_receivers))
 
-    def receiver(self, room: object, bootstrap_addr: str, required_senders: int | None = None,
-                 senders: Iterable[str] | None = None) -> KVReceiver:
+    def receiver(
+        self,
+        room: object,
+        bootstrap_addr: str,
+        required_senders: int | None = None,
+        senders: Iterable[str] | None = None,
+    ) -> KVReceiver:
         """A receiver bound to the prefill engines at ``bootstrap_addr`` as they register
         (or to those named in ``senders``). It needs an ack from ``required_senders`` of
         them; by default from as many as the prefill group declares (its ``ranks``), or
@@ -591,8 +627,9 @@ class KVManager:
             if self._live.get(p.room) is p:
                 del self._live[p.room]
 
-    def _prefill_engines(self, addr: str, names: list[str] | None,
-                         lookups: _Lookups | None = None) -> list[EngineInfo]:
+    def _prefill_engines(
+        self, addr: str, names: list[str] | None, lookups: _Lookups | None = None
+    ) -> list[EngineInfo]:
         """The live prefill engines at ``addr`` (or among ``names``), read fresh for
         each call or batch (``lookups``): a remembered answer would bind a receiver to a
         group that has grown since."""
@@ -600,8 +637,11 @@ class KVManager:
         if lookups is not None and memo in lookups:
             return lookups[memo]
         if names:
-            found = [i for i in self.registry.get_many(names).values()
-                     if i is not None and i.role == "prefill"]
+            found = [
+                i
+                for i in self.registry.get_many(names).values()
+                if i is not None and i.role == "prefill"
+            ]
         else:
             found = self.registry.at_addr(addr, role="prefill")
         if lookups is not None:
@@ -663,23 +703,31 @@ class KVManager:
         return out
 
     # -- peers and leases ------------------------------------------------------------
-    def fail_peer(self, bootstrap_addr: str, reason: str, engine: str = "",
-                  incarnation: str = "") -> int:
+    def fail_peer(
+        self, bootstrap_addr: str, reason: str, engine: str = "", incarnation: str = ""
+    ) -> int:
         """Fail every non-terminal receiver bound to a peer; returns how many failed."""
-        return self._fail_peer(self.store, check_name(bootstrap_addr, "bootstrap_addr"),
-                               reason, engine, incarnation)
+        return self._fail_peer(
+            self.store, check_name(bootstrap_addr, "bootstrap_addr"), reason, engine, incarnation
+        )
 
-    def _fail_peer(self, store: Store, addr: str, reason: str, engine: str,
-                   incarnation: str) -> int:
+    def _fail_peer(
+        self, store: Store, addr: str, reason: str, engine: str, incarnation: str
+    ) -> int:
         """Through the address tracker, and this manager's own receivers by key: a
         receiver that outlived its tracker entry (room TTL shorter than its timeouts)
         is still reached."""
         n = store.fail_bound(addr, engine, incarnation, reason)
         with self._lock:
-            own = [p.key for p in self._live.values() if isinstance(p, KVReceiver)
-                   and p.bootstrap_addr == addr and p._create_sent and not p._cleared]
-        replies = store.execute([store.fail_receiver(k, engine, incarnation, reason)
-                                 for k in own])
+            own = [
+                p.key
+                for p in self._live.values()
+                if isinstance(p, KVReceiver)
+                and p.bootstrap_addr == addr
+                and p._create_sent
+                and not p._cleared
+            ]
+        replies = store.execute([store.fail_receiver(k, engine, incarnation, reason) for k in own])
         return n + sum(int(r) for r in replies)
 
     def _verdict(self, engine: str, inc: str, now: str | None) -> str:
@@ -705,9 +753,15 @@ class KVManager:
         writing to a dead decode (prefill side)."""
         with self._lock:
             watched = set(self._watched)
-            senders = [p for p in self._live.values() if isinstance(p, KVSender)
-                       and p._infos and not p._cleared and not p._peer_failed
-                       and p._status not in (KVPoll.Failed, KVPoll.Success)]
+            senders = [
+                p
+                for p in self._live.values()
+                if isinstance(p, KVSender)
+                and p._infos
+                and not p._cleared
+                and not p._peer_failed
+                and p._status not in (KVPoll.Failed, KVPoll.Success)
+            ]
         writes_to: dict[tuple[str, str], list[KVSender]] = {}
         for snd in senders:
             try:
@@ -733,8 +787,10 @@ class KVManager:
         for (engine, inc), snds in writes_to.items():
             if (engine, inc) in dead:
                 reason = f"receiver {engine} {dead[engine, inc]}"
-                calls += [self._hb_store.update(s.room, "tx", self.engine, KVPoll.Failed, reason)
-                          for s in snds]
+                calls += [
+                    self._hb_store.update(s.room, "tx", self.engine, KVPoll.Failed, reason)
+                    for s in snds
+                ]
                 failed += snds
                 log.warning("%s: failed %d sender(s)", reason, len(snds))
         self._hb_store.execute(calls)
@@ -754,8 +810,9 @@ class KVManager:
             except KVStateError as exc:
                 log.warning("heartbeat of %s: %s", self.engine, exc)
             except Exception as exc:  # the lease must outlive any surprise; never die
-                log.warning("heartbeat of %s: unexpected %s: %s", self.engine,
-                            type(exc).__name__, exc)
+                log.warning(
+                    "heartbeat of %s: unexpected %s: %s", self.engine, type(exc).__name__, exc
+                )
 
     def _lease_taken(self, claim: Claim) -> None:
         """Another process registered this name after our lease lapsed (we stalled):
@@ -770,9 +827,12 @@ class KVManager:
         log.error("%s", reason)
         with self._lock:
             mine = [p for p in self._live.values() if p._create_sent and not p._cleared]
-        self._hb_store.execute([self._hb_store.update(p.room, p.side, self.engine,
-                                                      KVPoll.Failed, reason)
-                                for p in mine])
+        self._hb_store.execute(
+            [
+                self._hb_store.update(p.room, p.side, self.engine, KVPoll.Failed, reason)
+                for p in mine
+            ]
+        )
 
     def close(self) -> None:
         """Stop the heartbeat and drop the lease (if it is still ours). In a forked child

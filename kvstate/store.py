@@ -68,8 +68,17 @@ from kvstate.keys import Keys, Side
 from kvstate.poll import KVPoll
 
 SCRIPT_NAMES = (
-    "create", "poll", "update", "begin", "publish", "finish", "abort", "fail_bound", "track",
-    "register", "index",
+    "create",
+    "poll",
+    "update",
+    "begin",
+    "publish",
+    "finish",
+    "abort",
+    "fail_bound",
+    "track",
+    "register",
+    "index",
 )
 _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
 _SCRIPT_WRAPPER = re.compile(r"^Error running script \(call to f_[0-9a-f]+\): (@\w+:? ?\d+: )*-?")
@@ -99,8 +108,9 @@ class _Bounded:
     def __enter__(self) -> None:
         self.limit.__enter__()
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:  # translated while the deadline still holds: the message tells a timeout
             if isinstance(exc, (redis.RedisError, RedisClusterException)):
                 better = self.store.translate_error(exc)
@@ -192,13 +202,15 @@ class Store:
             assert not isinstance(cluster, redis.Redis)
             nodes = [ClusterNode(n.host, n.port) for n in cluster.get_primaries()]
             with self.errors():  # a Cluster client asks a node for the slot map when made
-                client = RedisCluster(startup_nodes=nodes,
-                                      **cluster.nodes_manager.connection_kwargs)
+                client = RedisCluster(
+                    startup_nodes=nodes, **cluster.nodes_manager.connection_kwargs
+                )
         else:
             assert isinstance(self.client, redis.Redis)
             pool = self.client.connection_pool
             client = redis.Redis.from_pool(
-                type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs))
+                type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs)
+            )
         return Store(client, self.url, self.namespace, self.room_ttl, self.options)  # url redacted
 
     # -- execution ----------------------------------------------------------------
@@ -223,34 +235,41 @@ class Store:
         """The KVStateError to raise for a redis-py error (``exc`` itself if none fits)."""
         if isinstance(exc, AuthenticationError):
             return StateConnectionError(
-                f"authentication to Redis at {self.url} failed: check the user and password")
-        if isinstance(exc, NoPermissionError) or (isinstance(exc, ExecAbortError)
-                                                   and "NOPERM" in str(exc)):
+                f"authentication to Redis at {self.url} failed: check the user and password"
+            )
+        if isinstance(exc, NoPermissionError) or (
+            isinstance(exc, ExecAbortError) and "NOPERM" in str(exc)
+        ):
             # EXEC refused by the ACL discards the transaction: same message
             return StateConnectionError(
                 f"Redis at {self.url} refused a command under its ACL ({exc}); "
-                "see the README for the ACL SETUSER line kvstate needs")
+                "see the README for the ACL SETUSER line kvstate needs"
+            )
         if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
             return StateConnectionError(self._unreachable(exc))
         if isinstance(exc, ReadOnlyError):
             return StateConnectionError(
                 f"Redis at {self.url} is a read-only replica: point {ENV_URL} or --url at "
-                "its primary (redis+cluster:// for a Cluster)")
+                "its primary (redis+cluster:// for a Cluster)"
+            )
         if isinstance(exc, (AskError, TryAgainError)):
             slot = getattr(exc, "slot_id", None)
             return StateConnectionError(
                 f"slot {slot if slot is not None else '?'} of Redis Cluster at {self.url} is "
                 f"being migrated between nodes and did not settle ({type(exc).__name__}: "
                 f"{exc}): a resharding is running or was left half-done; let it finish, or "
-                "finish it with `redis-cli --cluster fix HOST:PORT`, then retry")
+                "finish it with `redis-cli --cluster fix HOST:PORT`, then retry"
+            )
         if isinstance(exc, (RedisClusterException, *_REDIRECTS)):
             # Still redirected, or no node answered CLUSTER SLOTS, after every retry.
             return StateConnectionError(
                 f"Redis Cluster at {self.url} did not settle ({type(exc).__name__}: {exc}); "
-                "check its nodes with CLUSTER INFO / redis-cli --cluster check, then retry")
+                "check its nodes with CLUSTER INFO / redis-cli --cluster check, then retry"
+            )
         if isinstance(exc, redis.DataError):
             return InvalidArgumentError(
-                f"a value Redis cannot store was passed ({exc}); pass text, bytes or numbers")
+                f"a value Redis cannot store was passed ({exc}); pass text, bytes or numbers"
+            )
         return exc
 
     def _unreachable(self, exc: BaseException) -> str:
@@ -278,8 +297,9 @@ class Store:
                     pipe.script_load(source)
                 pipe.execute()
 
-    def execute(self, calls: Sequence[Call], transaction: bool = False,
-                partial: bool = False) -> list[Any]:
+    def execute(
+        self, calls: Sequence[Call], transaction: bool = False, partial: bool = False
+    ) -> list[Any]:
         """Run ``calls`` in as few round trips as the deployment allows; parsed replies.
 
         Within ``options.call_timeout``. With ``partial`` (Cluster), calls on a node
@@ -293,8 +313,10 @@ class Store:
                 raw = self._execute_cluster(calls, transaction, partial)
             else:
                 raw = self._execute_on(self.client, list(calls), transaction)  # type: ignore[arg-type]
-        return [reply if isinstance(reply, StateConnectionError) else call.parse(reply)
-                for call, reply in zip(calls, raw, strict=True)]
+        return [
+            reply if isinstance(reply, StateConnectionError) else call.parse(reply)
+            for call, reply in zip(calls, raw, strict=True)
+        ]
 
     def _execute_on(self, conn: redis.Redis, calls: list[Call], transaction: bool) -> list[Any]:
         if len(calls) == 1 and not transaction:
@@ -332,8 +354,7 @@ class Store:
                     # After NOSCRIPT, EVAL the source (which caches it again) rather than
                     # SCRIPT LOAD then EVALSHA: another SCRIPT FLUSH (or a failover) can
                     # land between those two, and EVAL cannot meet NOSCRIPT.
-                    return conn.eval(_SOURCES[call.script], len(call.keys), *call.keys,
-                                     *call.args)
+                    return conn.eval(_SOURCES[call.script], len(call.keys), *call.keys, *call.args)
                 return conn.evalsha(_SHAS[call.script], len(call.keys), *call.keys, *call.args)
             except NoScriptError:
                 if attempt:
@@ -342,8 +363,9 @@ class Store:
                 raise self._translate(call, exc) from None
         raise AssertionError("unreachable")
 
-    def _execute_cluster(self, calls: Sequence[Call], transaction: bool,
-                         partial: bool) -> list[Any]:
+    def _execute_cluster(
+        self, calls: Sequence[Call], transaction: bool, partial: bool
+    ) -> list[Any]:
         """One pipeline per node (per slot for transactions), the nodes at once; calls
         that met a redirect or an unreachable node are retried after a topology refresh,
         ``options.retries`` times within the call's deadline."""
@@ -360,9 +382,12 @@ class Store:
                 group = (node.name, cluster.keyslot(key) if transaction else 0)
                 groups.setdefault(group, []).append(i)
             outcomes = self._run_groups(
-                [(cluster.get_node(node_name=name).redis_connection,
-                  [calls[i] for i in idxs]) for (name, _), idxs in groups.items()],
-                transaction)
+                [
+                    (cluster.get_node(node_name=name).redis_connection, [calls[i] for i in idxs])
+                    for (name, _), idxs in groups.items()
+                ],
+                transaction,
+            )
             failed: list[int] = []
             for ((name, _), idxs), out in zip(groups.items(), outcomes, strict=True):
                 if isinstance(out, BaseException):
@@ -376,13 +401,17 @@ class Store:
             pending = failed
             pause = 0.1 * (attempt + 1)
             left = time_left()
-            if not failed or attempt == self.options.retries or (left is not None
-                                                                  and left <= pause):
+            if (
+                not failed
+                or attempt == self.options.retries
+                or (left is not None and left <= pause)
+            ):
                 break
             time.sleep(pause)
             # no node answering CLUSTER SLOTS just now is fine: the next attempt tells
-            with contextlib.suppress(RedisClusterException, redis.ConnectionError,
-                                     redis.TimeoutError):
+            with contextlib.suppress(
+                RedisClusterException, redis.ConnectionError, redis.TimeoutError
+            ):
                 cluster.nodes_manager.initialize()
         if pending:
             if not partial or len(pending) == len(calls):
@@ -392,15 +421,18 @@ class Store:
                 name, exc = trouble[i]
                 if id(exc) not in said:
                     said[id(exc)] = StateConnectionError(
-                        f"Cluster node {name}: {self.translate_error(exc)}")
+                        f"Cluster node {name}: {self.translate_error(exc)}"
+                    )
                 replies[i] = said[id(exc)]
         return replies
 
-    def _run_groups(self, groups: list[tuple[redis.Redis, list[Call]]],
-                    transaction: bool) -> list[list[Any] | BaseException]:
+    def _run_groups(
+        self, groups: list[tuple[redis.Redis, list[Call]]], transaction: bool
+    ) -> list[list[Any] | BaseException]:
         """Each group's replies, or what it raised; the groups run at once (one thread
         per node), each under the caller's deadline, so a stalled node costs the others
         nothing."""
+
         def run(conn: redis.Redis, batch: list[Call]) -> list[Any] | BaseException:
             try:
                 return self._execute_on(conn, batch, transaction)
@@ -411,8 +443,7 @@ class Store:
             return [run(*groups[0])]
         with self._pool_lock:
             if self._pool is None or self._pool_pid != os.getpid():  # none, or a fork's
-                self._pool = ThreadPoolExecutor(max_workers=16,
-                                                thread_name_prefix="kvstate-node")
+                self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstate-node")
                 self._pool_pid = os.getpid()
             pool = self._pool
         ctx = contextvars.copy_context()
@@ -455,13 +486,19 @@ class Store:
             return KVStateError(f"Redis rejected {call.script or call.command}: {text}")
         return exc
 
-    def script(self, name: str, keys: Iterable[str], args: Iterable[Any],
-               parse: Callable[[Any], Any] = _identity) -> Call:
+    def script(
+        self,
+        name: str,
+        keys: Iterable[str],
+        args: Iterable[Any],
+        parse: Callable[[Any], Any] = _identity,
+    ) -> Call:
         return Call(tuple(keys), tuple(args), script=name, parse=parse)
 
     @staticmethod
-    def command(name: str, *keys: str, args: Iterable[Any] = (),
-                parse: Callable[[Any], Any] = _identity) -> Call:
+    def command(
+        name: str, *keys: str, args: Iterable[Any] = (), parse: Callable[[Any], Any] = _identity
+    ) -> Call:
         return Call(tuple(keys), tuple(args), command=name, parse=parse)
 
     # -- participant calls ----------------------------------------------------------
@@ -473,11 +510,13 @@ class Store:
         flat: list[Any] = []
         for name, value in fields.items():
             flat += [name, value]
-        return self.script("create", keys, [self.ttl_ms, k.part_member(side, engine), *flat],
-                           Status.parse)
+        return self.script(
+            "create", keys, [self.ttl_ms, k.part_member(side, engine), *flat], Status.parse
+        )
 
-    def poll(self, room: int, side: Side, engine: str, with_infos: bool = False,
-             infos_version: int = -1) -> Call:
+    def poll(
+        self, room: int, side: Side, engine: str, with_infos: bool = False, infos_version: int = -1
+    ) -> Call:
         """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
         they are still at ``infos_version`` (the version the caller holds)."""
         keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
@@ -488,11 +527,18 @@ class Store:
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
         _check_reason(reason)
         keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
-        return self.script("update", keys, [KVPoll.parse(status).name, reason, self.ttl_ms],
-                           Status.parse)
+        return self.script(
+            "update", keys, [KVPoll.parse(status).name, reason, self.ttl_ms], Status.parse
+        )
 
-    def publish(self, room: int, receiver: str, senders: dict[str, str], payload: bytes = b"",
-                required: int = 0) -> Call:
+    def publish(
+        self,
+        room: int,
+        receiver: str,
+        senders: dict[str, str],
+        payload: bytes = b"",
+        required: int = 0,
+    ) -> Call:
         """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
         publish it to them; see publish.lua."""
         k = self.keys
@@ -520,15 +566,25 @@ class Store:
     def track(self, bootstrap_addr: str, member: str) -> Call:
         return self.script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
 
-    def clear(self, room: int, side: Side, engine: str, senders: Iterable[str] = (),
-              peer_addr: str | None = None) -> None:
+    def clear(
+        self,
+        room: int,
+        side: Side,
+        engine: str,
+        senders: Iterable[str] = (),
+        peer_addr: str | None = None,
+    ) -> None:
         """Delete everything one participant created: one MULTI/EXEC on a standalone
         server; on a Cluster the room's slot in one MULTI/EXEC, then the tracker."""
         k = self.keys
         me = k.participant(room, side, engine)
         calls = [
-            self.command("DEL", me, k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
-                         k.aborted(room)),
+            self.command(
+                "DEL",
+                me,
+                k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
+                k.aborted(room),
+            ),
             self.command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
         ]
         calls += [self.command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
@@ -571,16 +627,17 @@ class Store:
                 return int(n)
         raise KVStateError(f"room {room} kept changing while aborting it; try again")
 
-    def fail_bound(self, bootstrap_addr: str, peer_engine: str, incarnation: str,
-                   reason: str) -> int:
+    def fail_bound(
+        self, bootstrap_addr: str, peer_engine: str, incarnation: str, reason: str
+    ) -> int:
         """Fail the receivers bound to ``peer_engine`` (that incarnation, or any if '')
         among the rooms tracked for ``bootstrap_addr``; returns how many failed."""
-        members = self.execute([self.command("ZRANGE", self.keys.addr(bootstrap_addr),
-                                             args=[0, -1])])[0]
+        members = self.execute(
+            [self.command("ZRANGE", self.keys.addr(bootstrap_addr), args=[0, -1])]
+        )[0]
         # every member, not only those before their deadline: status changes keep a
         # receiver alive longer than the deadline its tracker entry got at creation
-        calls = [self.fail_receiver(m.decode(), peer_engine, incarnation, reason)
-                 for m in members]
+        calls = [self.fail_receiver(m.decode(), peer_engine, incarnation, reason) for m in members]
         return sum(int(n) for n in self.execute(calls))
 
     def scan(self, pattern: str, count: int = 1000) -> Iterator[str]:
@@ -597,8 +654,9 @@ class Store:
                     if cursor == 0:
                         break
 
-    def _scan_step(self, node: redis.Redis, cursor: int, pattern: str,
-                   count: int) -> tuple[int, list[bytes]]:
+    def _scan_step(
+        self, node: redis.Redis, cursor: int, pattern: str, count: int
+    ) -> tuple[int, list[bytes]]:
         """One SCAN call, retried from the same cursor (cursors live in the client, not
         the server): a Cluster's node clients have no redis-py retries of their own."""
         for attempt in range(3):
@@ -615,8 +673,11 @@ class Store:
         parsed = self.keys.parse_room_key(key)
         if parsed is None or parsed[1] != "rx":
             raise CorruptStateError(key, "*", "not a receiver participant key")
-        return self.script("fail_bound", [key, self.keys.parts(parsed[0])],
-                           [self.ttl_ms, reason, peer_engine, incarnation])
+        return self.script(
+            "fail_bound",
+            [key, self.keys.parts(parsed[0])],
+            [self.ttl_ms, reason, peer_engine, incarnation],
+        )
 
     def server_time_ms(self) -> int:
         with self.bounded():
@@ -630,16 +691,19 @@ class Store:
 def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
     """What to say about a connection error or timeout (url already redacted)."""
     if is_tls_refusal(exc):
-        return (f"TLS handshake with Redis at {url} failed ({exc}): if that port does not "
-                "speak TLS (a plain redis-server), use redis://; if the certificate is "
-                "refused, name its CA with ?ssl_ca_certs=/path/ca.pem")
+        return (
+            f"TLS handshake with Redis at {url} failed ({exc}): if that port does not "
+            "speak TLS (a plain redis-server), use redis://; if the certificate is "
+            "refused, name its CA with ?ssl_ca_certs=/path/ca.pem"
+        )
     left = time_left()
     if isinstance(exc, DeadlineExceeded) or (left is not None and left <= 0):
-        return (f"Redis at {url} did not answer within {call_timeout:g} s ({exc}): it is "
-                "stalled, overloaded or unreachable; check redis-server and the network, "
-                "then retry (the limit is Options.call_timeout or ?call_timeout= in the URL)")
-    return (f"cannot reach Redis at {url} ({exc}); is redis-server running? "
-            f"Set {ENV_URL} or --url")
+        return (
+            f"Redis at {url} did not answer within {call_timeout:g} s ({exc}): it is "
+            "stalled, overloaded or unreachable; check redis-server and the network, "
+            "then retry (the limit is Options.call_timeout or ?call_timeout= in the URL)"
+        )
+    return f"cannot reach Redis at {url} ({exc}); is redis-server running? Set {ENV_URL} or --url"
 
 
 def _check_reason(reason: object) -> None:
@@ -668,7 +732,7 @@ def connect(
     options: Options | None = None,
 ) -> Store:
     """Open the state store: ``url``, else ``$KVSTATE_REDIS_URL``, else a private
-    redis-server started for this process tree (SPEC section 7)."""
+    redis-server started for this process tree (docs/design.md, Zero setup)."""
     if url is None:
         url = os.environ.get(ENV_URL) or embedded.ensure_server()
     if namespace is None:
@@ -682,11 +746,16 @@ def connect(
         if url.startswith("rediss") and answers_plain_text(url, probe_s):
             raise StateConnectionError(
                 f"Redis at {redact(url)} does not speak TLS on that port (it answered a "
-                "plain-text PING): use redis://, or the port the server's tls-port names")
+                "plain-text PING): use redis://, or the port the server's tls-port names"
+            )
         try:
             client = make_client(url, cluster, opts)
-        except (NoPermissionError, RedisClusterException, redis.ConnectionError,
-                redis.TimeoutError) as exc:
+        except (
+            NoPermissionError,
+            RedisClusterException,
+            redis.ConnectionError,
+            redis.TimeoutError,
+        ) as exc:
             refused = _find_in_chain(exc, NoPermissionError)  # CLUSTER SLOTS or COMMAND
             if refused is not None:  # redis-py words it "Cluster mode is not enabled"
                 raise StateConnectionError(
@@ -695,14 +764,19 @@ def connect(
                 ) from None
             if is_tls_refusal(exc):
                 raise StateConnectionError(
-                    _unreachable(redact(url), exc, opts.call_timeout)) from None
+                    _unreachable(redact(url), exc, opts.call_timeout)
+                ) from None
             if "Cluster mode is not enabled" in str(exc):
                 raise StateConnectionError(
                     f"Redis at {redact(url)} is not a Cluster (cluster mode is not enabled "
-                    "on it): use redis:// without +cluster or ?cluster=true") from None
+                    "on it): use redis:// without +cluster or ?cluster=true"
+                ) from None
             late = time_left()
-            why = (f"no answer within {opts.call_timeout:g} s: stalled or unreachable"
-                   if late is not None and late <= 0 else "is the node in the URL up?")
+            why = (
+                f"no answer within {opts.call_timeout:g} s: stalled or unreachable"
+                if late is not None and late <= 0
+                else "is the node in the URL up?"
+            )
             raise StateConnectionError(
                 f"cannot reach the Redis Cluster at {redact(url)} ({exc}); {why} A Cluster "
                 f"client finds the others through it. Set {ENV_URL} or --url"

@@ -35,10 +35,10 @@ import pytest
 import redis
 
 try:
-    from kvstate import servers
+    from kvstate.testing import servers
 except ImportError:  # not installed (pip install -e .): use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvstate import servers
+    from kvstate.testing import servers
 
 RedisCluster = servers.RedisCluster
 RedisProcess = servers.RedisProcess

@@ -20,7 +20,7 @@ def room_keys(store: Store, room: int) -> list[str]:
 
 
 def assert_every_key_has_ttl(store: Store) -> None:
-    """SPEC rule 1, checked by scanning every key of the namespace."""
+    """Design rule 1, checked by scanning every key of the namespace."""
     missing = []
     for key in keys_of(store):
         node = store.client

@@ -130,8 +130,9 @@ class Proxy:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _spawn(self, fn: object, *args: object) -> None:

@@ -15,7 +15,7 @@ from click.testing import CliRunner, Result
 import kvstate
 from kvstate.cli import main
 from kvstate.codec import TransferInfo
-from kvstate.ledger import Entry, Ledger
+from kvstate.ops.ledger import Entry, Ledger
 from kvstate.poll import KVPoll
 from kvstate.store import Store
 

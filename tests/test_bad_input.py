@@ -1,4 +1,4 @@
-"""SPEC rule 7: bad input raises a specific error and leaves the stored state as it was."""
+"""Design rule 7: bad input raises a specific error and leaves the stored state as it was."""
 
 from __future__ import annotations
 
@@ -85,8 +85,16 @@ def test_unknown_status(store: Store) -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["", "http://h:1", "redis://", "redis://h:99999", "redis://h/notadb", "unix://",
-     "redis+cluster:///x", "redis://h:-1"],
+    [
+        "",
+        "http://h:1",
+        "redis://",
+        "redis://h:99999",
+        "redis://h/notadb",
+        "unix://",
+        "redis+cluster:///x",
+        "redis://h:-1",
+    ],
 )
 def test_malformed_urls(url: str) -> None:
     with pytest.raises(InvalidURLError):
@@ -118,8 +126,15 @@ def test_wrong_password_names_no_password(redis_server_factory) -> None:
     good.close()
 
 
-@pytest.mark.parametrize("value", [b"\xc1garbage", msgpack.packb([1, 2]),
-                                   msgpack.packb({"v": 99}), msgpack.packb({"v": 1, "kv": 5})])
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"\xc1garbage",
+        msgpack.packb([1, 2]),
+        msgpack.packb({"v": 99}),
+        msgpack.packb({"v": 1, "kv": 5}),
+    ],
+)
 def test_corrupt_transfer_info(store: Store, redis_cli, redis_url: str, value: bytes) -> None:
     p, d = managers(store)
     with p, d:
@@ -159,8 +174,9 @@ def test_corrupt_status_written_with_redis_cli(store: Store, redis_cli, redis_ur
         snd.clear()
 
 
-@pytest.mark.parametrize("indices", [[-1, 2], [1.5, 2.0], [[1, 2]], ["a"], [2**31], [True, False]],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "indices", [[-1, 2], [1.5, 2.0], [[1, 2]], ["a"], [2**31], [True, False]], ids=repr
+)
 def test_bad_index_arrays(store: Store, indices: object) -> None:
     p, d = managers(store)
     with p, d:
@@ -191,10 +207,16 @@ def test_embedded_default_from_a_clean_environment(tmp_path) -> None:
         "print(os.environ['KVSTATE_REDIS_URL'])\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTATE_")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
     assert out[0].startswith("unix://") and out[1] == "Bootstrapping" and out[2] == out[0]
-    sock = out[0][len("unix://"):]
+    sock = out[0][len("unix://") :]
     assert not os.path.exists(sock)  # the server stopped with its owner
     with pytest.raises(redis.ConnectionError):
         redis.Redis(unix_socket_path=sock).ping()

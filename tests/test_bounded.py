@@ -22,8 +22,8 @@ import redis
 import kvstate
 from kvstate import KVPoll, Options
 from kvstate.errors import StateConnectionError
-from kvstate.servers import RedisCluster
 from kvstate.store import Store
+from kvstate.testing.servers import RedisCluster
 from tests.helpers import PREFILL_ADDR, wait_for
 from tests.proxy import Proxy
 
@@ -35,8 +35,9 @@ def report(name: str, **figures: object) -> None:
     print(f"\n[{name}] " + ", ".join(f"{k}={v}" for k, v in figures.items()))
 
 
-def run_all(ops: dict[str, Callable[[], object]]) -> tuple[dict[str, float],
-                                                           dict[str, BaseException | None]]:
+def run_all(
+    ops: dict[str, Callable[[], object]],
+) -> tuple[dict[str, float], dict[str, BaseException | None]]:
     """Run each op in its own thread at once; (seconds, what it raised) per op."""
     took: dict[str, float] = {}
     raised: dict[str, BaseException | None] = {}
@@ -123,8 +124,12 @@ def test_every_call_bounded_with_default_options(proxy: Proxy, fault: str) -> No
         m.close()
     store.close()
     longest = max(took, key=took.__getitem__)
-    report(f"bounded-{fault}", longest_call=longest, longest_s=f"{took[longest]:.2f}",
-           **{k.replace(" ", "_") + "_s": f"{v:.2f}" for k, v in sorted(took.items())})
+    report(
+        f"bounded-{fault}",
+        longest_call=longest,
+        longest_s=f"{took[longest]:.2f}",
+        **{k.replace(" ", "_") + "_s": f"{v:.2f}" for k, v in sorted(took.items())},
+    )
 
 
 def _answers(part: Any) -> bool:
@@ -183,8 +188,9 @@ class ProxiedCluster:
             c.config_set("cluster-announce-bus-port", self.target.port + 10000)
             c.config_set("cluster-announce-port", self.proxy.port)
         with self.cluster.nodes[0].client() as c:
-            assert wait_for(lambda: self.proxy.port in _slot_ports(c), 20.0), \
+            assert wait_for(lambda: self.proxy.port in _slot_ports(c), 20.0), (
                 "the announced port did not spread"
+            )
 
     @property
     def url(self) -> str:
@@ -196,8 +202,7 @@ class ProxiedCluster:
 
 
 def _slot_ports(c: redis.Redis) -> set[int]:
-    return {int(node[1]) for slot in c.execute_command("CLUSTER", "SLOTS")
-            for node in slot[2:]}
+    return {int(node[1]) for slot in c.execute_command("CLUSTER", "SLOTS") for node in slot[2:]}
 
 
 @pytest.fixture
@@ -219,8 +224,7 @@ def rooms_by_port(store: Store, count: int) -> dict[int, list[int]]:
 @pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.parametrize("fault", ["blackhole", "stall"])
-def test_cluster_poll_many_partial_and_calls_bounded(proxied: ProxiedCluster,
-                                                     fault: str) -> None:
+def test_cluster_poll_many_partial_and_calls_bounded(proxied: ProxiedCluster, fault: str) -> None:
     """One primary black-holed (or stalled): poll_many answers for the rooms on the
     healthy primaries and lists the others in ``.errors`` with that node's error; calls
     on healthy nodes work; calls on the bad node end within the bound."""
@@ -253,13 +257,15 @@ def test_cluster_poll_many_partial_and_calls_bounded(proxied: ProxiedCluster,
     assert parts[good][0].begin_transfer() == KVPoll.Transferring  # healthy nodes work
 
     bad = min(bad_rooms)
-    took, raised = run_all({
-        "poll (bad node)": parts[bad][0].poll,
-        "init (bad node)": lambda: parts[bad][1].init([3]),
-        "clear (bad node)": parts[bad][0].clear,
-        "poll_many": lambda: d.poll_many(rooms),
-        "connect": lambda: kvstate.connect(proxied.url, namespace="partial"),
-    })
+    took, raised = run_all(
+        {
+            "poll (bad node)": parts[bad][0].poll,
+            "init (bad node)": lambda: parts[bad][1].init([3]),
+            "clear (bad node)": parts[bad][0].clear,
+            "poll_many": lambda: d.poll_many(rooms),
+            "connect": lambda: kvstate.connect(proxied.url, namespace="partial"),
+        }
+    )
     for name, exc in raised.items():
         assert exc is None or isinstance(exc, StateConnectionError), (name, repr(exc))
         assert took[name] < BOUND, f"{name} took {took[name]:.1f} s"
@@ -276,7 +282,12 @@ def test_cluster_poll_many_partial_and_calls_bounded(proxied: ProxiedCluster,
     d.close()
     store.close()
     longest = max(took, key=took.__getitem__)
-    report(f"cluster-{fault}", rooms=len(rooms), rooms_on_bad_node=len(bad_rooms),
-           partial_poll_many_s=f"{poll_many_s:.2f}", longest_call=longest,
-           longest_s=f"{took[longest]:.2f}",
-           **{k.split(" ")[0] + "_s": f"{v:.2f}" for k, v in took.items()})
+    report(
+        f"cluster-{fault}",
+        rooms=len(rooms),
+        rooms_on_bad_node=len(bad_rooms),
+        partial_poll_many_s=f"{poll_many_s:.2f}",
+        longest_call=longest,
+        longest_s=f"{took[longest]:.2f}",
+        **{k.split(" ")[0] + "_s": f"{v:.2f}" for k, v in took.items()},
+    )

@@ -17,8 +17,8 @@ from click.testing import CliRunner, Result
 import kvstate
 from kvstate.cli import main
 from kvstate.poll import KVPoll
-from kvstate.servers import RedisProcess
 from kvstate.store import Store
+from kvstate.testing.servers import RedisProcess
 
 ADDR = "10.0.0.1:8998"
 KVSTATE_BIN = Path(sys.executable).with_name("kvstate")
@@ -52,13 +52,21 @@ def room(state_url: str) -> Iterator[tuple[Store, Any, Any]]:
 def test_show(room: tuple[Store, Any, Any], state_url: str) -> None:
     result = run("--url", state_url, "show", "77")
     assert result.exit_code == 0, result.output
-    for text in ("room 77", "prefill-a.tp0", "decode-b.tp0", "WaitingForInput",
-                 "transfer infos", "10..73"):
+    for text in (
+        "room 77",
+        "prefill-a.tp0",
+        "decode-b.tp0",
+        "WaitingForInput",
+        "transfer infos",
+        "10..73",
+    ):
         assert text in result.output
     doc = run_json("--url", state_url, "show", "77", "--json")
     assert doc["members"] == ["rx:decode-b.tp0", "tx:prefill-a.tp0"]
     assert [(p["side"], p["status"]) for p in doc["participants"]] == [
-        ("tx", "WaitingForInput"), ("rx", "WaitingForInput")]
+        ("tx", "WaitingForInput"),
+        ("rx", "WaitingForInput"),
+    ]
     assert all(0 < p["ttl_ms"] <= 900_000 for p in doc["participants"])
     info = doc["transfer_infos"]["prefill-a.tp0"]["decode-b.tp0"]
     assert info["pages"] == 64 and info["runs"] == 1 and info["aux_index"] == 3
@@ -90,8 +98,10 @@ def test_ls_filters(room: tuple[Store, Any, Any], state_url: str) -> None:
         assert len(rows()) == 3
         assert rows("--status", "Bootstrapping") == [(78, "tx", "Bootstrapping")]
         assert rows("--status", "waitingforinput,1") == [
-            (77, "rx", "WaitingForInput"), (77, "tx", "WaitingForInput"),
-            (78, "tx", "Bootstrapping")]
+            (77, "rx", "WaitingForInput"),
+            (77, "tx", "WaitingForInput"),
+            (78, "tx", "Bootstrapping"),
+        ]
         assert rows("--side", "rx") == [(77, "rx", "WaitingForInput")]
         assert rows("--older-than", "1m") == [(78, "tx", "Bootstrapping")]
         assert rows("--older-than", "5m") == []
@@ -105,8 +115,9 @@ def test_ls_filters(room: tuple[Store, Any, Any], state_url: str) -> None:
         old.clear()
 
 
-def test_show_finds_participants_the_index_lost(room: tuple[Store, Any, Any],
-                                                state_url: str) -> None:
+def test_show_finds_participants_the_index_lost(
+    room: tuple[Store, Any, Any], state_url: str
+) -> None:
     store = room[0]
     store.client.delete(store.keys.parts(77))
     doc = run_json("--url", state_url, "show", "77", "--json")
@@ -146,7 +157,12 @@ def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
     proc = subprocess.run(
         [str(KVSTATE_BIN), "--url", state_url, "abort", "77", "--reason", "router gave up"],
-        capture_output=True, text=True, timeout=60, env=env, check=False)
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "failed 2 of 2" in proc.stdout
     # a second abort says so and keeps the first reason; show shows the mark
@@ -166,7 +182,8 @@ def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str
         assert "nothing to abort" in refused.output and "--pre-emptive" in refused.output
     left = [k for k in store.scan(store.keys.all_pattern) if ":engines_at:" not in k]
     assert sorted(left) == sorted(  # the live engines' registrations only
-        store.keys.engine(e) for e in ("decode-b.tp0", "prefill-a.tp0"))
+        store.keys.engine(e) for e in ("decode-b.tp0", "prefill-a.tp0")
+    )
     # a router may abort before either side joined: whoever joins later starts Failed
     again = run("--url", state_url, "abort", "77", "--reason", "too late", "--pre-emptive")
     assert again.exit_code == 0 and "no participants yet" in again.output
@@ -192,8 +209,14 @@ def test_doctor(redis_url: str) -> None:
 
 def test_doctor_without_url_uses_an_embedded_server() -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
-    proc = subprocess.run([str(KVSTATE_BIN), "doctor", "--json", "--no-ucx"],
-                          capture_output=True, text=True, timeout=60, env=env, check=False)
+    proc = subprocess.run(
+        [str(KVSTATE_BIN), "doctor", "--json", "--no-ucx"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     names = [c["name"] for c in doc["checks"]]
@@ -209,8 +232,15 @@ def test_doctor_reports_unreachable_redis(tmp_path: Path) -> None:
 
 def test_read_commands_need_a_url(tmp_path: Path) -> None:
     no_demo = {"XDG_RUNTIME_DIR": str(tmp_path)}  # no running demo's record to fall back on
-    for args in (["ls"], ["show", "1"], ["top", "--once"], ["engines"], ["audit"],
-                 ["abort", "1"], ["monitor", "--duration", "0"]):
+    for args in (
+        ["ls"],
+        ["show", "1"],
+        ["top", "--once"],
+        ["engines"],
+        ["audit"],
+        ["abort", "1"],
+        ["monitor", "--duration", "0"],
+    ):
         result = run(*args, env=no_demo)
         assert result.exit_code == 2, (args, result.output)
         assert "no Redis URL" in result.output and "KVSTATE_REDIS_URL" in result.output
@@ -220,8 +250,9 @@ def test_read_commands_need_a_url(tmp_path: Path) -> None:
 def test_namespaces_are_separate(room: tuple[Store, Any, Any], state_url: str) -> None:
     doc = run_json("--url", state_url, "--namespace", "other", "ls", "--json", code=1)
     assert doc["count"] == 0 and doc["namespace_empty"] and doc["namespaces"] == ["default"]
-    env_doc = CliRunner().invoke(main, ["--url", state_url, "ls", "--json"],
-                                 env={"KVSTATE_NAMESPACE": "default"})
+    env_doc = CliRunner().invoke(
+        main, ["--url", state_url, "ls", "--json"], env={"KVSTATE_NAMESPACE": "default"}
+    )
     assert json.loads(env_doc.stdout)["count"] == 2
     bad = run("--url", state_url, "--namespace", "a b", "ls")
     assert bad.exit_code == 2 and "namespace must be" in bad.output
@@ -236,10 +267,20 @@ def locked(redis_server_factory: Callable[..., RedisProcess]) -> RedisProcess:
 
 
 SUBCOMMANDS: list[list[str]] = [
-    ["show", "1"], ["show", "1", "--json"], ["ls"], ["ls", "--json"], ["top", "--once"],
-    ["top", "--json"], ["engines"], ["engines", "--json"], ["abort", "1"], ["audit"],
-    ["audit", "--json", "--fix"], ["monitor", "--duration", "0.3", "--interval", "0.1"],
-    ["doctor", "--no-ucx"], ["doctor", "--json", "--no-ucx"],
+    ["show", "1"],
+    ["show", "1", "--json"],
+    ["ls"],
+    ["ls", "--json"],
+    ["top", "--once"],
+    ["top", "--json"],
+    ["engines"],
+    ["engines", "--json"],
+    ["abort", "1"],
+    ["audit"],
+    ["audit", "--json", "--fix"],
+    ["monitor", "--duration", "0.3", "--interval", "0.1"],
+    ["doctor", "--no-ucx"],
+    ["doctor", "--json", "--no-ucx"],
 ]
 
 
@@ -260,15 +301,17 @@ def test_password_never_printed(locked: RedisProcess) -> None:
                     assert result.exit_code in (1, 2), (args, text)
                     assert "authentication" in text or "auth" in text.lower(), (args, text)
         ok = CliRunner().invoke(main, ["--url", locked.unix_url, "ls"])
-        assert "***" in CliRunner().invoke(
-            main, ["--url", locked.unix_url, "top", "--once"]).output
+        assert "***" in CliRunner().invoke(main, ["--url", locked.unix_url, "top", "--once"]).output
         assert ok.exit_code == 0
     store.close()
 
 
 def test_malformed_url_with_password() -> None:
-    for url in (f"redis://:{PASSWORD}@host:notaport", f"http://:{PASSWORD}@host:1",
-                f"redis://u:{PASSWORD}@/0"):
+    for url in (
+        f"redis://:{PASSWORD}@host:notaport",
+        f"http://:{PASSWORD}@host:1",
+        f"redis://u:{PASSWORD}@/0",
+    ):
         result = run("--url", url, "ls")
         assert result.exit_code == 2, result.output
         assert PASSWORD not in result.output
@@ -281,8 +324,14 @@ def test_password_never_printed_by_the_real_command(locked: RedisProcess) -> Non
     mgr = kvstate.KVManager(store, "prefill", "prefill-a", ADDR)  # not an empty namespace
     for url, code in ((locked.unix_url, 0), (locked.unix_url.replace(PASSWORD, "nope"), 2)):
         env = {**os.environ, "KVSTATE_REDIS_URL": url}
-        proc = subprocess.run([str(KVSTATE_BIN), "top", "--once"], capture_output=True,
-                              text=True, timeout=60, env=env, check=False)
+        proc = subprocess.run(
+            [str(KVSTATE_BIN), "top", "--once"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            check=False,
+        )
         assert proc.returncode == code, proc.stderr
         assert PASSWORD not in proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr

@@ -24,13 +24,13 @@ import redis
 from click.testing import CliRunner, Result
 
 import kvstate
-from kvstate.audit import Auditor, Report
 from kvstate.cli import OPERATOR_ACL, main
-from kvstate.ledger import Monitor
-from kvstate.metrics import Metrics
+from kvstate.ops.audit import Auditor, Report
+from kvstate.ops.ledger import Monitor
+from kvstate.ops.metrics import Metrics
 from kvstate.poll import KVPoll
-from kvstate.servers import RedisProcess
 from kvstate.store import Store
+from kvstate.testing.servers import RedisProcess
 from tests.helpers import wait_for
 from tests.test_security import ENGINE_ACL
 
@@ -50,8 +50,9 @@ def store(redis_url: str) -> Iterator[Store]:
     s.close()
 
 
-def live_room(store: Store, room: int, prefill: str = "prefill-a.tp0",
-              decode: str = "decode-b.tp0") -> tuple[Any, Any, Any, Any]:
+def live_room(
+    store: Store, room: int, prefill: str = "prefill-a.tp0", decode: str = "decode-b.tp0"
+) -> tuple[Any, Any, Any, Any]:
     p = kvstate.KVManager(store, "prefill", prefill, ADDR)
     d = kvstate.KVManager(store, "decode", decode)
     snd, rcv = p.sender(room), d.receiver(room, ADDR)
@@ -91,20 +92,19 @@ def churn(url: str, worker: int, stop: Event, results: Queue) -> None:
 
 
 def test_audit_finds_nothing_on_a_busy_healthy_namespace(
-        redis_url: str, spawn_ctx: SpawnContext) -> None:
+    redis_url: str, spawn_ctx: SpawnContext
+) -> None:
     """Three processes churn rooms while audit (and audit --fix) run in a loop: every
     run is clean and exits 0. Before the second look, a room cleared between the SCAN
     and the index check read as `unindexed`."""
     results: Queue = spawn_ctx.Queue()
     stop = spawn_ctx.Event()
-    procs = [spawn_ctx.Process(target=churn, args=(redis_url, w, stop, results))
-             for w in (1, 2, 3)]
+    procs = [spawn_ctx.Process(target=churn, args=(redis_url, w, stop, results)) for w in (1, 2, 3)]
     for proc in procs:
         proc.start()
     store = kvstate.connect(redis_url)
     try:
-        assert wait_for(lambda: any(True for _ in store.scan(store.keys.participant_pattern)),
-                        30)
+        assert wait_for(lambda: any(True for _ in store.scan(store.keys.participant_pattern)), 30)
         runs, seen_rooms = 0, 0
         deadline = time.monotonic() + 7
         while time.monotonic() < deadline:
@@ -125,9 +125,10 @@ def test_audit_finds_nothing_on_a_busy_healthy_namespace(
 
         metrics = Metrics()
         Monitor(store, 0.05, metrics=metrics, audit=audit_counts, audit_interval=0).run(
-            duration=2.5)
+            duration=2.5
+        )
         assert len(gauges) >= 5 and all(sum(g.values()) == 0 for g in gauges), gauges
-        assert "kvstate_audit_findings{kind=\"unindexed\"} 0.0" in metrics.render().decode()
+        assert 'kvstate_audit_findings{kind="unindexed"} 0.0' in metrics.render().decode()
         assert all(proc.is_alive() for proc in procs)  # the load lasted throughout
     finally:
         stop.set()
@@ -144,10 +145,33 @@ def test_audit_finds_nothing_while_the_demo_runs(redis_url: str, tmp_path: Path)
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
     out_file, err_file = (tmp_path / "out").open("w+"), (tmp_path / "err").open("w+")
     demo = subprocess.Popen(  # files, not pipes: its progress output must never block it
-        [str(KVSTATE_BIN), "demo", "--url", redis_url, "--namespace", "busy", "--json",
-         "--requests", "3000", "--inflight", "16", "--prefill-workers", "2",
-         "--decode-workers", "2", "--abort-rate", "0.05", "--seed", "11"],
-        stdout=out_file, stderr=err_file, text=True, env=env, stdin=subprocess.DEVNULL)
+        [
+            str(KVSTATE_BIN),
+            "demo",
+            "--url",
+            redis_url,
+            "--namespace",
+            "busy",
+            "--json",
+            "--requests",
+            "3000",
+            "--inflight",
+            "16",
+            "--prefill-workers",
+            "2",
+            "--decode-workers",
+            "2",
+            "--abort-rate",
+            "0.05",
+            "--seed",
+            "11",
+        ],
+        stdout=out_file,
+        stderr=err_file,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     runs, deadline = 0, time.monotonic() + 240
     try:
         while demo.poll() is None and time.monotonic() < deadline:
@@ -230,9 +254,14 @@ def test_abort_refuses_rooms_with_nothing_to_abort(store: Store, redis_url: str)
 def test_url_and_namespace_after_every_subcommand(store: Store, redis_url: str) -> None:
     p, d, snd, rcv = live_room(store, 31)
     cases: list[tuple[list[str], int]] = [
-        (["show", "31"], 0), (["ls"], 0), (["top", "--once"], 0), (["engines"], 0),
-        (["audit"], 0), (["doctor", "--no-ucx"], 0),
-        (["monitor", "--duration", "0.2", "--interval", "0.1"], 0), (["abort", "31"], 0),
+        (["show", "31"], 0),
+        (["ls"], 0),
+        (["top", "--once"], 0),
+        (["engines"], 0),
+        (["audit"], 0),
+        (["doctor", "--no-ucx"], 0),
+        (["monitor", "--duration", "0.2", "--interval", "0.1"], 0),
+        (["abort", "31"], 0),
     ]
     for args, code in cases:
         result = run(*args, "--url", redis_url, "-n", "default")
@@ -287,8 +316,7 @@ def test_fix_gives_the_room_its_remaining_ttl(store: Store, redis_url: str) -> N
 
 
 def test_empty_namespace_is_named_not_clean(store: Store, redis_url: str) -> None:
-    empty = {"audit": ["audit"], "ls": ["ls"], "engines": ["engines"],
-             "top": ["top", "--once"]}
+    empty = {"audit": ["audit"], "ls": ["ls"], "engines": ["engines"], "top": ["top", "--once"]}
     for name, args in empty.items():  # a Redis without any kvstate key
         result = run("--url", redis_url, "-n", "typo", *args)
         assert result.exit_code == 1, (name, result.output)
@@ -311,22 +339,24 @@ def test_empty_namespace_is_named_not_clean(store: Store, redis_url: str) -> Non
 # --------------------------------------------------------------------------- item 6
 
 
-def test_show_and_ls_find_a_running_demo(redis_server_factory: Callable[..., RedisProcess],
-                                         tmp_path: Path) -> None:
+def test_show_and_ls_find_a_running_demo(
+    redis_server_factory: Callable[..., RedisProcess], tmp_path: Path
+) -> None:
     """Without a URL the CLI reads the demo's discovery record; a record whose process
     is gone is skipped, even when it is newer."""
     server = redis_server_factory(unix_socket=True, port=0)
     store = kvstate.connect(server.unix_url, namespace="demo-1a2b")
     p, d, snd, rcv = live_room(store, 61)
-    (tmp_path / f"kvstate-demo-{os.getpid()}.json").write_text(json.dumps(
-        {"url": server.unix_url, "namespace": "demo-1a2b", "pid": os.getpid()}))
+    (tmp_path / f"kvstate-demo-{os.getpid()}.json").write_text(
+        json.dumps({"url": server.unix_url, "namespace": "demo-1a2b", "pid": os.getpid()})
+    )
     dead = subprocess.Popen(["true"])  # a pid that is not running any more
     dead.wait()
     time.sleep(0.05)
-    (tmp_path / f"kvstate-demo-{dead.pid}.json").write_text(json.dumps(
-        {"url": "redis://127.0.0.1:1", "namespace": "stale", "pid": dead.pid}))
-    env = {"XDG_RUNTIME_DIR": str(tmp_path), "KVSTATE_REDIS_URL": "",
-           "KVSTATE_NAMESPACE": ""}
+    (tmp_path / f"kvstate-demo-{dead.pid}.json").write_text(
+        json.dumps({"url": "redis://127.0.0.1:1", "namespace": "stale", "pid": dead.pid})
+    )
+    env = {"XDG_RUNTIME_DIR": str(tmp_path), "KVSTATE_REDIS_URL": "", "KVSTATE_NAMESPACE": ""}
     result = run("ls", "--json", env=env)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["count"] == 2
@@ -348,13 +378,18 @@ def test_show_and_ls_find_a_running_demo(redis_server_factory: Callable[..., Red
 
 
 def test_top_waits_for_redis_across_a_restart(
-        redis_server_factory: Callable[..., RedisProcess], tmp_path: Path) -> None:
+    redis_server_factory: Callable[..., RedisProcess], tmp_path: Path
+) -> None:
     server = redis_server_factory(port="auto")
     err = (tmp_path / "err").open("w+")
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
-    proc = subprocess.Popen([str(KVSTATE_BIN), "top", "--url", server.tcp_url,
-                             "--interval", "0.2"], stdout=subprocess.PIPE, stderr=err,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [str(KVSTATE_BIN), "top", "--url", server.tcp_url, "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        env=env,
+    )
     try:
         time.sleep(1.0)
         assert proc.poll() is None
@@ -413,8 +448,7 @@ def test_room_ids_are_ascii_digits(store: Store, redis_url: str) -> None:
     # a hand-written key with such a tag is not read as room 42 either
     store.client.set("kvstate:default:{4_2}:tx:ghost", "x", px=60_000)
     doc = json.loads(run("--url", redis_url, "ls", "--json").stdout)
-    assert sorted(p_["engine"] for p_ in doc["participants"]) == ["decode-b.tp0",
-                                                                 "prefill-a.tp0"]
+    assert sorted(p_["engine"] for p_ in doc["participants"]) == ["decode-b.tp0", "prefill-a.tp0"]
     p.close()
     d.close()
 
@@ -432,12 +466,14 @@ def acl_users(redis_server_factory: Callable[..., RedisProcess]) -> tuple[str, s
     admin.execute_command(*line.split())
     admin.close()
     base = f"127.0.0.1:{server.port}"
-    return (server.tcp_url, f"redis://kvstate-engine:eng-Pw_1@{base}",
-            f"redis://kvstate-operator:op-Pw_2@{base}")
+    return (
+        server.tcp_url,
+        f"redis://kvstate-engine:eng-Pw_1@{base}",
+        f"redis://kvstate-operator:op-Pw_2@{base}",
+    )
 
 
-def test_engine_user_degrades_operator_user_does_it_all(acl_users: tuple[str, str, str]
-                                                        ) -> None:
+def test_engine_user_degrades_operator_user_does_it_all(acl_users: tuple[str, str, str]) -> None:
     admin, engine, operator = acl_users
     store = kvstate.connect(engine)
     p, d, snd, rcv = live_room(store, 131)
@@ -462,8 +498,13 @@ def test_engine_user_degrades_operator_user_does_it_all(acl_users: tuple[str, st
     assert result.exit_code == 0 and acl["state"] == "ok", acl
     result = run("--url", operator, "audit", "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["notes"] == [], result.output
-    for args in (["show", "131"], ["ls"], ["engines"], ["top", "--once"],
-                 ["monitor", "--duration", "0.3", "--interval", "0.1"]):
+    for args in (
+        ["show", "131"],
+        ["ls"],
+        ["engines"],
+        ["top", "--once"],
+        ["monitor", "--duration", "0.3", "--interval", "0.1"],
+    ):
         result = run("--url", operator, *args)
         assert result.exit_code == 0, (args, result.output)
     result = run("--url", operator, "monitor", "--duration", "0.3", "--interval", "0.1")
@@ -478,8 +519,12 @@ def test_operator_acl_line_is_in_the_readme() -> None:
 
 
 def test_interval_floor(redis_url: str) -> None:
-    for args in (["top", "--interval", "0"], ["top", "--interval", "50ms"],
-                 ["monitor", "--interval", "0"], ["top", "--interval", "-1"]):
+    for args in (
+        ["top", "--interval", "0"],
+        ["top", "--interval", "50ms"],
+        ["monitor", "--interval", "0"],
+        ["top", "--interval", "-1"],
+    ):
         result = run("--url", redis_url, *args)
         assert result.exit_code == 2, (args, result.output)
         assert "--interval" in result.output
@@ -487,8 +532,7 @@ def test_interval_floor(redis_url: str) -> None:
 
 def test_long_engine_names_are_not_cut_at_80_columns(store: Store, redis_url: str) -> None:
     names = [f"prefill-node-with-a-long-hostname-0042.tp{i}" for i in (0, 1)]
-    mgrs = [kvstate.KVManager(store, "prefill", n, f"10.0.0.9:{i}")
-            for i, n in enumerate(names)]
+    mgrs = [kvstate.KVManager(store, "prefill", n, f"10.0.0.9:{i}") for i, n in enumerate(names)]
     for m in mgrs:
         m.sender(7).poll()
     for args in (["ls"], ["engines"], ["show", "7"]):

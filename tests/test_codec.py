@@ -55,8 +55,9 @@ def test_top_page_index_decodes() -> None:
         np.testing.assert_array_equal(decode_runs(encode_runs(as_indices(arr)), "k", "f"), arr)
 
 
-@pytest.mark.parametrize("pairs", [[(-1, 1)], [(0, 0)], [(5, -2)], [(MAX_INDEX, 2)],
-                                   [(0, 1), (MAX_INDEX - 1, 3)]])
+@pytest.mark.parametrize(
+    "pairs", [[(-1, 1)], [(0, 0)], [(5, -2)], [(MAX_INDEX, 2)], [(0, 1), (MAX_INDEX - 1, 3)]]
+)
 def test_bad_runs_are_corrupt(pairs: list[tuple[int, int]]) -> None:
     raw = np.array(pairs, dtype="<i4").tobytes()
     with pytest.raises(CorruptStateError):

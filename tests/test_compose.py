@@ -43,8 +43,11 @@ def option(args: list[str], name: str) -> str:
 
 
 def test_redis_keeps_state_and_reports_expiry(services: dict[str, dict[str, Any]]) -> None:
-    servers = [n for n, s in services.items() if argv(s)[:1] == ["redis-server"]
-               or "redis-server" in " ".join(argv(s))]
+    servers = [
+        n
+        for n, s in services.items()
+        if argv(s)[:1] == ["redis-server"] or "redis-server" in " ".join(argv(s))
+    ]
     assert "redis" in servers and len(servers) == 4
     for name in servers:
         cmd = " ".join(argv(services[name]))
@@ -53,9 +56,11 @@ def test_redis_keeps_state_and_reports_expiry(services: dict[str, dict[str, Any]
 
 
 def test_cluster_profile_has_three_primaries(services: dict[str, dict[str, Any]]) -> None:
-    nodes = [n for n, s in services.items()
-             if "cluster" in s.get("profiles", []) and "--cluster-enabled yes" in
-             " ".join(argv(s))]
+    nodes = [
+        n
+        for n, s in services.items()
+        if "cluster" in s.get("profiles", []) and "--cluster-enabled yes" in " ".join(argv(s))
+    ]
     assert len(nodes) == 3
     init = " ".join(argv(services["redis-cluster-init"]))
     assert "--cluster create" in init and "--cluster-replicas 0" in init
@@ -151,7 +156,7 @@ def test_secrets_come_from_the_user(services: dict[str, dict[str, Any]]) -> None
 def test_redis_command_requires_the_password(tmp_path: Path) -> None:
     """Run the redis service's own command with the real redis-server (on a free port
     and a temp file): without the password every command is refused."""
-    from kvstate.servers import find_redis_server, free_port
+    from kvstate.testing.servers import find_redis_server, free_port
 
     doc = yaml.safe_load(COMPOSE.read_text())
     cmd = argv(doc["services"]["redis"])
@@ -162,9 +167,12 @@ def test_redis_command_requires_the_password(tmp_path: Path) -> None:
     port = free_port()
     script += f" --port {port} --bind 127.0.0.1 --dir {tmp_path}"
     password = "pw-" + tmp_path.name
-    proc = subprocess.Popen(["sh", "-c", script], env={"REDIS_PASSWORD": password,
-                                                       "PATH": "/usr/bin:/bin"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["sh", "-c", script],
+        env={"REDIS_PASSWORD": password, "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         import redis
 
@@ -178,8 +186,10 @@ def test_redis_command_requires_the_password(tmp_path: Path) -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        with redis.Redis(port=port, socket_timeout=2) as c, \
-                pytest.raises(redis.AuthenticationError):
+        with (
+            redis.Redis(port=port, socket_timeout=2) as c,
+            pytest.raises(redis.AuthenticationError),
+        ):
             c.ping()
         with redis.Redis(port=port, password=password, socket_timeout=2) as c:
             assert c.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
@@ -194,6 +204,7 @@ def test_docker_compose_accepts_the_file() -> None:
     probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip("the docker compose plugin is not installed")
-    result = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "-q"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr

@@ -19,29 +19,31 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
-from kvstate.servers import RedisCluster, RedisProcess
 from kvstate.store import Store
+from kvstate.testing.servers import RedisCluster, RedisProcess
 from tests.helpers import PREFILL_ADDR, keys_of, managers
 
 # --------------------------------------------------------------------------- URLs
 
 
-@pytest.mark.parametrize("query, says", [
-    ("foo=bar", "unknown parameter 'foo'"),
-    ("socket_timeout=abc", "bad value 'abc' for 'socket_timeout'"),
-    ("socket_timeout=-1", "number of seconds > 0"),
-    ("call_timeout=inf", "number of seconds > 0"),
-    ("cluster=maybe", "use true or false"),
-    ("retries=x", "integer >= 0"),
-    ("db=1&db=2", "more than once"),
-    ("db=x", "integer >= 0"),
-    ("ssl_ca_certs=/ca.pem", "needs TLS"),
-    ("password=Secret-pw", "unknown parameter 'password'"),
-    ("cluster=true&db=3", "only database 0"),
-    ("a=1&&b", "malformed query"),
-])
-def test_bad_url_parameters_are_one_clear_line(redis_tcp_url: str, query: str,
-                                               says: str) -> None:
+@pytest.mark.parametrize(
+    "query, says",
+    [
+        ("foo=bar", "unknown parameter 'foo'"),
+        ("socket_timeout=abc", "bad value 'abc' for 'socket_timeout'"),
+        ("socket_timeout=-1", "number of seconds > 0"),
+        ("call_timeout=inf", "number of seconds > 0"),
+        ("cluster=maybe", "use true or false"),
+        ("retries=x", "integer >= 0"),
+        ("db=1&db=2", "more than once"),
+        ("db=x", "integer >= 0"),
+        ("ssl_ca_certs=/ca.pem", "needs TLS"),
+        ("password=Secret-pw", "unknown parameter 'password'"),
+        ("cluster=true&db=3", "only database 0"),
+        ("a=1&&b", "malformed query"),
+    ],
+)
+def test_bad_url_parameters_are_one_clear_line(redis_tcp_url: str, query: str, says: str) -> None:
     t0 = time.monotonic()
     with pytest.raises(InvalidURLError) as info:
         kvstate.connect(f"{redis_tcp_url}?{query}")
@@ -52,8 +54,7 @@ def test_bad_url_parameters_are_one_clear_line(redis_tcp_url: str, query: str,
 
 
 def test_supported_url_parameters_work(redis_tcp_url: str, redis_proc: RedisProcess) -> None:
-    url = (f"{redis_tcp_url}?socket_timeout=2&connect_timeout=1.5&call_timeout=4"
-           "&retries=1&db=3")
+    url = f"{redis_tcp_url}?socket_timeout=2&connect_timeout=1.5&call_timeout=4&retries=1&db=3"
     store = kvstate.connect(url, namespace="params", options=Options(retries=7))
     o = store.options
     assert (o.socket_timeout, o.connect_timeout, o.call_timeout, o.retries) == (2, 1.5, 4, 1)
@@ -102,8 +103,9 @@ def test_tls_against_a_plain_port_fails_fast(redis_tcp_url: str) -> None:
 
 
 def test_tls_url_with_parameters(redis_tls_url: str) -> None:
-    store = kvstate.connect(f"{redis_tls_url}&call_timeout=3&ssl_cert_reqs=required",
-                            namespace="tls")
+    store = kvstate.connect(
+        f"{redis_tls_url}&call_timeout=3&ssl_cert_reqs=required", namespace="tls"
+    )
     assert store.options.call_timeout == 3
     store.ping()
     store.close()
@@ -136,8 +138,12 @@ def test_bad_reason_is_a_specific_error(store: Store) -> None:
         with pytest.raises(InvalidArgumentError, match="Redis cannot store"):
             store.execute([store.command("HSET", store.keys.parts(1), args=["f", None])])
         with pytest.raises(InvalidArgumentError):
-            store.execute([store.poll(1, "tx", p.engine),
-                           store.command("HSET", store.keys.parts(1), args=["f", {}])])
+            store.execute(
+                [
+                    store.poll(1, "tx", p.engine),
+                    store.command("HSET", store.keys.parts(1), args=["f", {}]),
+                ]
+            )
         snd.clear()
         rcv.clear()
     assert keys_of(store) == []
@@ -147,8 +153,9 @@ def test_bad_reason_is_a_specific_error(store: Store) -> None:
 
 
 @pytest.mark.cluster
-def test_slot_left_mid_migration_says_so(redis_cluster_url: str,
-                                         redis_cluster: RedisCluster) -> None:
+def test_slot_left_mid_migration_says_so(
+    redis_cluster_url: str, redis_cluster: RedisCluster
+) -> None:
     """A slot marked MIGRATING on its owner (a resharding interrupted): new keys in it
     are redirected with ASK forever; the error names the migration and the fix."""
     store = kvstate.connect(redis_cluster_url, namespace="mig")
@@ -158,8 +165,7 @@ def test_slot_left_mid_migration_says_so(redis_cluster_url: str,
     other = next(n for n in redis_cluster.primaries() if n.port != owner.port)
     slot = int(store.client.keyslot(key))  # type: ignore[union-attr]
     with owner.client() as c:
-        c.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING",
-                          redis_cluster.node_id(other))
+        c.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", redis_cluster.node_id(other))
     try:
         p = kvstate.KVManager(store, "prefill", "p0")
         snd = p.sender(room)

@@ -1,7 +1,7 @@
 """``kvstate demo`` end to end: real worker processes, real UCX, real (embedded) Redis.
 
 Each run starts its own embedded redis-server (no URL in the environment), so these
-tests also cover the zero-setup path of SPEC section 7. Pages and pools are small so
+tests also cover the zero-setup path (docs/design.md, Zero setup). Pages and pools are small so
 a run takes seconds on 2 cores.
 """
 
@@ -37,17 +37,20 @@ AUTHKEY = "test-secret-" + os.urandom(8).hex()
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVSTATE_REDIS_URL",
-                                                              "KVSTATE_NAMESPACE",
-                                                              "KVSTATE_DEMO_AUTHKEY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KVSTATE_REDIS_URL", "KVSTATE_NAMESPACE", "KVSTATE_DEMO_AUTHKEY")
+    }
     env["COLUMNS"] = "120"
     env.update(extra)
     return env
 
 
 def run_demo(*args: str, timeout: float = 120) -> tuple[int, dict[str, Any], str]:
-    proc = subprocess.run([*_command(), *args, "--json"], capture_output=True, text=True,
-                          env=_env(), timeout=timeout)
+    proc = subprocess.run(
+        [*_command(), *args, "--json"], capture_output=True, text=True, env=_env(), timeout=timeout
+    )
     try:
         doc = json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -84,8 +87,19 @@ def test_demo_without_url_verifies_every_byte_and_leaves_no_key() -> None:
 
 
 def test_demo_killed_prefill_fails_its_rooms_by_lease_and_leaves_no_key() -> None:
-    rc, doc, err = run_demo("--requests", "40", "--prefill-workers", "2", "--decode-workers",
-                            "2", "--kill-prefill-after", "10", "--seed", "11", *SMALL)
+    rc, doc, err = run_demo(
+        "--requests",
+        "40",
+        "--prefill-workers",
+        "2",
+        "--decode-workers",
+        "2",
+        "--kill-prefill-after",
+        "10",
+        "--seed",
+        "11",
+        *SMALL,
+    )
     assert rc == 0, err
     killed = doc["killed"]
     assert killed in ("prefill-0", "prefill-1")
@@ -128,13 +142,23 @@ def test_demo_router_and_standalone_workers() -> None:
     """The docker-compose shape: a router serving its queues, workers attached by TCP."""
     addr = f"127.0.0.1:{_free_port()}"
     env = _env(KVSTATE_DEMO_AUTHKEY=AUTHKEY)
-    router = subprocess.Popen([*_command(), "--listen", addr, "--requests", "20", "--json",
-                               *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env)
-    workers = [subprocess.Popen([*_command(), "--worker", role, "--engine", f"{role}-0",
-                                 "--router", addr], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env=env)
-               for role in ("prefill", "decode")]
+    router = subprocess.Popen(
+        [*_command(), "--listen", addr, "--requests", "20", "--json", *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    workers = [
+        subprocess.Popen(
+            [*_command(), "--worker", role, "--engine", f"{role}-0", "--router", addr],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for role in ("prefill", "decode")
+    ]
     try:
         out, err = router.communicate(timeout=120)
         logs = [w.communicate(timeout=30)[1] for w in workers]
@@ -170,13 +194,16 @@ def test_pattern_differs_per_room_page_and_layer() -> None:
     assert big.shape == (4, 64)
 
 
-@pytest.mark.parametrize("args, text", [
-    (["--pages-per-request", "10-5"], "MIN <= MAX"),
-    (["--pages-per-request", "2000"], "do not fit a pool"),
-    (["--page-bytes", "100"], "multiple of 64"),
-    (["--kill-prefill-after", "3"], "--prefill-workers 2"),
-    (["--worker", "prefill"], "--engine and --router"),
-])
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        (["--pages-per-request", "10-5"], "MIN <= MAX"),
+        (["--pages-per-request", "2000"], "do not fit a pool"),
+        (["--page-bytes", "100"], "multiple of 64"),
+        (["--kill-prefill-after", "3"], "--prefill-workers 2"),
+        (["--worker", "prefill"], "--engine and --router"),
+    ],
+)
 def test_bad_options_are_refused_before_anything_starts(args: list[str], text: str) -> None:
     result = CliRunner().invoke(demo, args, env={"KVSTATE_REDIS_URL": None})
     assert result.exit_code == 2, result.output
@@ -202,8 +229,7 @@ def test_outcome_classification() -> None:
 
     job = Job(1, 4, "prefill-0", "a:1")
 
-    def track(rx: Result | None, tx: Result | None, abort: str = "",
-              dead: bool = False) -> str:
+    def track(rx: Result | None, tx: Result | None, abort: str = "", dead: bool = False) -> str:
         t = _Track(job, "decode-0", 0.0, abort, prefill_dead=dead)
         for r in (rx, tx):
             if r is not None:
@@ -226,10 +252,26 @@ def test_outcome_classification() -> None:
 @pytest.mark.slow
 def test_demo_load_two_by_two_with_every_fault() -> None:
     """The load shape (2 prefill x 2 decode, 16 KiB pages) with aborts and a kill at once."""
-    rc, doc, err = run_demo("--requests", "200", "--prefill-workers", "2", "--decode-workers",
-                            "2", "--pages-per-request", "4-64", "--pool-pages", "512",
-                            "--abort-rate", "0.1", "--kill-prefill-after", "100", "--seed", "5",
-                            "--inflight", "16")
+    rc, doc, err = run_demo(
+        "--requests",
+        "200",
+        "--prefill-workers",
+        "2",
+        "--decode-workers",
+        "2",
+        "--pages-per-request",
+        "4-64",
+        "--pool-pages",
+        "512",
+        "--abort-rate",
+        "0.1",
+        "--kill-prefill-after",
+        "100",
+        "--seed",
+        "5",
+        "--inflight",
+        "16",
+    )
     assert rc == 0, err
     o = doc["outcomes"]
     assert o["failed"] == o["corrupt"] == 0

@@ -27,9 +27,14 @@ NOISE = ("Traceback", "leaked semaphore", "KeyboardInterrupt", "resource_tracker
 def _start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     # A session of its own: killpg reaches the router and its workers, as Ctrl-C in a
     # terminal reaches the whole foreground process group.
-    return subprocess.Popen([*_command(), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env or _env(),
-                            start_new_session=True)
+    return subprocess.Popen(
+        [*_command(), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or _env(),
+        start_new_session=True,
+    )
 
 
 def _participants(url: str, ns: str) -> list[bytes]:
@@ -51,8 +56,12 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
             proc.communicate()
 
 
-def _check_interrupted(proc: subprocess.Popen[str], out: str, err: str, sig: signal.Signals,
-                       ) -> dict[str, Any]:
+def _check_interrupted(
+    proc: subprocess.Popen[str],
+    out: str,
+    err: str,
+    sig: signal.Signals,
+) -> dict[str, Any]:
     assert proc.returncode == 128 + sig, err
     for noise in NOISE:
         assert noise not in err + out, err
@@ -65,14 +74,16 @@ def _check_interrupted(proc: subprocess.Popen[str], out: str, err: str, sig: sig
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_the_group_clears_rooms_on_a_shared_redis(redis_url: str,
-                                                            sig: signal.Signals) -> None:
+def test_signal_to_the_group_clears_rooms_on_a_shared_redis(
+    redis_url: str, sig: signal.Signals
+) -> None:
     """SIGINT to the whole process group (Ctrl-C in a terminal), or SIGTERM to it (a
     service manager): no traceback or semaphore warning, a partial summary, exit 130 /
     143, and not one key of the run left on the shared server."""
     ns = "group-" + sig.name.lower()
-    proc = _start("--url", redis_url, "--namespace", ns, "--requests", "500", "--hold", "1",
-                  "--json", *SMALL)
+    proc = _start(
+        "--url", redis_url, "--namespace", ns, "--requests", "500", "--hold", "1", "--json", *SMALL
+    )
     try:
         assert wait_for(lambda: len(_participants(redis_url, ns)) >= 4, 60), "no rooms in flight"
         os.killpg(proc.pid, sig)
@@ -114,8 +125,7 @@ def test_hold_keeps_rooms_visible_to_the_cli() -> None:
         url, ns = found["url"], found["namespace"]
         assert wait_for(lambda: len(_participants(url, ns)) == 8, 60)
         cli = [sys.executable, "-m", "kvstate.cli", "--url", url, "--namespace", ns, "ls"]
-        listing = subprocess.run(cli, capture_output=True, text=True, timeout=60,
-                                 env=_env()).stdout
+        listing = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=_env()).stdout
     finally:
         out, err = _finish(proc)
     assert proc.returncode == 0, err
@@ -132,8 +142,13 @@ def test_a_password_url_stays_out_of_output_and_records(redis_server_factory: An
     password = "pw-" + os.urandom(6).hex()
     server = redis_server_factory(port="auto", password=password)
     assert password in server.tcp_url
-    proc = _start("--requests", "5", "--json", *SMALL,
-                  env=_env(KVSTATE_REDIS_URL=server.tcp_url, KVSTATE_NAMESPACE="pw"))
+    proc = _start(
+        "--requests",
+        "5",
+        "--json",
+        *SMALL,
+        env=_env(KVSTATE_REDIS_URL=server.tcp_url, KVSTATE_NAMESPACE="pw"),
+    )
     out, err = _finish(proc)
     assert proc.returncode == 0, err
     assert password not in out + err
@@ -151,19 +166,26 @@ def _free_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("key, text", [
-    (None, "need a shared secret: set KVSTATE_DEMO_AUTHKEY"),
-    ("kvstate-demo", "too weak (a published default)"),
-    ("short", "too weak (5 characters)"),
-])
+@pytest.mark.parametrize(
+    "key, text",
+    [
+        (None, "need a shared secret: set KVSTATE_DEMO_AUTHKEY"),
+        ("kvstate-demo", "too weak (a published default)"),
+        ("short", "too weak (5 characters)"),
+    ],
+)
 @pytest.mark.parametrize("mode", ["router", "worker"])
 def test_tcp_queues_need_a_secret(mode: str, key: str | None, text: str) -> None:
     """Pickles over TCP only with a secret the user set: refused before listening."""
-    args = (["--listen", _free_addr()] if mode == "router" else
-            ["--worker", "prefill", "--engine", "prefill-0", "--router", _free_addr()])
+    args = (
+        ["--listen", _free_addr()]
+        if mode == "router"
+        else ["--worker", "prefill", "--engine", "prefill-0", "--router", _free_addr()]
+    )
     env = _env(**({"KVSTATE_DEMO_AUTHKEY": key} if key else {}))
-    result = subprocess.run([*_command(), *args], capture_output=True, text=True, env=env,
-                            timeout=60)
+    result = subprocess.run(
+        [*_command(), *args], capture_output=True, text=True, env=env, timeout=60
+    )
     assert result.returncode == 2, result.stderr
     assert text in result.stderr and "Traceback" not in result.stderr
 

@@ -20,8 +20,8 @@ import pytest
 import kvstate
 from kvstate import KVPoll
 from kvstate.errors import StateConnectionError
-from kvstate.servers import RedisCluster, RedisProcess
 from kvstate.store import Store
+from kvstate.testing.servers import RedisCluster, RedisProcess
 from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -127,10 +127,12 @@ def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
     target: RedisProcess = cluster.primaries()[0]
     busy = rooms_on(store, target.port, 3000)
     elsewhere = [r for r in range(400) if port_of_room(store, r) != target.port][:40]
-    p = kvstate.KVManager(store, "prefill", "prefill-a.tp0", PREFILL_ADDR, lease=3.0,
-                          heartbeat_interval=0.1)
-    d = kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998", lease=3.0,
-                          heartbeat_interval=0.1)
+    p = kvstate.KVManager(
+        store, "prefill", "prefill-a.tp0", PREFILL_ADDR, lease=3.0, heartbeat_interval=0.1
+    )
+    d = kvstate.KVManager(
+        store, "decode", "decode-b.tp0", "10.0.0.2:8998", lease=3.0, heartbeat_interval=0.1
+    )
     out = Outcomes()
     with p, d:
         # Rooms caught mid-way by the failover: both sides created, receiver published.
@@ -169,8 +171,9 @@ def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
         for w in workers:
             w.join(60)
         assert not any(w.is_alive() for w in workers), "a worker hung"
-        done_after = sum(1 for r, at in out.finished_at.items()
-                         if at > t0 + failover_s and r in set(busy))
+        done_after = sum(
+            1 for r, at in out.finished_at.items() if at > t0 + failover_s and r in set(busy)
+        )
         assert done_before > 0 and done_after > 0, "no load around the failover"
         moved = errorstats(target).get("MOVED", 0) - moved_before
         assert moved > 0, "no call was redirected: the failover did not meet the load"
@@ -203,12 +206,14 @@ def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
     assert keys_of(store) == []
 
     window = [s for t, s in out.latencies if t0 - 0.5 <= t <= t0 + failover_s + 0.5]
-    print(f"\n[failover] failover_s={failover_s:.2f}, rooms={len(out.by_room)}, "
-          f"rooms_done_before={done_before}, busy_rooms_done_after={done_after}, "
-          f"moved_replies={moved}, failed_cleanly={len(failed)}, "
-          f"state_connection_errors={len(out.errors)}, calls_in_window={len(window)}, "
-          f"max_call_latency_in_window_s={max(window, default=0):.3f}, "
-          f"calls_over_100ms={sum(1 for s in window if s > 0.1)}")
+    print(
+        f"\n[failover] failover_s={failover_s:.2f}, rooms={len(out.by_room)}, "
+        f"rooms_done_before={done_before}, busy_rooms_done_after={done_after}, "
+        f"moved_replies={moved}, failed_cleanly={len(failed)}, "
+        f"state_connection_errors={len(out.errors)}, calls_in_window={len(window)}, "
+        f"max_call_latency_in_window_s={max(window, default=0):.3f}, "
+        f"calls_over_100ms={sum(1 for s in window if s > 0.1)}"
+    )
 
 
 def test_primary_killed_replica_takes_over(tmp_path) -> None:
@@ -225,10 +230,12 @@ def test_primary_killed_replica_takes_over(tmp_path) -> None:
         assert cluster.role(target) == "master" and str(target.port) in cluster.url
         busy = rooms_on(store, target.port, 30)
         other = [r for r in range(200) if port_of_room(store, r) != target.port][:10]
-        p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=10.0,
-                              heartbeat_interval=0.2)
-        d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:8998", lease=10.0,
-                              heartbeat_interval=0.2)
+        p = kvstate.KVManager(
+            store, "prefill", "p0", PREFILL_ADDR, lease=10.0, heartbeat_interval=0.2
+        )
+        d = kvstate.KVManager(
+            store, "decode", "d0", "10.0.0.2:8998", lease=10.0, heartbeat_interval=0.2
+        )
         with p, d:
             rooms = {r: (p.sender(r), d.receiver(r, PREFILL_ADDR)) for r in busy + other}
             for snd, rcv in rooms.values():
@@ -285,6 +292,8 @@ def test_primary_killed_replica_takes_over(tmp_path) -> None:
         store.close()
     finally:
         cluster.stop()
-    print(f"\n[primary-killed] recovered_after_s={recovered_s:.2f}, "
-          f"state_connection_errors={errors}, slowest_call_s={slowest:.2f}, "
-          f"new_connect_refused_after_s={refused_s:.2f}, rooms={results}")
+    print(
+        f"\n[primary-killed] recovered_after_s={recovered_s:.2f}, "
+        f"state_connection_errors={errors}, slowest_call_s={slowest:.2f}, "
+        f"new_connect_refused_after_s={refused_s:.2f}, rooms={results}"
+    )

@@ -32,8 +32,8 @@ from kvstate import KVPoll
 from kvstate.connection import Options
 from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.roles import STATE_LOST
-from kvstate.servers import RedisCluster, RedisProcess
 from kvstate.store import Store
+from kvstate.testing.servers import RedisCluster, RedisProcess
 from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of, room_keys, wait_for
 
 PASSWORD = "Fault-pw/9:x@y"  # needs quoting in a URL: redaction must still hide it
@@ -95,9 +95,15 @@ def three_managers(store: Store, **kw: Any) -> tuple[kvstate.KVManager, ...]:
     return p1, p2, d
 
 
-def two_sender_room(store: Store, p1: kvstate.KVManager, p2: kvstate.KVManager,
-                    d: kvstate.KVManager, room: int, variant: int,
-                    made: list[Any] | None = None) -> None:
+def two_sender_room(
+    store: Store,
+    p1: kvstate.KVManager,
+    p2: kvstate.KVManager,
+    d: kvstate.KVManager,
+    room: int,
+    variant: int,
+    made: list[Any] | None = None,
+) -> None:
     """One room whose receiver needs both senders; ``variant`` picks the ending:
     0 both senders finish (the receiver must see Success: no lost ack),
     1 the receiver clears early, then the senders finish (nothing may come back),
@@ -114,8 +120,15 @@ def two_sender_room(store: Store, p1: kvstate.KVManager, p2: kvstate.KVManager,
         rcv.clear()
         assert s1.finish_transfer() == KVPoll.Success
         assert s2.finish_transfer() == KVPoll.Success
-        gone = store.execute([store.command("EXISTS", store.keys.participant(room, "rx", d.engine),
-                                            store.keys.acks(room, d.engine))])[0]
+        gone = store.execute(
+            [
+                store.command(
+                    "EXISTS",
+                    store.keys.participant(room, "rx", d.engine),
+                    store.keys.acks(room, d.engine),
+                )
+            ]
+        )[0]
         assert gone == 0, f"room {room}: the cleared receiver or its acks came back"
     elif variant == 2:
         s2.abort("storm abort")
@@ -169,8 +182,7 @@ def test_restart_loses_state_clients_recover(redis_server_factory, transport: st
                 assert rcv.poll() == KVPoll.Success
             if stage == "failed":
                 s2.abort("before the restart")
-        assert all(store.client.exists(store.keys.participant(r, "tx", p1.engine))
-                   for r in parts)
+        assert all(store.client.exists(store.keys.participant(r, "tx", p1.engine)) for r in parts)
 
         t0 = time.monotonic()
         proc.restart()
@@ -211,8 +223,7 @@ def test_restart_loses_state_clients_recover(redis_server_factory, transport: st
         t0 = time.monotonic()
         assert wait_for(
             lambda: all(
-                (info := p.registry.get(p.engine)) is not None
-                and info.incarnation == p.incarnation
+                (info := p.registry.get(p.engine)) is not None and info.incarnation == p.incarnation
                 for p in (p1, p2, d)
             ),
             timeout=5.0,
@@ -227,9 +238,13 @@ def test_restart_loses_state_clients_recover(redis_server_factory, transport: st
         assert_every_key_has_ttl(store)
     assert keys_of(store) == []
     store.close()
-    report("restart", transport=transport, restart_s=f"{restart_s:.3f}",
-           first_call_after_restart_s=f"{first_call_s:.4f}",
-           reregistered_within_s=f"{reregister_s:.3f}")
+    report(
+        "restart",
+        transport=transport,
+        restart_s=f"{restart_s:.3f}",
+        first_call_after_restart_s=f"{first_call_s:.4f}",
+        reregistered_within_s=f"{reregister_s:.3f}",
+    )
 
 
 # --------------------------------------------------------------------------- CLIENT KILL
@@ -250,10 +265,12 @@ def _sum_stats(nodes: list[redis.Redis]) -> dict[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deployment", ["standalone", pytest.param("cluster",
-                                                                   marks=pytest.mark.cluster)])
-def test_client_kill_storm_no_double_effect(request: pytest.FixtureRequest,
-                                            redis_server_factory, deployment: str) -> None:
+@pytest.mark.parametrize(
+    "deployment", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
+)
+def test_client_kill_storm_no_double_effect(
+    request: pytest.FixtureRequest, redis_server_factory, deployment: str
+) -> None:
     """A thread runs CLIENT KILL TYPE normal (on every primary) every few ms while
     two-sender rooms run through create, publish, transfer, finish, abort and clear.
     The clients re-send what a kill cut off, sometimes a script or MULTI/EXEC the server
@@ -295,8 +312,9 @@ def test_client_kill_storm_no_double_effect(request: pytest.FixtureRequest,
             c.config_resetstat()
         conns = sum(int(c.info("stats")["total_connections_received"]) for c in nodes)
         t0 = time.monotonic()
-        with background(lambda: sum(int(c.client_kill_filter(_type="normal")) for c in nodes),
-                        pause=pause) as kills:
+        with background(
+            lambda: sum(int(c.client_kill_filter(_type="normal")) for c in nodes), pause=pause
+        ) as kills:
             room = 0  # at least `rooms` rooms, and on until the storm was strong enough
             while room < rooms or (min(kills) <= 100 and time.monotonic() - t0 < 30):
                 try:
@@ -306,8 +324,7 @@ def test_client_kill_storm_no_double_effect(request: pytest.FixtureRequest,
                 room += 1
         storm_s, rooms = time.monotonic() - t0, room
         stats = _sum_stats(nodes)
-        reconnects = sum(int(c.info("stats")["total_connections_received"])
-                         for c in nodes) - conns
+        reconnects = sum(int(c.info("stats")["total_connections_received"]) for c in nodes) - conns
         assert kills[0] > 100 and kills[1] > 100, f"the storm was too weak: {kills}"
         assert reconnects > 50, "kills did not cut kvstate's connections"
         assert len(failed) <= rooms // 15, f"{len(failed)} rooms failed: {failed[:3]}"
@@ -323,17 +340,26 @@ def test_client_kill_storm_no_double_effect(request: pytest.FixtureRequest,
     store.close()
     for c in nodes:
         c.close()
-    report("client-kill", deployment=deployment, rooms=rooms, storm_s=f"{storm_s:.2f}",
-           kill_commands=kills[0], connections_killed=kills[1], reconnects=reconnects,
-           rooms_failed_cleanly=len(failed),
-           evalsha_baseline=base.get("evalsha", 0), evalsha_storm=stats.get("evalsha", 0),
-           exec_baseline=base.get("exec", 0), exec_storm=stats.get("exec", 0))
+    report(
+        "client-kill",
+        deployment=deployment,
+        rooms=rooms,
+        storm_s=f"{storm_s:.2f}",
+        kill_commands=kills[0],
+        connections_killed=kills[1],
+        reconnects=reconnects,
+        rooms_failed_cleanly=len(failed),
+        evalsha_baseline=base.get("evalsha", 0),
+        evalsha_storm=stats.get("evalsha", 0),
+        exec_baseline=base.get("exec", 0),
+        exec_storm=stats.get("exec", 0),
+    )
 
 
-@pytest.mark.parametrize("deployment", ["standalone", pytest.param("cluster",
-                                                                   marks=pytest.mark.cluster)])
-def test_script_flush_storm_is_transparent(request: pytest.FixtureRequest,
-                                           deployment: str) -> None:
+@pytest.mark.parametrize(
+    "deployment", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
+)
+def test_script_flush_storm_is_transparent(request: pytest.FixtureRequest, deployment: str) -> None:
     """SCRIPT FLUSH every 2-8 ms on every primary while rooms run: the store reloads the
     scripts after NOSCRIPT and every operation still succeeds."""
     if deployment == "standalone":
@@ -369,8 +395,14 @@ def test_script_flush_storm_is_transparent(request: pytest.FixtureRequest,
     store.close()
     for c in nodes:
         c.close()
-    report("script-flush", deployment=deployment, rooms=rooms, flushes=flushes[0],
-           noscript_replies=noscript, seconds=f"{took:.2f}")
+    report(
+        "script-flush",
+        deployment=deployment,
+        rooms=rooms,
+        flushes=flushes[0],
+        noscript_replies=noscript,
+        seconds=f"{took:.2f}",
+    )
 
 
 # --------------------------------------------------------------------------- Redis down
@@ -383,10 +415,8 @@ def test_redis_down_raises_bounded_and_recovers(redis_server_factory, transport:
     proc = redis_server_factory(port="auto", password=PASSWORD)
     url = proc.unix_url if transport == "unix" else proc.tcp_url
     store = kvstate.connect(url, namespace="down")
-    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=1.0,
-                          heartbeat_interval=0.1)
-    d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=1.0,
-                          heartbeat_interval=0.1)
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=1.0, heartbeat_interval=0.1)
+    d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=1.0, heartbeat_interval=0.1)
     snd = p.sender(1)
     rcv = d.receiver(1, PREFILL_ADDR)
     rcv.init([1, 2])
@@ -441,9 +471,12 @@ def test_redis_down_raises_bounded_and_recovers(redis_server_factory, transport:
     close_s = time.monotonic() - t0
     assert keys_of(store) == []
     store.close()
-    report("redis-down", transport=transport,
-           **{k.replace(" ", "_") + "_s": f"{v:.3f}" for k, v in took.items()},
-           close_s=f"{close_s:.3f}")
+    report(
+        "redis-down",
+        transport=transport,
+        **{k.replace(" ", "_") + "_s": f"{v:.3f}" for k, v in took.items()},
+        close_s=f"{close_s:.3f}",
+    )
 
 
 def test_frozen_redis_times_out_bounded(redis_server_factory) -> None:
@@ -477,8 +510,12 @@ def test_frozen_redis_times_out_bounded(redis_server_factory) -> None:
     store.close()
     default = Options()
     worst = (default.retries + 1) * default.socket_timeout
-    report("frozen", gave_up_after_s=f"{frozen_s:.2f}", bound_s=f"{bound:.2f}",
-           default_options_worst_case_s=f"{worst:.0f}+backoff")
+    report(
+        "frozen",
+        gave_up_after_s=f"{frozen_s:.2f}",
+        bound_s=f"{bound:.2f}",
+        default_options_worst_case_s=f"{worst:.0f}+backoff",
+    )
 
 
 def test_cluster_url_down_raises_state_connection_error() -> None:
@@ -487,7 +524,7 @@ def test_cluster_url_down_raises_state_connection_error() -> None:
     RedisClusterException), redacted and bounded."""
     from urllib.parse import quote
 
-    from kvstate.servers import free_port
+    from kvstate.testing.servers import free_port
 
     url = f"redis+cluster://:{quote(PASSWORD, safe='')}@127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -512,8 +549,9 @@ def test_url_pointing_at_a_replica(redis_server_factory) -> None:
     writes: dict[str, Callable[[], object]] = {
         "register (MULTI/EXEC)": lambda: kvstate.KVManager(store, "prefill", "p0"),
         "create (script)": lambda: store.execute([store.create(1, "tx", "p0", {"peers": 1})]),
-        "batch (pipeline)": lambda: store.execute([store.create(1, "tx", "p0", {"peers": 1}),
-                                                   store.poll(1, "tx", "p0")]),
+        "batch (pipeline)": lambda: store.execute(
+            [store.create(1, "tx", "p0", {"peers": 1}), store.poll(1, "tx", "p0")]
+        ),
         "clear (MULTI/EXEC)": lambda: store.clear(1, "tx", "p0"),
     }
     for name, write in writes.items():
@@ -531,8 +569,7 @@ def test_redis_out_of_memory(redis_server_factory, caplog: pytest.LogCaptureFixt
     proc = redis_server_factory(port="auto")
     admin = admin_for(proc)
     store = kvstate.connect(proc.unix_url, namespace="oom")
-    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=0.3,
-                          heartbeat_interval=0.05)
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=0.3, heartbeat_interval=0.05)
     d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=5.0)
     snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
     rcv.init([1, 2])
@@ -558,8 +595,14 @@ def test_redis_out_of_memory(redis_server_factory, caplog: pytest.LogCaptureFixt
                 assert "out of memory" in str(exc) and "maxmemory" in str(exc), str(exc)
         assert outcomes["register"] == outcomes["new room"] == "refused", outcomes
         assert outcomes["poll"] == "ok", outcomes
-        assert wait_for(lambda: any("out of memory" in r.getMessage() for r in caplog.records
-                                    if r.name == "kvstate.roles"), 5.0)
+        assert wait_for(
+            lambda: any(
+                "out of memory" in r.getMessage()
+                for r in caplog.records
+                if r.name == "kvstate.roles"
+            ),
+            5.0,
+        )
         assert p._thread.is_alive(), "the heartbeat died on a refused registration"
         assert_every_key_has_ttl(store)
     finally:

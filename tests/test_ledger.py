@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import kvstate
-from kvstate.ledger import LEDGER_TTL_MS, Entry, Ledger, Monitor
-from kvstate.metrics import Metrics
+from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger, Monitor
+from kvstate.ops.metrics import Metrics
 from kvstate.poll import KVPoll
 from kvstate.store import Store
 from tests.helpers import wait_for
@@ -56,8 +56,12 @@ def expire_now(store: Store, key: str) -> None:
 
 def test_ledger_append_and_recent(store: Store) -> None:
     led = Ledger(store)
-    led.append([Entry("expired", 7, "tx", "e1", "Bootstrapping", 1200, "k1", "d"),
-                Entry("audit:stuck", None, "", "", "", None, "k2")])
+    led.append(
+        [
+            Entry("expired", 7, "tx", "e1", "Bootstrapping", 1200, "k1", "d"),
+            Entry("audit:stuck", None, "", "", "", None, "k2"),
+        ]
+    )
     got = led.recent(5)
     assert [e.event for e in got] == ["audit:stuck", "expired"]
     assert got[1].room == 7 and got[1].age_ms == 1200 and got[1].status == "Bootstrapping"
@@ -78,7 +82,9 @@ def test_expiry_event_records_last_status(store: Store, state_url: str) -> None:
     entries: list[Entry] = []
     assert wait_for(lambda: bool(entries.extend(mon.sweep())) or len(entries) >= 2, 5.0)
     assert sorted((e.side, e.status) for e in entries) == [
-        ("rx", "WaitingForInput"), ("tx", "WaitingForInput")]
+        ("rx", "WaitingForInput"),
+        ("tx", "WaitingForInput"),
+    ]
     assert all(e.room == 21 and e.age_ms is not None and e.age_ms >= 900 for e in entries)
     assert {e.key for e in Ledger(store).recent(10)} == set(keys)
     for m in mgrs:
@@ -114,7 +120,8 @@ def test_created_and_expired_between_sweeps_is_unknown(store: Store, state_url: 
     entries: list[Entry] = []
     assert wait_for(lambda: bool(entries.extend(mon.sweep())) or bool(entries), 5.0)
     assert [(e.room, e.side, e.engine, e.status) for e in entries] == [
-        (23, "tx", "prefill-a", "unknown")]
+        (23, "tx", "prefill-a", "unknown")
+    ]
     s.close()
     mon.events.close()
 
@@ -136,7 +143,9 @@ def test_without_notifications_the_deadline_rule_applies(redis_url: str) -> None
     entries: list[Entry] = []
     assert wait_for(lambda: bool(entries.extend(mon.sweep())) or len(entries) >= 2, 5.0)
     assert sorted((e.room, e.side, e.status) for e in entries) == [
-        (24, "rx", "WaitingForInput"), (24, "tx", "WaitingForInput")]
+        (24, "rx", "WaitingForInput"),
+        (24, "tx", "WaitingForInput"),
+    ]
     assert all("deadline" in e.detail for e in entries)
     for m in mgrs:
         m.close()
@@ -161,10 +170,27 @@ def test_monitor_subprocess_ledger_and_metrics(redis_url: str) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
     proc = subprocess.Popen(
-        [str(KVSTATE_BIN), "--url", redis_url, "monitor", "--metrics-port", str(port),
-         "--metrics-addr", "127.0.0.1", "--interval", "0.2", "--audit-interval", "0",
-         "--duration", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            str(KVSTATE_BIN),
+            "--url",
+            redis_url,
+            "monitor",
+            "--metrics-port",
+            str(port),
+            "--metrics-addr",
+            "127.0.0.1",
+            "--interval",
+            "0.2",
+            "--audit-interval",
+            "0",
+            "--duration",
+            "30",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()
@@ -178,8 +204,11 @@ def test_monitor_subprocess_ledger_and_metrics(redis_url: str) -> None:
         def counted() -> bool:  # one room, two participants
             text = scrape(port)
             m = re.search(r'kvstate_rooms_reaped_total\{status="WaitingForInput"\} (\S+)', text)
-            n = re.findall(r'kvstate_participants_reaped_total\{side="[tr]x",'
-                           r'status="WaitingForInput"\} 1\.0', text)
+            n = re.findall(
+                r'kvstate_participants_reaped_total\{side="[tr]x",'
+                r'status="WaitingForInput"\} 1\.0',
+                text,
+            )
             return m is not None and float(m[1]) == 1.0 and len(n) == 2
 
         assert wait_for(counted, 5.0), scrape(port)
@@ -212,7 +241,7 @@ def test_monitor_thread_with_metrics(store: Store, state_url: str) -> None:
         assert {e.status for e in led.recent(10)} == {"WaitingForInput"}
         text = metrics.render()
         assert b'kvstate_rooms_reaped_total{status="WaitingForInput"} 1.0' in text  # 1 room
-        assert text.count(b'kvstate_participants_reaped_total{side=') == 2
+        assert text.count(b"kvstate_participants_reaped_total{side=") == 2
         for m in mgrs:
             m.close()
         s.close()

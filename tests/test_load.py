@@ -18,11 +18,36 @@ from tests.helpers import PREFILL_ADDR, managers
 def test_demo_2000_requests_on_two_by_two_workers(redis_url: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTATE_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstate.demo", "--url", redis_url, "--requests", "2000",
-         "--prefill-workers", "2", "--decode-workers", "2", "--pages-per-request", "1-16",
-         "--page-bytes", "4k", "--abort-rate", "0.02", "--seed", "11", "--lease", "30",
-         "--timeout", "120", "--json"],
-        env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "kvstate.demo",
+            "--url",
+            redis_url,
+            "--requests",
+            "2000",
+            "--prefill-workers",
+            "2",
+            "--decode-workers",
+            "2",
+            "--pages-per-request",
+            "1-16",
+            "--page-bytes",
+            "4k",
+            "--abort-rate",
+            "0.02",
+            "--seed",
+            "11",
+            "--lease",
+            "30",
+            "--timeout",
+            "120",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.stdout.strip(), proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -41,7 +66,7 @@ def test_demo_2000_requests_on_two_by_two_workers(redis_url: str) -> None:
 
 
 def test_memory_per_in_flight_room_is_under_1_kib(redis_url: str) -> None:
-    """SPEC section 8: a 4096-page contiguous request, both sides created and published."""
+    """docs/design.md, Targets: a 4096-page contiguous request, both sides created and published."""
     store = kvstate.connect(redis_url, namespace="mem")
     p, d = managers(store)
     with p, d:
@@ -54,8 +79,11 @@ def test_memory_per_in_flight_room_is_under_1_kib(redis_url: str) -> None:
             snd.begin_transfer()
             parts.append((snd, rcv))
         c = store.client
-        total = sum(int(c.memory_usage(k, samples=0)) for r in range(100)
-                    for k in store.scan(store.keys.room_prefix(r) + "*"))
+        total = sum(
+            int(c.memory_usage(k, samples=0))
+            for r in range(100)
+            for k in store.scan(store.keys.room_prefix(r) + "*")
+        )
         per_room = total / 100
         print(f"Redis memory per in-flight room: {per_room:.0f} bytes")
         assert per_room <= 1024

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import kvstate
-from kvstate import metrics as metrics_mod
-from kvstate.audit import Auditor
-from kvstate.ledger import Monitor
-from kvstate.metrics import Metrics, MetricsPortError, read_transfer_totals
+from kvstate.ops import metrics as metrics_mod
+from kvstate.ops.audit import Auditor
+from kvstate.ops.ledger import Monitor
+from kvstate.ops.metrics import Metrics, MetricsPortError, read_transfer_totals
 from kvstate.poll import KVPoll
 
 ADDR = "10.0.0.1:8998"
@@ -53,7 +53,7 @@ def test_recorder_publishes_totals_another_process_reads(redis_url: str) -> None
     a TTL, and throttled (observe() alone writes at most once per flush interval)."""
     script = (
         "import sys, kvstate\n"
-        "from kvstate.metrics import TransferRecorder\n"
+        "from kvstate.ops.metrics import TransferRecorder\n"
         "store = kvstate.connect(sys.argv[1], 'm')\n"
         "rec = TransferRecorder(store, 'prefill-x', flush_interval=3600)\n"
         "for i in range(5): rec.observe(1 << 20, 0.004)\n"
@@ -81,9 +81,28 @@ def test_monitor_exports_the_demo_workers_transfers(redis_url: str) -> None:
     """Real transfers in other processes (a demo run against this Redis) show up in the
     monitor's export while they happen; the demo's summary reads the same counters."""
     ns = "mdemo"
-    cmd = [sys.executable, "-m", "kvstate.demo", "--url", redis_url, "--namespace", ns,
-           "--requests", "40", "--hold", "0.3", "--page-bytes", "4k", "--pool-pages", "256",
-           "--pages-per-request", "8-8", "--seed", "1", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstate.demo",
+        "--url",
+        redis_url,
+        "--namespace",
+        ns,
+        "--requests",
+        "40",
+        "--hold",
+        "0.3",
+        "--page-bytes",
+        "4k",
+        "--pool-pages",
+        "256",
+        "--pages-per-request",
+        "8-8",
+        "--seed",
+        "1",
+        "--json",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     store = kvstate.connect(redis_url, ns)
     m = Metrics()
@@ -114,16 +133,23 @@ def test_rooms_reaped_counts_rooms_not_participants(redis_url: str) -> None:
     m = Metrics()
     mon = Monitor(store, interval=0.2, metrics=m, notifications=True)
     mon.start()
-    with kvstate.KVManager(store, "prefill", "prefill-a", ADDR) as p, \
-            kvstate.KVManager(store, "decode", "decode-b") as d:
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-a", ADDR) as p,
+        kvstate.KVManager(store, "decode", "decode-b") as d,
+    ):
         snd, rcv = p.sender(7), d.receiver(7, ADDR)
         rcv.init(np.arange(4))
         assert snd.poll() == KVPoll.WaitingForInput
         mon.sweep()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(
-                (sample(m, "kvstate_participants_reaped_total", side=side,
-                        status="WaitingForInput") or 0) < 1 for side in ("tx", "rx")):
+            (
+                sample(m, "kvstate_participants_reaped_total", side=side, status="WaitingForInput")
+                or 0
+            )
+            < 1
+            for side in ("tx", "rx")
+        ):
             time.sleep(0.2)
             mon.sweep()
     mon.events.close()
@@ -141,9 +167,24 @@ def test_busy_metrics_port_is_a_clear_error(redis_url: str) -> None:
         with pytest.raises(MetricsPortError, match="already in use.*--metrics-port"):
             Metrics().serve(port, "127.0.0.1")
         result = subprocess.run(
-            [sys.executable, "-m", "kvstate.cli", "--url", redis_url, "monitor",
-             "--metrics-port", str(port), "--metrics-addr", "127.0.0.1", "--duration", "1"],
-            capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "kvstate.cli",
+                "--url",
+                redis_url,
+                "monitor",
+                "--metrics-port",
+                str(port),
+                "--metrics-addr",
+                "127.0.0.1",
+                "--duration",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert result.returncode == 2, result.stderr
     assert f"metrics port 127.0.0.1:{port} is already in use" in result.stderr
     assert "Traceback" not in result.stderr and "OSError" not in result.stderr
@@ -152,10 +193,11 @@ def test_busy_metrics_port_is_a_clear_error(redis_url: str) -> None:
 def test_sweep_sets_gauges(state_url: str) -> None:
     store = kvstate.connect(state_url)
     m = Metrics()
-    mon = Monitor(store, metrics=m, audit=lambda: Auditor(store).run().counts(),
-                  audit_interval=0)
-    with kvstate.KVManager(store, "prefill", "prefill-a", ADDR) as p, \
-            kvstate.KVManager(store, "decode", "decode-b") as d:
+    mon = Monitor(store, metrics=m, audit=lambda: Auditor(store).run().counts(), audit_interval=0)
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-a", ADDR) as p,
+        kvstate.KVManager(store, "decode", "decode-b") as d,
+    ):
         snd, rcv = p.sender(1), d.receiver(1, ADDR)
         rcv.init(np.arange(4))
         assert snd.poll() == KVPoll.WaitingForInput

@@ -23,8 +23,7 @@ def store(state_url: str) -> Iterator[Store]:
     s.close()
 
 
-def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str,
-                                                  spawn_ctx) -> None:
+def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, spawn_ctx) -> None:
     rooms = list(range(50, 70))
     racers = [f"tx-{i}" for i in range(4)]
     # the shared sender each racer updates, and two receivers needing 4 / 5 acks
@@ -34,13 +33,22 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str,
         for tx in ("shared", *racers):
             calls.append(store.create(room, "tx", tx, no_timeouts))
         for rx, peers in (("rx-4", 4), ("rx-5", 5)):
-            calls.append(store.create(room, "rx", rx, {"peers": peers, "bootstrap_timeout_ms": 0,
-                                                       "waiting_timeout_ms": 0}))
+            calls.append(
+                store.create(
+                    room,
+                    "rx",
+                    rx,
+                    {"peers": peers, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0},
+                )
+            )
     store.execute(calls)
     start, results = spawn_ctx.Event(), spawn_ctx.Queue()
-    procs = [spawn_ctx.Process(target=workers.race_updates,
-                               args=(state_url, "proc", name, rooms, seed, start, results))
-             for seed, name in enumerate(racers)]
+    procs = [
+        spawn_ctx.Process(
+            target=workers.race_updates, args=(state_url, "proc", name, rooms, seed, start, results)
+        )
+        for seed, name in enumerate(racers)
+    ]
     for proc in procs:
         proc.start()
     start.set()
@@ -73,8 +81,9 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
     lease = 1.0
     addr = "10.9.9.9:8998"
     ready = spawn_ctx.Event()
-    proc = spawn_ctx.Process(target=workers.prefill_engine,
-                             args=(state_url, "proc", "prefill-z.tp0", addr, lease, ready))
+    proc = spawn_ctx.Process(
+        target=workers.prefill_engine, args=(state_url, "proc", "prefill-z.tp0", addr, lease, ready)
+    )
     proc.start()
     try:
         assert ready.wait(60)
@@ -84,11 +93,17 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
             old.init([1, 2, 3])
             done = d.receiver(81, addr)
             done.init([4])
-            store.execute([  # the prefill engine's sender finished this one before dying
-                store.create(81, "tx", "prefill-z.tp0", {"peers": 1, "bootstrap_timeout_ms": 0,
-                                                         "waiting_timeout_ms": 0}),
-                store.finish(81, "prefill-z.tp0", ["decode-y.tp0"]),
-            ])
+            store.execute(
+                [  # the prefill engine's sender finished this one before dying
+                    store.create(
+                        81,
+                        "tx",
+                        "prefill-z.tp0",
+                        {"peers": 1, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0},
+                    ),
+                    store.finish(81, "prefill-z.tp0", ["decode-y.tp0"]),
+                ]
+            )
             assert done.poll() == KVPoll.Success
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(10)
@@ -102,8 +117,10 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
 
             # the engine comes back at the same address with a new incarnation
             ready2 = spawn_ctx.Event()
-            proc = spawn_ctx.Process(target=workers.prefill_engine,
-                                     args=(state_url, "proc", "prefill-z.tp0", addr, lease, ready2))
+            proc = spawn_ctx.Process(
+                target=workers.prefill_engine,
+                args=(state_url, "proc", "prefill-z.tp0", addr, lease, ready2),
+            )
             proc.start()
             assert ready2.wait(60)
             new = d.receiver(82, addr)

@@ -22,11 +22,11 @@ README = (ROOT / "README.md").read_text()
 def _section(title: str) -> str:
     start = README.index(f"## {title}\n")
     end = README.find("\n## ", start + 1)
-    return README[start:end if end >= 0 else None]
+    return README[start : end if end >= 0 else None]
 
 
 def _block(text: str, lang: str, after: str = "") -> str:
-    text = text[text.index(after):] if after else text
+    text = text[text.index(after) :] if after else text
     match = re.search(rf"```{lang}\n(.*?)```", text, re.S)
     assert match, f"no ```{lang} block"
     return match.group(1)
@@ -38,8 +38,14 @@ def test_using_it_example_runs_as_written(tmp_path: Path, redis_tcp_url: str) ->
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_NAMESPACE"}
     env["KVSTATE_REDIS_URL"] = redis_tcp_url
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            env=env, timeout=120, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "room 42: 64 pages moved and verified, state cleared" in result.stdout
     with redis.Redis.from_url(redis_tcp_url) as c:
@@ -55,8 +61,10 @@ def test_redis_cli_example_matches_what_the_code_writes(redis_url: str) -> None:
     shown_fields = re.findall(r'\d+\) "([^"]*)"', hgetall)[0::2]
 
     store = kvstate.connect(redis_url, namespace="prod", room_ttl=900)
-    with kvstate.KVManager(store, "prefill", "prefill-a.tp0", "10.0.0.1:8998") as p, \
-            kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998") as d:
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-a.tp0", "10.0.0.1:8998") as p,
+        kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998") as d,
+    ):
         rcv = d.receiver(42, "10.0.0.1:8998")
         rcv.init(np.arange(128, 192), prefix_len=16)
         snd = p.sender(42)
@@ -72,5 +80,6 @@ def test_redis_cli_example_matches_what_the_code_writes(redis_url: str) -> None:
     store.close()
     assert sorted(scan) == keys, f"README lists {sorted(scan)}, the code writes {keys}"
     assert sorted(shown_fields) == sorted(fields), (
-        f"README shows fields {shown_fields}; the code writes {raw!r}")
+        f"README shows fields {shown_fields}; the code writes {raw!r}"
+    )
     assert status == b"Transferring"

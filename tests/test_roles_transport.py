@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvstate
-from kvstate.metrics import read_transfer_totals
+from kvstate.ops.metrics import read_transfer_totals
 from kvstate.store import Store
 from tests import workers
 from tests.helpers import assert_every_key_has_ttl, keys_of
@@ -25,18 +25,38 @@ def store(redis_url: str) -> Iterator[Store]:
     s.close()
 
 
-def run(spawn_ctx, url: str, rooms_src: dict, decoders: list[tuple[str, dict, bool]],
-        stats: bool = False) -> tuple:
+def run(
+    spawn_ctx,
+    url: str,
+    rooms_src: dict,
+    decoders: list[tuple[str, dict, bool]],
+    stats: bool = False,
+) -> tuple:
     results = spawn_ctx.Queue()
-    pre = spawn_ctx.Process(target=workers.ucx_prefill, args=(
-        url, "ucx", "prefill-u.tp0", ADDR, rooms_src, len(decoders), LAYERS, PAGE, results,
-        None, stats))
+    pre = spawn_ctx.Process(
+        target=workers.ucx_prefill,
+        args=(
+            url,
+            "ucx",
+            "prefill-u.tp0",
+            ADDR,
+            rooms_src,
+            len(decoders),
+            LAYERS,
+            PAGE,
+            results,
+            None,
+            stats,
+        ),
+    )
     pre.start()
     procs = [pre]
     assert results.get(timeout=60) == ("ready", "prefill-u.tp0")
     for engine, rooms_dst, dummy in decoders:
-        p = spawn_ctx.Process(target=workers.ucx_decode, args=(
-            url, "ucx", engine, ADDR, rooms_dst, LAYERS, PAGE, dummy, results))
+        p = spawn_ctx.Process(
+            target=workers.ucx_decode,
+            args=(url, "ucx", engine, ADDR, rooms_dst, LAYERS, PAGE, dummy, results),
+        )
         p.start()
         procs.append(p)
     got = [results.get(timeout=120) for _ in procs]
@@ -51,8 +71,11 @@ def run(spawn_ctx, url: str, rooms_src: dict, decoders: list[tuple[str, dict, bo
 def check_pages(pool: list, src: list[int], dst: list[int]) -> None:
     for layer in range(LAYERS):
         for s, d in zip(src, dst, strict=True):
-            assert np.array_equal(pool[layer][d], workers.expected_page(layer, s, PAGE, 3)), \
-                (layer, s, d)
+            assert np.array_equal(pool[layer][d], workers.expected_page(layer, s, PAGE, 3)), (
+                layer,
+                s,
+                d,
+            )
 
 
 def untouched(pool: list, written: set[int]) -> None:
@@ -61,8 +84,9 @@ def untouched(pool: list, written: set[int]) -> None:
         assert not pool[layer][others].any()
 
 
-def test_contiguous_and_fragmented_pages_arrive_byte_exact(store: Store, redis_url: str,
-                                                           spawn_ctx) -> None:
+def test_contiguous_and_fragmented_pages_arrive_byte_exact(
+    store: Store, redis_url: str, spawn_ctx
+) -> None:
     rng = np.random.default_rng(7)
     frag_src = sorted(rng.choice(200, 40, replace=False).tolist())
     frag_dst = rng.choice(np.arange(100, 256), 40, replace=False).tolist()
@@ -78,8 +102,9 @@ def test_contiguous_and_fragmented_pages_arrive_byte_exact(store: Store, redis_u
     assert keys_of(store) == []
 
 
-def test_engine_publishes_transfer_counters_for_the_monitor(store: Store, redis_url: str,
-                                                           spawn_ctx) -> None:
+def test_engine_publishes_transfer_counters_for_the_monitor(
+    store: Store, redis_url: str, spawn_ctx
+) -> None:
     """KVManager(transfer_stats=True): send() counts what the transport moved, and the
     monitor's reader sees it from another process (issue: counters stayed 0)."""
     src = {1: list(range(0, 32)), 2: list(range(40, 50))}
@@ -98,9 +123,16 @@ def test_engine_publishes_transfer_counters_for_the_monitor(store: Store, redis_
 def test_two_receivers_and_a_dummy(store: Store, redis_url: str, spawn_ctx) -> None:
     src = {5: [3, 4, 5, 9, 11]}
     a, b = {5: [20, 21, 22, 40, 41]}, {5: [7, 1, 2, 3, 100]}
-    prefill, decode = run(spawn_ctx, redis_url, src, [
-        ("decode-a.tp0", a, False), ("decode-b.tp0", b, False), ("decode-c.tp0", {5: []}, True),
-    ])
+    prefill, decode = run(
+        spawn_ctx,
+        redis_url,
+        src,
+        [
+            ("decode-a.tp0", a, False),
+            ("decode-b.tp0", b, False),
+            ("decode-c.tp0", {5: []}, True),
+        ],
+    )
     assert prefill[5][0] == "Success"
     for engine, dst in (("decode-a.tp0", a), ("decode-b.tp0", b)):
         states, pool = decode[engine]
@@ -117,15 +149,30 @@ def test_receiver_killed_before_the_write_fails_the_room_with_a_reason(
     store: Store, redis_url: str, spawn_ctx
 ) -> None:
     results, go = spawn_ctx.Queue(), spawn_ctx.Event()
-    pre = spawn_ctx.Process(target=workers.ucx_prefill, args=(
-        redis_url, "ucx", "prefill-u.tp0", ADDR, {9: [1, 2, 3]}, 1, LAYERS, PAGE, results, go))
+    pre = spawn_ctx.Process(
+        target=workers.ucx_prefill,
+        args=(
+            redis_url,
+            "ucx",
+            "prefill-u.tp0",
+            ADDR,
+            {9: [1, 2, 3]},
+            1,
+            LAYERS,
+            PAGE,
+            results,
+            go,
+        ),
+    )
     pre.start()
     assert results.get(timeout=60) == ("ready", "prefill-u.tp0")
     # its own queue: a process SIGKILLed while its queue feeder thread holds the queue's
     # lock would leave a shared queue locked for everyone else
     published = spawn_ctx.Queue()
-    dec = spawn_ctx.Process(target=workers.ucx_decode_hang, args=(
-        redis_url, "ucx", "decode-k.tp0", ADDR, 9, [4, 5, 6], LAYERS, PAGE, published))
+    dec = spawn_ctx.Process(
+        target=workers.ucx_decode_hang,
+        args=(redis_url, "ucx", "decode-k.tp0", ADDR, 9, [4, 5, 6], LAYERS, PAGE, published),
+    )
     dec.start()
     assert published.get(timeout=60) == ("published", "decode-k.tp0")
     dec.kill()  # SIGKILL after publishing, before the sender writes

@@ -1,5 +1,5 @@
 """Security on real servers: a least-privilege ACL user, TLS, secrets kept out of every
-output (SPEC rule 8), and hostile input through the API on a Cluster too (rule 7;
+output (design rule 8), and hostile input through the API on a Cluster too (rule 7;
 tests/test_bad_input.py covers the standalone basics)."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from kvstate.errors import (
     KVStateError,
     StateConnectionError,
 )
-from kvstate.servers import RedisProcess, make_test_certs
 from kvstate.store import Store
+from kvstate.testing.servers import RedisProcess, make_test_certs
 from tests.helpers import PREFILL_ADDR, keys_of, wait_for
 
 # --------------------------------------------------------------------------- ACL
@@ -68,8 +68,7 @@ def setuser(admin: redis.Redis, line: str, ns: str, password: str = ACL_PASSWORD
     admin.execute_command(*line.format(password=password, ns=ns).split())
 
 
-def user_url(proc: RedisProcess, user: str = "kvstate-engine",
-             password: str = ACL_PASSWORD) -> str:
+def user_url(proc: RedisProcess, user: str = "kvstate-engine", password: str = ACL_PASSWORD) -> str:
     return f"redis://{user}:{quote(password, safe='')}@127.0.0.1:{proc.port}"
 
 
@@ -80,11 +79,19 @@ def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:
     store = kvstate.connect(url, namespace=ns)
     made: list[kvstate.KVManager] = []
     try:
-        p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=1.0,
-                              heartbeat_interval=0.03, bootstrap_timeout=0.1)
+        p = kvstate.KVManager(
+            store,
+            "prefill",
+            "p0",
+            PREFILL_ADDR,
+            lease=1.0,
+            heartbeat_interval=0.03,
+            bootstrap_timeout=0.1,
+        )
         made.append(p)
-        d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=1.0,
-                              heartbeat_interval=0.03)
+        d = kvstate.KVManager(
+            store, "decode", "d0", "10.0.0.2:1", lease=1.0, heartbeat_interval=0.03
+        )
         made.append(d)
         snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
         assert rcv.init(np.arange(8), aux_index=1) == KVPoll.WaitingForInput
@@ -131,8 +138,12 @@ def engine_denials(admin: redis.Redis) -> list[dict]:
     """ACL LOG entries of the engine user. Before Redis 7.2 there is no CLIENT SETINFO,
     which redis-py sends on connect and whose refusal it ignores: not kvstate's."""
     version = tuple(int(x) for x in admin.info("server")["redis_version"].split(".")[:2])
-    return [e for e in admin.acl_log() if e.get("username") == "kvstate-engine"
-            and not (version < (7, 2) and e.get("object") == "client")]
+    return [
+        e
+        for e in admin.acl_log()
+        if e.get("username") == "kvstate-engine"
+        and not (version < (7, 2) and e.get("object") == "client")
+    ]
 
 
 @pytest.fixture
@@ -185,8 +196,9 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
     om = kvstate.KVManager(owner, "prefill", "victim", PREFILL_ADDR)
     victim = om.sender(5)
     victim.poll()
-    before = {k: owner.client.hgetall(k) for k in keys_of(owner)
-              if ":engines_at:" not in k}  # hashes only; the address index is a zset
+    before = {
+        k: owner.client.hgetall(k) for k in keys_of(owner) if ":engines_at:" not in k
+    }  # hashes only; the address index is a zset
 
     url = user_url(proc)
     foreign = kvstate.connect(url, namespace="other")  # PING and SCRIPT LOAD are allowed
@@ -195,8 +207,9 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
         "poll": lambda: foreign.execute([foreign.poll(5, "tx", "victim")]),
         "abort": lambda: foreign.abort(5, "hijack"),
         "clear": lambda: foreign.clear(5, "tx", "victim"),
-        "batch": lambda: foreign.execute([foreign.poll(5, "tx", "victim"),
-                                          foreign.update(5, "tx", "victim", KVPoll.Failed)]),
+        "batch": lambda: foreign.execute(
+            [foreign.poll(5, "tx", "victim"), foreign.update(5, "tx", "victim", KVPoll.Failed)]
+        ),
     }
     for name, attempt in attempts.items():
         with pytest.raises(StateConnectionError) as info:
@@ -207,9 +220,17 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
         assert "ACL SETUSER" in text and ACL_PASSWORD not in text
     # Outside kvstate: no other keys, no dangerous commands.
     raw = redis.Redis.from_url(url)
-    for command in (("GET", "somekey"), ("HGETALL", next(iter(before))), ("FLUSHALL",),
-                    ("KEYS", "*"), ("CONFIG", "GET", "*"), ("SCRIPT", "FLUSH"),
-                    ("ACL", "WHOAMI"), ("SUBSCRIBE", "x"), ("SHUTDOWN",)):
+    for command in (
+        ("GET", "somekey"),
+        ("HGETALL", next(iter(before))),
+        ("FLUSHALL",),
+        ("KEYS", "*"),
+        ("CONFIG", "GET", "*"),
+        ("SCRIPT", "FLUSH"),
+        ("ACL", "WHOAMI"),
+        ("SUBSCRIBE", "x"),
+        ("SHUTDOWN",),
+    ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             raw.execute_command(*command)
     with pytest.raises(redis.ResponseError, match="can't run this command"):
@@ -218,8 +239,7 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
     with pytest.raises(redis.exceptions.NoPermissionError):
         raw.eval("return redis.call('DEL', KEYS[1])", 1, next(iter(before)))
     raw.close()
-    assert {k: owner.client.hgetall(k) for k in keys_of(owner)
-            if ":engines_at:" not in k} == before
+    assert {k: owner.client.hgetall(k) for k in keys_of(owner) if ":engines_at:" not in k} == before
     # The same user does its own namespace's work.
     own = kvstate.connect(url, namespace="acl")
     with kvstate.KVManager(own, "prefill", "p0") as mine:
@@ -292,8 +312,9 @@ def tls_lifecycle(url: str) -> None:
     store.close()
 
 
-def test_tls_lifecycle_and_refusals(redis_tls_url: str, redis_tls_proc: RedisProcess,
-                                    tmp_path: Path) -> None:
+def test_tls_lifecycle_and_refusals(
+    redis_tls_url: str, redis_tls_proc: RedisProcess, tmp_path: Path
+) -> None:
     """rediss:// with ``?ssl_ca_certs=<ca.pem>`` (redis-py reads the query) runs a whole
     lifecycle; a certificate from another CA, no CA at all, or plain text to the TLS
     port each fail at connect() with a StateConnectionError, quickly."""
@@ -341,8 +362,9 @@ def exception_text(exc: BaseException) -> str:
 
 
 @pytest.mark.slow
-def test_password_never_shown(redis_server_factory, caplog: pytest.LogCaptureFixture,
-                              tmp_path: Path) -> None:
+def test_password_never_shown(
+    redis_server_factory, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     """A lifecycle, failures, a dead server, the monitor's metrics and the CLI, all with a
     password URL (requirepass and an ACL user): the password appears in no log line at
     DEBUG (kvstate and redis-py), exception, traceback, repr, metric or CLI output."""
@@ -361,17 +383,21 @@ def test_password_never_shown(redis_server_factory, caplog: pytest.LogCaptureFix
     for label, url in urls.items():
         store = kvstate.connect(url, namespace="sec")
         assert redact(url) == store.url and "***" in store.url
-        p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=0.6,
-                              heartbeat_interval=0.05)
-        d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=0.6,
-                              heartbeat_interval=0.05)
+        p = kvstate.KVManager(
+            store, "prefill", "p0", PREFILL_ADDR, lease=0.6, heartbeat_interval=0.05
+        )
+        d = kvstate.KVManager(
+            store, "decode", "d0", "10.0.0.2:1", lease=0.6, heartbeat_interval=0.05
+        )
         snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
         rcv.init([1, 2, 3])
         snd.poll()
         rcv.abort("operator abort")
         err = snd.failure_exception()
-        seen += [(f"{label} repr", repr(x)) for x in (store, p, d, snd, rcv, store.client,
-                                                      store.client.connection_pool)]
+        seen += [
+            (f"{label} repr", repr(x))
+            for x in (store, p, d, snd, rcv, store.client, store.client.connection_pool)
+        ]
         seen.append((f"{label} KVTransferError", exception_text(err)))
         rcv.clear()
         # Wrong password, and an ACL refusal, through the same URL shapes.
@@ -391,16 +417,14 @@ def test_password_never_shown(redis_server_factory, caplog: pytest.LogCaptureFix
 
     # A dead server: calls fail, heartbeats log their warnings, then all recovers.
     store = kvstate.connect(urls["tcp requirepass"], namespace="sec")
-    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=0.6,
-                          heartbeat_interval=0.05)
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=0.6, heartbeat_interval=0.05)
     snd = p.sender(2)
     snd.poll()
     proc.kill()
     with pytest.raises(StateConnectionError) as info:
         snd.poll()
     seen.append(("dead server", exception_text(info.value)))
-    assert wait_for(lambda: any("heartbeat of p0" in r.getMessage() for r in caplog.records),
-                    5.0)
+    assert wait_for(lambda: any("heartbeat of p0" in r.getMessage() for r in caplog.records), 5.0)
     proc.restart()
     with proc.client() as admin:
         setuser(admin, ENGINE_ACL, "sec", password=SECRET)  # ACL users live in memory
@@ -408,8 +432,8 @@ def test_password_never_shown(redis_server_factory, caplog: pytest.LogCaptureFix
     assert snd.poll() == KVPoll.Failed and "state lost" in snd._reason
 
     # Metrics from the monitor, over the same password URL.
-    from kvstate.ledger import Monitor
-    from kvstate.metrics import Metrics
+    from kvstate.ops.ledger import Monitor
+    from kvstate.ops.metrics import Metrics
 
     metrics = Metrics()
     monitor = Monitor(store, interval=0.1, metrics=metrics, notifications=True)
@@ -423,19 +447,30 @@ def test_password_never_shown(redis_server_factory, caplog: pytest.LogCaptureFix
     cli = [str(Path(sys.executable).with_name("kvstate"))]
     runs = [
         (["--url", urls["tcp requirepass"], "--namespace", "sec", "engines"], env),
-        (["--namespace", "sec", "ls", "--json"],
-         {**env, "KVSTATE_REDIS_URL": urls["tcp acl user"]}),
+        (
+            ["--namespace", "sec", "ls", "--json"],
+            {**env, "KVSTATE_REDIS_URL": urls["tcp acl user"]},
+        ),
         (["--url", urls["tcp requirepass"], "--namespace", "sec", "show", "2"], env),
         (["--url", urls["tcp requirepass"], "doctor"], env),
         (["--url", urls["tcp requirepass"], "audit"], env),
-        (["--url", urls["tcp requirepass"].replace(quote(SECRET, safe=""), "nope"), "engines"],
-         env),
+        (
+            ["--url", urls["tcp requirepass"].replace(quote(SECRET, safe=""), "nope"), "engines"],
+            env,
+        ),
         (["--url", f"redis://:{quote(SECRET, safe='')}@127.0.0.1:1", "engines"], env),
     ]
     codes = []
     for args, run_env in runs:
-        done = subprocess.run(cli + args, capture_output=True, text=True, timeout=60,
-                              env=run_env, stdin=subprocess.DEVNULL, check=False)
+        done = subprocess.run(
+            cli + args,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=run_env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
         codes.append(done.returncode)
         seen.append((f"cli {args[-1]}", done.stdout + done.stderr))
     assert codes[:2] == [0, 0] and codes[-1] != 0 and codes[-2] != 0, codes
@@ -448,8 +483,10 @@ def test_password_never_shown(redis_server_factory, caplog: pytest.LogCaptureFix
     assert any(w.startswith("log kvstate") for w, _ in seen)  # we did capture kvstate logs
     for where, text in seen:
         no_secret(text, where)
-    print(f"\n[secrets] checked {len(seen)} outputs, {len(caplog.records)} log records, "
-          f"CLI exit codes {codes}")
+    print(
+        f"\n[secrets] checked {len(seen)} outputs, {len(caplog.records)} log records, "
+        f"CLI exit codes {codes}"
+    )
 
 
 # --------------------------------------------------------------------------- bad input
@@ -466,18 +503,43 @@ def snapshot(store: Store) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in keys_of(store):
         kind = store.client.type(key).decode()
-        out[key] = (kind, store.client.pttl(key) > 0,
-                    store.client.hgetall(key) if kind == "hash" else None)
+        out[key] = (
+            kind,
+            store.client.pttl(key) > 0,
+            store.client.hgetall(key) if kind == "hash" else None,
+        )
     return out
 
 
-ODD_NAMES = ["", " ", "a b", "a\nb", "a\rb", "tab\there", "nul\x00", "x{1}", "{}", "ns*",
-             "ns?", "kvstate:*", "a,b", "é", "ß", "a" * 201, None, 5, b"bytes"]
+ODD_NAMES = [
+    "",
+    " ",
+    "a b",
+    "a\nb",
+    "a\rb",
+    "tab\there",
+    "nul\x00",
+    "x{1}",
+    "{}",
+    "ns*",
+    "ns?",
+    "kvstate:*",
+    "a,b",
+    "é",
+    "ß",
+    "a" * 201,
+    None,
+    5,
+    b"bytes",
+]
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("ns", [n for n in ODD_NAMES if n is not None]
-                         + ["a" * 65, "a:b", "a/b", "a@b", "[ab", "../up"], ids=repr)
+@pytest.mark.parametrize(
+    "ns",
+    [n for n in ODD_NAMES if n is not None] + ["a" * 65, "a:b", "a/b", "a@b", "[ab", "../up"],
+    ids=repr,
+)
 def test_odd_namespaces_on_cluster(redis_cluster_url: str, ns: object) -> None:
     with pytest.raises(InvalidNameError) as info:
         kvstate.connect(redis_cluster_url, namespace=ns)  # type: ignore[arg-type]
@@ -489,8 +551,10 @@ def test_odd_names_through_the_api_on_cluster(cstore: Store) -> None:
     """Engine ids, bootstrap addresses and sender lists with characters a key cannot
     carry (whitespace, braces that would change the hash slot, glob characters, NUL)
     are refused by name, and nothing is written."""
-    with kvstate.KVManager(cstore, "prefill", "p0", PREFILL_ADDR) as p, \
-            kvstate.KVManager(cstore, "decode", "d0", "10.0.0.2:1") as d:
+    with (
+        kvstate.KVManager(cstore, "prefill", "p0", PREFILL_ADDR) as p,
+        kvstate.KVManager(cstore, "decode", "d0", "10.0.0.2:1") as d,
+    ):
         snd = p.sender(1)
         snd.poll()
         before = snapshot(cstore)
@@ -513,22 +577,41 @@ def test_odd_names_through_the_api_on_cluster(cstore: Store) -> None:
         snd.clear()
 
 
-BAD_ROOMS = [None, -1, -(2**63), 1.5, 2**63, 2**64, 2**200, "3", True, b"3", np.float64(3),
-             [3], float("nan")]
+BAD_ROOMS = [
+    None,
+    -1,
+    -(2**63),
+    1.5,
+    2**63,
+    2**64,
+    2**200,
+    "3",
+    True,
+    b"3",
+    np.float64(3),
+    [3],
+    float("nan"),
+]
 
 
 @pytest.mark.cluster
 def test_bad_rooms_on_cluster(cstore: Store) -> None:
-    with kvstate.KVManager(cstore, "prefill", "p0", PREFILL_ADDR) as p, \
-            kvstate.KVManager(cstore, "decode", "d0", "10.0.0.2:1") as d:
+    with (
+        kvstate.KVManager(cstore, "prefill", "p0", PREFILL_ADDR) as p,
+        kvstate.KVManager(cstore, "decode", "d0", "10.0.0.2:1") as d,
+    ):
         snd = p.sender(2**63 - 1)  # the largest room is fine
         assert snd.poll() == KVPoll.Bootstrapping
         before = snapshot(cstore)
         for room in BAD_ROOMS:
-            for call in (lambda r=room: p.sender(r), lambda r=room: d.receiver(r, PREFILL_ADDR),
-                         lambda r=room: p.poll_many([1, r]), lambda r=room: cstore.abort(r, "x"),
-                         lambda r=room: cstore.poll(r, "tx", "p0"),
-                         lambda r=room: cstore.clear(r, "tx", "p0")):
+            for call in (
+                lambda r=room: p.sender(r),
+                lambda r=room: d.receiver(r, PREFILL_ADDR),
+                lambda r=room: p.poll_many([1, r]),
+                lambda r=room: cstore.abort(r, "x"),
+                lambda r=room: cstore.poll(r, "tx", "p0"),
+                lambda r=room: cstore.clear(r, "tx", "p0"),
+            ):
                 with pytest.raises(InvalidRoomError):
                     call()
         assert snapshot(cstore) == before
@@ -540,13 +623,25 @@ def test_bad_indices_on_cluster(cstore: Store) -> None:
     """Page-index arrays that do not fit (over int32, negative, wrong dtype or shape),
     and aux/prefix values too large to store, are refused before anything is written."""
     bad_pages: list[object] = [
-        np.array([2**31]), np.array([2**40]), np.array([2**63], dtype=np.uint64), [2**64],
-        np.arange(2**31 - 2, 2**31 + 1), np.array([-1], dtype=np.int8), [1, -(2**31)],
-        np.zeros((2, 2), dtype=np.int32), np.array([1.0]), np.array(["1"]),
-        np.array([None]), 5, "12", None,
+        np.array([2**31]),
+        np.array([2**40]),
+        np.array([2**63], dtype=np.uint64),
+        [2**64],
+        np.arange(2**31 - 2, 2**31 + 1),
+        np.array([-1], dtype=np.int8),
+        [1, -(2**31)],
+        np.zeros((2, 2), dtype=np.int32),
+        np.array([1.0]),
+        np.array(["1"]),
+        np.array([None]),
+        5,
+        "12",
+        None,
     ]
-    with kvstate.KVManager(cstore, "prefill", "p0", PREFILL_ADDR) as p, \
-            kvstate.KVManager(cstore, "decode", "d0", "10.0.0.2:1") as d:
+    with (
+        kvstate.KVManager(cstore, "prefill", "p0", PREFILL_ADDR) as p,
+        kvstate.KVManager(cstore, "decode", "d0", "10.0.0.2:1") as d,
+    ):
         snd = p.sender(3)
         rcv = d.receiver(3, PREFILL_ADDR)
         assert rcv.init([7, 8]) == KVPoll.WaitingForInput
@@ -558,10 +653,18 @@ def test_bad_indices_on_cluster(cstore: Store) -> None:
             if pages is not None:  # no state indices at all is fine
                 with pytest.raises(InvalidIndicesError):
                     rcv.init([1], state_indices=pages)
-        for kw in ({"aux_index": -1}, {"aux_index": 2**31}, {"aux_index": 2**70},
-                   {"aux_index": True}, {"aux_index": 1.0}, {"prefix_len": -1},
-                   {"prefix_len": 2**63}, {"prefix_len": 2**70}, {"prefix_len": True},
-                   {"prefix_len": "5"}):
+        for kw in (
+            {"aux_index": -1},
+            {"aux_index": 2**31},
+            {"aux_index": 2**70},
+            {"aux_index": True},
+            {"aux_index": 1.0},
+            {"prefix_len": -1},
+            {"prefix_len": 2**63},
+            {"prefix_len": 2**70},
+            {"prefix_len": True},
+            {"prefix_len": "5"},
+        ):
             with pytest.raises(InvalidIndicesError):
                 rcv.init([1], **kw)  # type: ignore[arg-type]
         for n in (-1, "3", 1.5, None):

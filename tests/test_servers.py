@@ -1,4 +1,4 @@
-"""The local Redis layer the rest of the suite stands on (kvstate.servers + fixtures)."""
+"""The local Redis layer the rest of the suite stands on (kvstate.testing.servers + fixtures)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstate import servers
-from kvstate.servers import RedisCluster, RedisProcess
+from kvstate.testing import servers
+from kvstate.testing.servers import RedisCluster, RedisProcess
 
 
 def test_process_starts_answers_and_restart_empties_it(
@@ -57,7 +57,7 @@ def test_dies_with_parent(tmp_path: Path) -> None:
     """A parent that is SIGKILLed cannot leave its redis-server behind."""
     code = (
         "import sys, time\n"
-        "from kvstate.servers import RedisProcess\n"
+        "from kvstate.testing.servers import RedisProcess\n"
         "p = RedisProcess(sys.argv[1]).start()\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"

@@ -92,8 +92,9 @@ def get(q: Any, kind: str, timeout: float = 60.0) -> tuple:
 
 
 @pytest.mark.parametrize("ranks,seed", [(2, 1), (4, 2)])
-def test_tp_ranks_registering_late_in_random_order(store: Store, state_url: str,
-                                                   procs: Procs, ranks: int, seed: int) -> None:
+def test_tp_ranks_registering_late_in_random_order(
+    store: Store, state_url: str, procs: Procs, ranks: int, seed: int
+) -> None:
     """Receivers made before any prefill rank registered (and more after the first one
     did) bind every rank as it comes up, at its incarnation, and reach Success only with
     every rank's ack: the rank that registers last holds its finish, and meanwhile no
@@ -110,9 +111,19 @@ def test_tp_ranks_registering_late_in_random_order(store: Store, state_url: str,
         for r, rcv in rcvs.items():
             assert rcv.init([r % 50, r % 50 + 1]) == KVPoll.Bootstrapping  # nobody there yet
         for n, i in enumerate(order):
-            procs.start(workers.prefill_rank, state_url, NS, engines[i], ADDR, ranks, 1.0,
-                        0.3 * n, early + late, results,
-                        hold if engines[i] == last else None)
+            procs.start(
+                workers.prefill_rank,
+                state_url,
+                NS,
+                engines[i],
+                ADDR,
+                ranks,
+                1.0,
+                0.3 * n,
+                early + late,
+                results,
+                hold if engines[i] == last else None,
+            )
         first = get(results, "ready")
         for r in late:  # made after a first rank registered, before the others did
             rcvs[r] = d.receiver(r, ADDR)
@@ -123,9 +134,14 @@ def test_tp_ranks_registering_late_in_random_order(store: Store, state_url: str,
             msg = get(results, "ready")
             incs[msg[1]] = msg[2]
         # every receiver binds every rank (its next operations do the binding)
-        assert wait_for(lambda: all(rcv.poll() in (KVPoll.WaitingForInput, KVPoll.Failed)
-                                    and rcv.senders == sorted(engines)
-                                    for rcv in rcvs.values()), 30.0)
+        assert wait_for(
+            lambda: all(
+                rcv.poll() in (KVPoll.WaitingForInput, KVPoll.Failed)
+                and rcv.senders == sorted(engines)
+                for rcv in rcvs.values()
+            ),
+            30.0,
+        )
         get(results, "holding")
         done = [get(results, "done") for _ in range(ranks - 1)]
         assert all(st == "Success" for _, _, out in done for st, _ in out.values())
@@ -136,8 +152,9 @@ def test_tp_ranks_registering_late_in_random_order(store: Store, state_url: str,
             raw = store.client.hgetall(store.keys.participant(r, "rx", d.engine))
             rx = {_text(k): _text(v) for k, v in raw.items()}
             assert rx["peers"] == str(ranks)
-            assert {k[5:]: v for k, v in rx.items()
-                    if k.startswith("peer:")} == incs  # each at its current incarnation
+            assert {
+                k[5:]: v for k, v in rx.items() if k.startswith("peer:")
+            } == incs  # each at its current incarnation
         hold.set()
         out = get(results, "done")[2]
         assert all(st == "Success" for st, _ in out.values()), out
@@ -152,8 +169,10 @@ def test_tp_ranks_registering_late_in_random_order(store: Store, state_url: str,
 def test_ranks_without_a_declared_size_bind_all_registered(store: Store) -> None:
     """Without ``ranks``, a receiver needs the ranks registered at its first binding: one
     made after tp1 registered binds both (the old per-address cache kept ['tp0'])."""
-    with kvstate.KVManager(store, "decode", "decode-t.tp0", lease=1.0) as d, \
-            kvstate.KVManager(store, "prefill", "prefill-t.tp0", ADDR, lease=1.0) as p0:
+    with (
+        kvstate.KVManager(store, "decode", "decode-t.tp0", lease=1.0) as d,
+        kvstate.KVManager(store, "prefill", "prefill-t.tp0", ADDR, lease=1.0) as p0,
+    ):
         first = d.receiver(1, ADDR)
         first.init([1])
         assert first.senders == ["prefill-t.tp0"]
@@ -178,8 +197,7 @@ def test_ranks_without_a_declared_size_bind_all_registered(store: Store) -> None
 # --------------------------------------------------------------------------- restarts
 
 
-def test_prefill_rank_restarted_under_its_name(store: Store, state_url: str,
-                                               procs: Procs) -> None:
+def test_prefill_rank_restarted_under_its_name(store: Store, state_url: str, procs: Procs) -> None:
     """A prefill rank SIGKILLed and started again under the same name: rooms bound to the
     old incarnation fail naming it; the new process waits out the old lease (never
     displacing a live one), and receivers made afterwards bind the new incarnation and
@@ -187,8 +205,7 @@ def test_prefill_rank_restarted_under_its_name(store: Store, state_url: str,
     lease = 1.0
     engine = "prefill-r.tp0"
     results = procs.ctx.Queue()
-    old = procs.start(workers.prefill_rank, state_url, NS, engine, ADDR, 1, lease, 0.0, [],
-                      results)
+    old = procs.start(workers.prefill_rank, state_url, NS, engine, ADDR, 1, lease, 0.0, [], results)
     old_inc = get(results, "ready")[2]
     with kvstate.KVManager(store, "decode", "decode-r.tp0", lease=lease) as d:
         bound_old = [d.receiver(r, ADDR) for r in (1, 2, 3)]
@@ -196,13 +213,13 @@ def test_prefill_rank_restarted_under_its_name(store: Store, state_url: str,
             assert rcv.init([1, 2]) == KVPoll.WaitingForInput
         t0 = time.monotonic()
         old.kill()
-        procs.start(workers.prefill_rank, state_url, NS, engine, ADDR, 1, lease, 0.0,
-                    [10, 11], results)
+        procs.start(
+            workers.prefill_rank, state_url, NS, engine, ADDR, 1, lease, 0.0, [10, 11], results
+        )
         new_inc = get(results, "ready")[2]
         registered_s = time.monotonic() - t0
         assert new_inc != old_inc
-        assert wait_for(lambda: all(r.poll() == KVPoll.Failed for r in bound_old),
-                        2 * lease + 1.5)
+        assert wait_for(lambda: all(r.poll() == KVPoll.Failed for r in bound_old), 2 * lease + 1.5)
         failed_s = time.monotonic() - t0
         for rcv in bound_old:
             reason = rcv.failure_exception().reason
@@ -216,12 +233,17 @@ def test_prefill_rank_restarted_under_its_name(store: Store, state_url: str,
         assert wait_for(lambda: all(r.poll() == KVPoll.Success for r in fresh), 30.0)
         for rcv in fresh:
             rcv.clear()
-    report("prefill-restart", lease_s=lease, new_registered_after_s=f"{registered_s:.2f}",
-           old_rooms_failed_after_s=f"{failed_s:.2f}")
+    report(
+        "prefill-restart",
+        lease_s=lease,
+        new_registered_after_s=f"{registered_s:.2f}",
+        old_rooms_failed_after_s=f"{failed_s:.2f}",
+    )
 
 
-def test_decode_rank_sigkilled_fails_prefill_senders(store: Store, state_url: str,
-                                                      procs: Procs) -> None:
+def test_decode_rank_sigkilled_fails_prefill_senders(
+    store: Store, state_url: str, procs: Procs
+) -> None:
     """A decode rank SIGKILLed after publishing: the prefill heartbeat watches the
     receivers of its live senders and fails them, naming the peer, within 2 leases;
     begin_transfer() then refuses."""
@@ -230,16 +252,17 @@ def test_decode_rank_sigkilled_fails_prefill_senders(store: Store, state_url: st
     rooms = [31, 32, 33, 34]
     with kvstate.KVManager(store, "prefill", "prefill-k.tp0", ADDR, lease=lease) as p:
         senders = {r: p.sender(r) for r in rooms}
-        dec = procs.start(workers.decode_rank, state_url, NS, "decode-k.tp0", ADDR, lease,
-                          rooms, results)
+        dec = procs.start(
+            workers.decode_rank, state_url, NS, "decode-k.tp0", ADDR, lease, rooms, results
+        )
         get(results, "published")
-        assert wait_for(lambda: set(p.poll_many(rooms).values()) == {KVPoll.WaitingForInput},
-                        10.0)
+        assert wait_for(lambda: set(p.poll_many(rooms).values()) == {KVPoll.WaitingForInput}, 10.0)
         assert senders[31].begin_transfer() == KVPoll.Transferring  # one was mid-transfer
         t0 = time.monotonic()
         os.kill(dec.pid, signal.SIGKILL)
-        assert wait_for(lambda: set(p.poll_many(rooms).values()) == {KVPoll.Failed},
-                        2 * lease + 1.5, step=0.02)
+        assert wait_for(
+            lambda: set(p.poll_many(rooms).values()) == {KVPoll.Failed}, 2 * lease + 1.5, step=0.02
+        )
         detected_s = time.monotonic() - t0
         for snd in senders.values():
             assert snd.begin_transfer() == KVPoll.Failed
@@ -251,21 +274,22 @@ def test_decode_rank_sigkilled_fails_prefill_senders(store: Store, state_url: st
 # --------------------------------------------------------------------------- one owner
 
 
-def test_stale_process_whose_lease_was_taken_stops(store: Store, state_url: str,
-                                                    procs: Procs) -> None:
+def test_stale_process_whose_lease_was_taken_stops(
+    store: Store, state_url: str, procs: Procs
+) -> None:
     """A process stopped past its lease (SIGSTOP) while another registers its name: when
     it resumes, its renewal is answered 'taken'; it stops renewing (the new owner keeps
     the name), fails its own rooms with the reason, and refuses new participants naming
     the holder."""
     lease = 0.5
     results = procs.ctx.Queue()
-    stale = procs.start(workers.stale_owner, state_url, NS, "prefill-s.tp0", lease, 40,
-                        results)
+    stale = procs.start(workers.stale_owner, state_url, NS, "prefill-s.tp0", lease, 40, results)
     old_inc = get(results, "ready")[1]
     os.kill(stale.pid, signal.SIGSTOP)
     try:
-        assert wait_for(lambda: not store.client.exists(store.keys.engine("prefill-s.tp0")),
-                        5 * lease)
+        assert wait_for(
+            lambda: not store.client.exists(store.keys.engine("prefill-s.tp0")), 5 * lease
+        )
         with kvstate.KVManager(store, "prefill", "prefill-s.tp0", lease=lease) as owner:
             os.kill(stale.pid, signal.SIGCONT)
             t0 = time.monotonic()
@@ -291,8 +315,7 @@ def test_receiver_before_its_prefill_registers(store: Store) -> None:
     """Construction never raises for a prefill that is not up: the receiver stays
     Bootstrapping, binds when the prefill registers, and without one fails after
     bootstrap_timeout (server clock) saying how many senders it had."""
-    with kvstate.KVManager(store, "decode", "decode-b.tp0", lease=1.0,
-                           bootstrap_timeout=0.5) as d:
+    with kvstate.KVManager(store, "decode", "decode-b.tp0", lease=1.0, bootstrap_timeout=0.5) as d:
         waits = d.receiver(1, ADDR)
         never = d.receiver(2, "10.7.7.7:1")
         assert waits.init([1]) == KVPoll.Bootstrapping
@@ -323,13 +346,19 @@ def test_heartbeat_survives_a_starved_pool(redis_server_factory: Callable[..., A
     store = kvstate.connect(proc.unix_url, namespace=NS)
     lease = 0.6
     admin = proc.client(socket_timeout=5.0)
-    with kvstate.KVManager(store, "prefill", "prefill-h.tp0", ADDR, lease=lease) as p, \
-            kvstate.KVManager(store, "decode", "decode-h.tp0", lease=lease) as d:
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-h.tp0", ADDR, lease=lease) as p,
+        kvstate.KVManager(store, "decode", "decode-h.tp0", lease=lease) as d,
+    ):
         snd, rcv = p.sender(1), d.receiver(1, ADDR)
         rcv.init([1])
         assert snd.poll() == KVPoll.WaitingForInput
-        hogs = [threading.Thread(target=lambda: store.client.blpop(["kvstate-test-hog"], 6 * lease),
-                                 daemon=True) for _ in range(4)]
+        hogs = [
+            threading.Thread(
+                target=lambda: store.client.blpop(["kvstate-test-hog"], 6 * lease), daemon=True
+            )
+            for _ in range(4)
+        ]
         for t in hogs:
             t.start()
         assert wait_for(lambda: int(admin.info("clients")["blocked_clients"]) == 4, 5.0)
@@ -363,8 +392,19 @@ def test_send_boundary_aborts_the_room(redis_url: str, procs: Procs) -> None:
     WaitingForInput). Without a transport send() refuses, pointing to begin/finish."""
     store = kvstate.connect(redis_url, namespace=NS)  # UCX workers: standalone only
     results, go = procs.ctx.Queue(), procs.ctx.Event()
-    procs.start(workers.ucx_prefill, redis_url, NS, "prefill-x.tp0", ADDR, {5: [1, 2]}, 1,
-                2, 64, results, go)
+    procs.start(
+        workers.ucx_prefill,
+        redis_url,
+        NS,
+        "prefill-x.tp0",
+        ADDR,
+        {5: [1, 2]},
+        1,
+        2,
+        64,
+        results,
+        go,
+    )
     get(results, "ready")
     d = kvstate.KVManager(store, "decode", "decode-x.tp0", lease=1.0)
     rcv = d.receiver(5, ADDR)
@@ -433,8 +473,10 @@ def test_fork_child_refuses_the_parents_manager(store: Store) -> None:
 def test_init_after_success_changes_nothing(store: Store) -> None:
     """A late init() (a race, or a retry) after Success leaves the receiver Success
     (publish.lua used to fail it without an abort)."""
-    with kvstate.KVManager(store, "prefill", "prefill-i.tp0", ADDR) as p, \
-            kvstate.KVManager(store, "decode", "decode-i.tp0") as d:
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-i.tp0", ADDR) as p,
+        kvstate.KVManager(store, "decode", "decode-i.tp0") as d,
+    ):
         rcv, snd = d.receiver(1, ADDR), p.sender(1)
         rcv.init([1])
         snd.poll()
@@ -469,8 +511,10 @@ def test_fan_out_reaches_a_receiver_that_outlived_its_tracker_entry(store: Store
 def test_sender_poll_returns_infos_only_when_they_changed(store: Store) -> None:
     """poll.lua sends a sender's transfer infos only when their version (bumped by each
     publish) differs from the one the client holds."""
-    with kvstate.KVManager(store, "prefill", "prefill-v.tp0", ADDR) as p, \
-            kvstate.KVManager(store, "decode", "decode-v.tp0") as d:
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-v.tp0", ADDR) as p,
+        kvstate.KVManager(store, "decode", "decode-v.tp0") as d,
+    ):
         snd = p.sender(1, required_receivers=1)
         rcv = d.receiver(1, ADDR)
         rcv.init(list(range(0, 2000, 2)))
@@ -496,8 +540,10 @@ def test_init_refused_by_redis_says_why(redis_server_factory: Callable[..., Any]
     with proc.client() as c:
         c.config_set("proto-max-bulk-len", "1mb")
     store = kvstate.connect(proc.unix_url, namespace=NS)
-    with kvstate.KVManager(store, "prefill", "prefill-m.tp0", ADDR) as p, \
-            kvstate.KVManager(store, "decode", "decode-m.tp0") as d:
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-m.tp0", ADDR) as p,
+        kvstate.KVManager(store, "decode", "decode-m.tp0") as d,
+    ):
         rcv = d.receiver(1, ADDR)
         with pytest.raises(KVStateError, match="proto-max-bulk-len") as err:
             rcv.init(list(range(0, 600_000, 2)))  # 300k runs: 2.4 MB

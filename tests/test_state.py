@@ -1,4 +1,4 @@
-"""SPEC section 2 rules on real Redis, standalone and a 3-primary Cluster."""
+"""The design rules (docs/design.md) on real Redis, standalone and a 3-primary Cluster."""
 
 from __future__ import annotations
 
@@ -265,7 +265,8 @@ def test_sender_never_begins_into_a_failed_or_cleared_receiver(store: Store) -> 
         rcv.fail("decode ran out of memory")  # only the receiver
         assert snd.begin_transfer() == KVPoll.Failed  # refused: nothing may be written
         assert "decode-b.tp0 failed before the transfer: decode ran out of memory" in (
-            snd.failure_exception().reason)
+            snd.failure_exception().reason
+        )
         rcv.clear()
         rcv2 = d.receiver(72, PREFILL_ADDR)
         rcv2.init([3])

@@ -27,11 +27,11 @@ from transports.base import LayoutError, Target, TransportError
 pytestmark = pytest.mark.timeout(60)
 
 # Three layers/kinds with different page sizes; same shape on every peer.
-SPEC = [(96, 4096), (96, 1024), (96, 256)]  # (num_pages, page_bytes)
+LAYOUT = [(96, 4096), (96, 1024), (96, 256)]  # (num_pages, page_bytes)
 FILL = 0xEE
 
 
-def sender_pages(layer: int, spec: list[tuple[int, int]] = SPEC, seed: int = 7) -> np.ndarray:
+def sender_pages(layer: int, spec: list[tuple[int, int]] = LAYOUT, seed: int = 7) -> np.ndarray:
     """The sender's layer ``layer`` as (num_pages, page_bytes): random, reproducible."""
     pages, pb = spec[layer]
     rng = np.random.default_rng(seed * 1000 + layer)
@@ -87,8 +87,10 @@ def _peer_main(conn: Connection, env: dict[str, str]) -> None:
                 import threading
 
                 errors: list[str] = []
-                threads = [threading.Thread(target=_write_reporting,
-                                            args=(transport, job, errors)) for job in args[0]]
+                threads = [
+                    threading.Thread(target=_write_reporting, args=(transport, job, errors))
+                    for job in args[0]
+                ]
                 for th in threads:
                     th.start()
                 for th in threads:
@@ -122,8 +124,9 @@ def _write_reporting(transport: Any, job: tuple[Any, ...], errors: list[str]) ->
 class Peer:
     """Handle on a peer process."""
 
-    def __init__(self, role: str, spec: list[tuple[int, int]] = SPEC,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, role: str, spec: list[tuple[int, int]] = LAYOUT, env: dict[str, str] | None = None
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_peer_main, args=(child, env or {}), daemon=True)
@@ -154,8 +157,10 @@ class Peer:
         return Target(self.endpoint, self.layout, np.asarray(dst, dtype=np.int32))
 
     def layers(self) -> list[np.ndarray]:
-        return [np.frombuffer(b, dtype=np.uint8).reshape(n, pb)
-                for b, (n, pb) in zip(self.call("dump"), SPEC, strict=True)]
+        return [
+            np.frombuffer(b, dtype=np.uint8).reshape(n, pb)
+            for b, (n, pb) in zip(self.call("dump"), LAYOUT, strict=True)
+        ]
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -173,7 +178,7 @@ class Peer:
 def expected_layers(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     """Receiver contents after writing, for each (src, dst), sender pages src to dst."""
     out = []
-    for layer, (n, pb) in enumerate(SPEC):
+    for layer, (n, pb) in enumerate(LAYOUT):
         want = np.full((n, pb), FILL, dtype=np.uint8)
         for src, dst in pairs:
             want[dst] = sender_pages(layer)[src]
@@ -201,8 +206,9 @@ def fragmented(rng: np.random.Generator, n: int, pages: int) -> tuple[np.ndarray
             pos += int(gap)
             starts[int(k)] = pos
             pos += lens[k]
-        return np.concatenate([np.arange(starts[k], starts[k] + lens[k])
-                               for k in range(len(lens))]).astype(np.int32)
+        return np.concatenate(
+            [np.arange(starts[k], starts[k] + lens[k]) for k in range(len(lens))]
+        ).astype(np.int32)
 
     return place(), place()
 
@@ -239,7 +245,7 @@ def test_contiguous_pages_arrive(fresh: tuple[Peer, Peer, Peer]) -> None:
     src, dst = np.arange(0, 40), np.arange(30, 70)
     rx.call("expect", 1, dst)
     _, stats = tx.call("write", 1, src, [rx.target(dst)], 10.0)
-    assert stats.last_bytes == 40 * sum(pb for _, pb in SPEC)
+    assert stats.last_bytes == 40 * sum(pb for _, pb in LAYOUT)
     assert_layers(rx, [(src, dst)])
     rx.call("release", 1)
     rx.call("release", 1)  # idempotent
@@ -247,7 +253,7 @@ def test_contiguous_pages_arrive(fresh: tuple[Peer, Peer, Peer]) -> None:
 
 def test_fragmented_pages_arrive(fresh: tuple[Peer, Peer, Peer]) -> None:
     tx, rx, _ = fresh
-    src, dst = fragmented(np.random.default_rng(3), 70, SPEC[0][0])
+    src, dst = fragmented(np.random.default_rng(3), 70, LAYOUT[0][0])
     assert len(np.flatnonzero(np.diff(src) != 1)) > 5  # really fragmented
     rx.call("expect", 2, dst)
     tx.call("write", 2, src, [rx.target(dst)], 10.0)
@@ -262,7 +268,7 @@ def test_two_receivers_and_a_dummy(fresh: tuple[Peer, Peer, Peer]) -> None:
     dummy = Target(b"not an endpoint", {}, np.empty(0, dtype=np.int32))
     _, before = tx.call("write", 3, src[:0], [], 5.0)
     _, stats = tx.call("write", 3, src, [rx1.target(dst1), dummy, rx2.target(dst2)], 10.0)
-    assert stats.bytes_moved - before.bytes_moved == 2 * len(src) * sum(pb for _, pb in SPEC)
+    assert stats.bytes_moved - before.bytes_moved == 2 * len(src) * sum(pb for _, pb in LAYOUT)
     assert_layers(rx1, [(src, dst1)])
     assert_layers(rx2, [(src, dst2)])
 
@@ -281,7 +287,7 @@ def test_ucx_put_path(fresh: tuple[Peer, Peer, Peer]) -> None:
     _, rx, _ = fresh
     tx = Peer("sender", env={"KVSTATE_UCX_CMA": "0"})
     try:
-        src, dst = fragmented(np.random.default_rng(5), 60, SPEC[0][0])
+        src, dst = fragmented(np.random.default_rng(5), 60, LAYOUT[0][0])
         tx.call("write", 5, src, [rx.target(dst)], 20.0)
         assert_layers(rx, [(src, dst)])
     finally:
@@ -295,7 +301,7 @@ def test_ucx_put_path(fresh: tuple[Peer, Peer, Peer]) -> None:
 def test_layout_errors_move_nothing(fresh: tuple[Peer, Peer, Peer]) -> None:
     tx, rx, _ = fresh
     good_src, good_dst = np.arange(4), np.arange(4)
-    n = SPEC[0][0]
+    n = LAYOUT[0][0]
     bad = [
         ("src outside", np.array([0, 1, n]), good_dst[:3], "outside"),
         ("dst outside", good_src, np.array([0, 1, 2, n + 5]), "outside"),
@@ -310,8 +316,7 @@ def test_layout_errors_move_nothing(fresh: tuple[Peer, Peer, Peer]) -> None:
         assert kind == "LayoutError", what
         assert needle in msg, (what, msg)
     # A valid second target does not get its pages when the first is invalid.
-    kind, _ = tx.error_of("write", 6, good_src, [rx.target(good_dst), rx.target([0, 1, 2, n])],
-                          5.0)
+    kind, _ = tx.error_of("write", 6, good_src, [rx.target(good_dst), rx.target([0, 1, 2, n])], 5.0)
     assert kind == "LayoutError"
     kind, msg = rx.error_of("expect", 6, np.array([n]))
     assert kind == "LayoutError" and "outside" in msg
@@ -320,7 +325,7 @@ def test_layout_errors_move_nothing(fresh: tuple[Peer, Peer, Peer]) -> None:
 
 def test_mismatched_page_sizes_move_nothing(fresh: tuple[Peer, Peer, Peer]) -> None:
     tx, _, _ = fresh
-    other = [(n, pb * 2) for n, pb in SPEC]
+    other = [(n, pb * 2) for n, pb in LAYOUT]
     rx = Peer("receiver", spec=other)
     try:
         kind, msg = tx.error_of("write", 7, np.arange(3), [rx.target(np.arange(3))], 5.0)
@@ -391,7 +396,7 @@ def test_sender_killed_mid_transfer_leaves_receiver_usable(
     good_tx, rx, _ = fresh
     doomed = Peer("sender")
     try:
-        idx = np.arange(SPEC[0][0])
+        idx = np.arange(LAYOUT[0][0])
         rx.call("expect", 9, idx)
         doomed.conn.send(("write_loop", 9, idx, [rx.target(idx)], 5.0))
         assert doomed.recv(30)[0] == "started"
@@ -445,10 +450,10 @@ def test_concurrent_writes_from_threads(fresh: tuple[Peer, Peer, Peer], path: st
     try:
         rng = np.random.default_rng(11)
         jobs, expect1, expect2 = [], [], []
-        dst_pages = rng.permutation(SPEC[0][0]).astype(np.int32)
+        dst_pages = rng.permutation(LAYOUT[0][0]).astype(np.int32)
         for k in range(6):
-            src = rng.permutation(SPEC[0][0])[:8].astype(np.int32)
-            dst = dst_pages[8 * k: 8 * k + 8]  # rooms never share destination pages
+            src = rng.permutation(LAYOUT[0][0])[:8].astype(np.int32)
+            dst = dst_pages[8 * k : 8 * k + 8]  # rooms never share destination pages
             rx = rx1 if k % 2 else rx2
             jobs.append((20 + k, src, [rx.target(dst)], 20.0))
             (expect1 if k % 2 else expect2).append((src, dst))

@@ -27,8 +27,11 @@ def test_merge_runs_keeps_every_pair() -> None:
     src = rng.permutation(500)[:300]
     dst = np.sort(rng.permutation(1000)[:300])
     runs = merge_runs(src, dst)
-    pairs = [(s + i, d + i) for s, d, n in zip(runs.src, runs.dst, runs.length, strict=True)
-             for i in range(n)]
+    pairs = [
+        (s + i, d + i)
+        for s, d, n in zip(runs.src, runs.dst, runs.length, strict=True)
+        for i in range(n)
+    ]
     assert pairs == list(zip(src.tolist(), dst.tolist(), strict=True))
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_transport import SPEC, Peer, assert_layers, fragmented
+from tests.test_transport import LAYOUT, Peer, assert_layers, fragmented
 from transports import cma
 from transports.ucx import UCX_DEFAULTS
 
@@ -39,8 +39,8 @@ def test_ucx_defaults_applied_and_environment_wins() -> None:
         assert rx.call("ucx_env") == UCX_DEFAULTS
         assert rx.call("ucx_env")["UCX_TCP_TX_SEG_SIZE"] == "256K"
         assert tx.call("ucx_env") == UCX_DEFAULTS | {"UCX_TCP_TX_SEG_SIZE": "384K"}
-        ident = np.arange(SPEC[0][0], dtype=np.int32)
-        src, dst = fragmented(np.random.default_rng(9), 80, SPEC[0][0])
+        ident = np.arange(LAYOUT[0][0], dtype=np.int32)
+        src, dst = fragmented(np.random.default_rng(9), 80, LAYOUT[0][0])
         tx.call("write", 1, ident, [rx.target(ident)], 30.0)
         assert_layers(rx, [(ident, ident)])
         rx.call("refill")
@@ -64,7 +64,7 @@ def test_idle_after_ucx_transfers_takes_no_cpu() -> None:
     rx = Peer("receiver", env=TCP)
     tx = Peer("sender", env=TCP)
     try:
-        ident = np.arange(SPEC[0][0], dtype=np.int32)
+        ident = np.arange(LAYOUT[0][0], dtype=np.int32)
         for room in range(3):
             tx.call("write", room, ident, [rx.target(ident)], 30.0)
         assert_layers(rx, [(ident, ident)])
@@ -123,8 +123,22 @@ def _register_under_strace(tmp_path: Path, ptracer: str | None) -> tuple[str, st
         env[cma.PTRACER_ENV] = ptracer
     trace = tmp_path / "prctl.txt"
     proc = subprocess.run(
-        ["strace", "-f", "-qq", "-e", "trace=prctl", "-o", str(trace), sys.executable, "-c",
-         _REGISTER_TWICE], env=env, capture_output=True, text=True, timeout=90,
+        [
+            "strace",
+            "-f",
+            "-qq",
+            "-e",
+            "trace=prctl",
+            "-o",
+            str(trace),
+            sys.executable,
+            "-c",
+            _REGISTER_TWICE,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
     if proc.returncode != 0 and "ptrace" in proc.stderr and not trace.exists():
         pytest.skip(f"strace cannot trace here: {proc.stderr.strip()[:200]}")
@@ -164,8 +178,9 @@ def test_bad_ptracer_value_is_refused(raw: str) -> None:
         cma.parse_ptracer(raw)
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, "off"), ("", "off"), ("OFF", "off"),
-                                            ("any", "any"), (" 17 ", 17)])
+@pytest.mark.parametrize(
+    ("raw", "want"), [(None, "off"), ("", "off"), ("OFF", "off"), ("any", "any"), (" 17 ", 17)]
+)
 def test_ptracer_values(raw: str | None, want: str | int) -> None:
     assert cma.parse_ptracer(raw) == want
 
@@ -176,7 +191,7 @@ def test_cma_still_used_by_default_where_the_kernel_allows() -> None:
     rx = Peer("receiver")
     tx = Peer("sender")
     try:
-        src, dst = fragmented(np.random.default_rng(3), 50, SPEC[0][0])
+        src, dst = fragmented(np.random.default_rng(3), 50, LAYOUT[0][0])
         tx.call("write", 3, src, [rx.target(dst)], 20.0)
         assert_layers(rx, [(src, dst)])
     finally:

@@ -11,8 +11,9 @@ import kvstate
 from kvstate import KVPoll
 
 
-def race_updates(url: str, ns: str, engine: str, rooms: list[int], seed: int,
-                 start: Event, results: Queue) -> None:
+def race_updates(
+    url: str, ns: str, engine: str, rooms: list[int], seed: int, start: Event, results: Queue
+) -> None:
     """Apply a random sequence of status updates to shared rooms, then ack receivers.
 
     Puts the (room, status) updates applied on ``results``, so the parent can predict
@@ -36,8 +37,7 @@ def race_updates(url: str, ns: str, engine: str, rooms: list[int], seed: int,
     results.put(applied)
 
 
-def prefill_engine(url: str, ns: str, engine: str, addr: str, lease: float,
-                   ready: Event) -> None:
+def prefill_engine(url: str, ns: str, engine: str, addr: str, lease: float, ready: Event) -> None:
     """A prefill engine that registers, signals, and keeps its lease until killed."""
     store = kvstate.connect(url, namespace=ns)
     kvstate.KVManager(store, "prefill", engine, addr, lease=lease)
@@ -62,9 +62,19 @@ def expected_page(layer: int, src_page: int, page_bytes: int, fill: int):  # noq
     return np.full(page_bytes, (src_page * 7 + layer * 31 + fill) % 251, dtype=np.uint8)
 
 
-def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[int]],
-                receivers: int, layers: int, page_bytes: int, results: Queue,
-                go: Event | None = None, stats: bool = False) -> None:
+def ucx_prefill(
+    url: str,
+    ns: str,
+    engine: str,
+    addr: str,
+    rooms: dict[int, list[int]],
+    receivers: int,
+    layers: int,
+    page_bytes: int,
+    results: Queue,
+    go: Event | None = None,
+    stats: bool = False,
+) -> None:
     """A prefill rank: sends each room's source pages once every receiver published
     (and, if given, once ``go`` is set)."""
     from transports.ucx import UCXTransport
@@ -74,8 +84,15 @@ def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list
     transport.register_buffers(_pool(layers, 256, page_bytes, fill=3), [page_bytes] * layers)
     # a transfer deadline well inside the tests' queue timeouts: a write to a dead peer
     # that is not refused at once still fails in time, with a reason
-    with kvstate.KVManager(store, "prefill", engine, addr, transport=transport,
-                           transfer_timeout=10.0, transfer_stats=stats) as mgr:
+    with kvstate.KVManager(
+        store,
+        "prefill",
+        engine,
+        addr,
+        transport=transport,
+        transfer_timeout=10.0,
+        transfer_stats=stats,
+    ) as mgr:
         results.put(("ready", engine))
         out = {}
         for room, src in rooms.items():
@@ -92,8 +109,17 @@ def ucx_prefill(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list
     transport.close()
 
 
-def ucx_decode(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[int]],
-               layers: int, page_bytes: int, dummy: bool, results: Queue) -> None:
+def ucx_decode(
+    url: str,
+    ns: str,
+    engine: str,
+    addr: str,
+    rooms: dict[int, list[int]],
+    layers: int,
+    page_bytes: int,
+    dummy: bool,
+    results: Queue,
+) -> None:
     """A decode rank: publishes destination pages, waits for Success, returns its pool."""
     from transports.ucx import UCXTransport
 
@@ -119,8 +145,17 @@ def ucx_decode(url: str, ns: str, engine: str, addr: str, rooms: dict[int, list[
     transport.close()
 
 
-def ucx_decode_hang(url: str, ns: str, engine: str, addr: str, room: int, dst: list[int],
-                    layers: int, page_bytes: int, results: Queue) -> None:
+def ucx_decode_hang(
+    url: str,
+    ns: str,
+    engine: str,
+    addr: str,
+    room: int,
+    dst: list[int],
+    layers: int,
+    page_bytes: int,
+    results: Queue,
+) -> None:
     """A decode rank that publishes its pages and then waits to be killed."""
     from transports.ucx import UCXTransport
 
@@ -135,9 +170,18 @@ def ucx_decode_hang(url: str, ns: str, engine: str, addr: str, room: int, dst: l
         time.sleep(1)
 
 
-def prefill_rank(url: str, ns: str, engine: str, addr: str, ranks: int, lease: float,
-                 delay: float, rooms: list[int], results: Queue,
-                 hold: Event | None = None) -> None:
+def prefill_rank(
+    url: str,
+    ns: str,
+    engine: str,
+    addr: str,
+    ranks: int,
+    lease: float,
+    delay: float,
+    rooms: list[int],
+    results: Queue,
+    hold: Event | None = None,
+) -> None:
     """A prefill TP rank without a transport: after ``delay`` it registers (waiting for
     its name if a dead predecessor's lease still holds it), serves ``rooms`` (begin /
     finish once its receivers published; after ``hold`` is set, if given), reports
@@ -172,13 +216,11 @@ def prefill_rank(url: str, ns: str, engine: str, addr: str, ranks: int, lease: f
         time.sleep(1)
 
 
-def stale_owner(url: str, ns: str, engine: str, lease: float, room: int,
-                results: Queue) -> None:
+def stale_owner(url: str, ns: str, engine: str, lease: float, room: int, results: Queue) -> None:
     """A prefill engine with one live room that keeps asking for new senders; the test
     SIGSTOPs it past its lease, lets another process take the name, then SIGCONTs it."""
     store = kvstate.connect(url, namespace=ns)
-    mgr = kvstate.KVManager(store, "prefill", engine, lease=lease,
-                            heartbeat_interval=lease / 5)
+    mgr = kvstate.KVManager(store, "prefill", engine, lease=lease, heartbeat_interval=lease / 5)
     mgr.sender(room).poll()
     results.put(("ready", mgr.incarnation, None))
     n = room
@@ -194,8 +236,9 @@ def stale_owner(url: str, ns: str, engine: str, lease: float, room: int,
         time.sleep(1)
 
 
-def decode_rank(url: str, ns: str, engine: str, addr: str, lease: float, rooms: list[int],
-                results: Queue) -> None:
+def decode_rank(
+    url: str, ns: str, engine: str, addr: str, lease: float, rooms: list[int], results: Queue
+) -> None:
     """A decode rank that publishes pages for ``rooms`` and then waits to be killed."""
     store = kvstate.connect(url, namespace=ns)
     mgr = kvstate.KVManager(store, "decode", engine, lease=lease)

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_state import RoundTrips  # noqa: E402
 
-from kvstate.servers import RedisCluster, RedisProcess  # noqa: E402
+from kvstate.testing.servers import RedisCluster, RedisProcess  # noqa: E402
 
 ADDR = "127.0.0.1:18998"
 
@@ -51,14 +51,31 @@ def _managers(url: str) -> tuple[Any, Any]:
     args.system_dp_rank = 0
 
     def server(mode: str) -> Any:
-        return ServerArgs(model_path="dummy", disaggregation_mode=mode,
-                          disaggregation_transfer_backend="kvstate", host="127.0.0.1",
-                          port=18000, disaggregation_bootstrap_port=18998)
+        return ServerArgs(
+            model_path="dummy",
+            disaggregation_mode=mode,
+            disaggregation_transfer_backend="kvstate",
+            host="127.0.0.1",
+            port=18000,
+            disaggregation_bootstrap_port=18998,
+        )
 
-    p = KVStateKVManager(args, DisaggregationMode.PREFILL, server("prefill"),
-                         store=connect(url), settings=settings, mirror=True)
-    d = KVStateKVManager(args, DisaggregationMode.DECODE, server("decode"),
-                         store=connect(url), settings=settings, mirror=True)
+    p = KVStateKVManager(
+        args,
+        DisaggregationMode.PREFILL,
+        server("prefill"),
+        store=connect(url),
+        settings=settings,
+        mirror=True,
+    )
+    d = KVStateKVManager(
+        args,
+        DisaggregationMode.DECODE,
+        server("decode"),
+        store=connect(url),
+        settings=settings,
+        mirror=True,
+    )
     assert d.try_ensure_parallel_info(ADDR)
     return p, d
 
@@ -100,8 +117,7 @@ def measure(url: str, rooms: int, steps: int, group: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rooms", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-primary cluster")
@@ -112,17 +128,20 @@ def main() -> None:
 
     load_plugins()
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'g')}",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'g')}", rank=0, world_size=1
+        )
         group = dist.group.WORLD
         results: dict[str, list[dict[str, Any]]] = {}
         with RedisProcess(port=0) as server:
-            results["standalone (1 node)"] = [measure(server.url, n, args.steps, group)
-                                              for n in args.rooms]
+            results["standalone (1 node)"] = [
+                measure(server.url, n, args.steps, group) for n in args.rooms
+            ]
         if not args.no_cluster:
             with RedisCluster(3, 0) as cluster:
-                results["cluster (3 nodes)"] = [measure(cluster.url, n, args.steps, group)
-                                                for n in args.rooms]
+                results["cluster (3 nodes)"] = [
+                    measure(cluster.url, n, args.steps, group) for n in args.rooms
+                ]
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -131,8 +150,10 @@ def main() -> None:
         print(f"[{name}]")
         print(f"  {'rooms':>6s} {'prefill':>8s} {'decode':>8s} {'per-room':>9s} {'ratio':>7s}")
         for r in rows:
-            print(f"  {r['rooms']:6d} {r['prefill_step']:8.2f} {r['decode_step']:8.2f} "
-                  f"{r['prefill_step_per_room_poll']:9.2f} {r['ratio_prefill']:7.4f}")
+            print(
+                f"  {r['rooms']:6d} {r['prefill_step']:8.2f} {r['decode_step']:8.2f} "
+                f"{r['prefill_step_per_room_poll']:9.2f} {r['ratio_prefill']:7.4f}"
+            )
 
 
 if __name__ == "__main__":

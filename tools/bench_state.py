@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Control-plane benchmark (SPEC section 8): round trips and throughput of room lifecycles.
+"""Control-plane benchmark (docs/design.md, Targets): round trips and throughput of room lifecycles.
 
 Prints, against baselines measured in the same run on private redis-servers:
 - Redis round trips per full lifecycle (both sides, one poll each, both clears), counted
@@ -26,7 +26,7 @@ import numpy as np
 from redis.connection import AbstractConnection
 
 import kvstate
-from kvstate.servers import RedisCluster, RedisProcess
+from kvstate.testing.servers import RedisCluster, RedisProcess
 
 ADDR = "10.0.0.1:8998"
 
@@ -68,8 +68,10 @@ def measure(url: str, n: int) -> dict[str, Any]:
     store = kvstate.connect(url, namespace="bench")
     pages = np.arange(0, 4096, dtype=np.int32)
     hb = 3600.0  # keep heartbeats out of the counts
-    with kvstate.KVManager(store, "prefill", "prefill-a.tp0", ADDR, lease=hb) as p, \
-            kvstate.KVManager(store, "decode", "decode-b.tp0", lease=hb) as d:
+    with (
+        kvstate.KVManager(store, "prefill", "prefill-a.tp0", ADDR, lease=hb) as p,
+        kvstate.KVManager(store, "decode", "decode-b.tp0", lease=hb) as d,
+    ):
         lifecycle(p, d, 0, pages)  # warm: scripts loaded, peers resolved
         with RoundTrips.installed() as rt:
             before = rt.count
@@ -143,8 +145,12 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    targets = {"round_trips_per_lifecycle": "<= 8", "poll_many_1000_round_trips": "1 per node",
-               "ratio_to_ping_bound": ">= 0.7", "room_memory_bytes": "<= 1024"}
+    targets = {
+        "round_trips_per_lifecycle": "<= 8",
+        "poll_many_1000_round_trips": "1 per node",
+        "ratio_to_ping_bound": ">= 0.7",
+        "room_memory_bytes": "<= 1024",
+    }
     for name, res in results.items():
         print(f"[{name}]")
         for k, v in res.items():

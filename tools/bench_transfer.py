@@ -117,24 +117,47 @@ def systems(mode: str, lanes: int) -> list[System]:
     tuned = {"UCX_RNDV_SCHEME": "put_zcopy"}
     out = []
     if not cross:
-        out.append(System("kvstate-cma", "kvstate, same host (CMA path, default)", "kvstate",
-                          "CMA"))
+        out.append(
+            System("kvstate-cma", "kvstate, same host (CMA path, default)", "kvstate", "CMA")
+        )
     out += [
-        System("kvstate-ucx", "kvstate, UCX put path" + (" (default across hosts)" if cross
-                                                         else " (KVSTATE_UCX_CMA=0)"),
-               "kvstate", "UCX", {"KVSTATE_UCX_CMA": "0"} | tcp),
-        System("ucxx", "raw ucxx, one tag message, tuned, error handling off", "ucxx",
-               env=tuned | tcp),
-        System("ucxx-eh", "raw ucxx, one tag message, tuned, error handling on", "ucxx",
-               env=tuned | tcp),
-        System("nixl", "NIXL 1.5.1, UCX backend, error handling off", "nixl", env=tcp,
-               module="nixl"),
+        System(
+            "kvstate-ucx",
+            "kvstate, UCX put path"
+            + (" (default across hosts)" if cross else " (KVSTATE_UCX_CMA=0)"),
+            "kvstate",
+            "UCX",
+            {"KVSTATE_UCX_CMA": "0"} | tcp,
+        ),
+        System(
+            "ucxx", "raw ucxx, one tag message, tuned, error handling off", "ucxx", env=tuned | tcp
+        ),
+        System(
+            "ucxx-eh",
+            "raw ucxx, one tag message, tuned, error handling on",
+            "ucxx",
+            env=tuned | tcp,
+        ),
+        System(
+            "nixl", "NIXL 1.5.1, UCX backend, error handling off", "nixl", env=tcp, module="nixl"
+        ),
         # NIXL's default; over TCP it beat "none" in some runs here, so both run and the
         # ratios take the faster of the two.
-        System("nixl-eh", "NIXL 1.5.1, UCX backend, error handling on (its default)", "nixl",
-               env=tcp, module="nixl", nixl_error_handling="peer"),
-        System("mooncake", f"Mooncake TE, tcp, {lanes} lanes", "mooncake",
-               env={"MC_TCP_LANES_PER_PEER": str(lanes)}, module="mooncake"),
+        System(
+            "nixl-eh",
+            "NIXL 1.5.1, UCX backend, error handling on (its default)",
+            "nixl",
+            env=tcp,
+            module="nixl",
+            nixl_error_handling="peer",
+        ),
+        System(
+            "mooncake",
+            f"Mooncake TE, tcp, {lanes} lanes",
+            "mooncake",
+            env={"MC_TCP_LANES_PER_PEER": str(lanes)},
+            module="mooncake",
+        ),
         System("socket", "plain TCP socket (sendmsg / recv_into)", "socket"),
     ]
     return out
@@ -221,20 +244,31 @@ def cross_host_site() -> Iterator[Site]:
                 ip("netns", "add", ns)
                 made.append(ns)
             ip("link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b")
-            for ns, dev, addr in ((tx_ns, f"{tag}a", NETNS_ADDR[0]),
-                                  (rx_ns, f"{tag}b", NETNS_ADDR[1])):
+            for ns, dev, addr in (
+                (tx_ns, f"{tag}a", NETNS_ADDR[0]),
+                (rx_ns, f"{tag}b", NETNS_ADDR[1]),
+            ):
                 ip("link", "set", dev, "netns", ns)
                 ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
                 ip("-n", ns, "link", "set", dev, "up")
                 ip("-n", ns, "link", "set", "lo", "up")
-            site = Site("cross-host", tx_ns, rx_ns, NETNS_ADDR[0], NETNS_ADDR[1],
-                        f"two network namespaces over a veth pair ({NETNS_ADDR[0]} -> "
-                        f"{NETNS_ADDR[1]}, MTU 1500), CMA off, UCX_TLS=tcp")
+            site = Site(
+                "cross-host",
+                tx_ns,
+                rx_ns,
+                NETNS_ADDR[0],
+                NETNS_ADDR[1],
+                f"two network namespaces over a veth pair ({NETNS_ADDR[0]} -> "
+                f"{NETNS_ADDR[1]}, MTU 1500), CMA off, UCX_TLS=tcp",
+            )
         except (OSError, subprocess.SubprocessError) as exc:
             err = getattr(exc, "stderr", b"") or b""
             reason = err.decode(errors="replace").strip() or str(exc)
-            site = Site("cross-host", note=f"network namespaces unavailable ({reason}): "
-                        "loopback with CMA off, UCX_TLS=tcp")
+            site = Site(
+                "cross-host",
+                note=f"network namespaces unavailable ({reason}): "
+                "loopback with CMA off, UCX_TLS=tcp",
+            )
         yield site
     finally:
         for ns in made:  # deleting a namespace deletes its end of the veth pair, and the pair
@@ -245,8 +279,9 @@ def cross_host_site() -> Iterator[Site]:
 # Receivers (one per system) and senders, each in its own process.
 
 
-def _rx_main(system: System, cfg: Config, site: Site, layouts: dict[str, Any],
-             conn: Connection) -> None:
+def _rx_main(
+    system: System, cfg: Config, site: Site, layouts: dict[str, Any], conn: Connection
+) -> None:
     _enter_netns(site.rx_ns)
     os.environ.update(system.env)
     try:
@@ -337,27 +372,32 @@ class _RawUcxx:
         # Leave the bytes where the digest looks: layer by layer.
         off = 0
         for b in self.bufs:
-            b[:] = self.flat[off:off + b.nbytes]
+            b[:] = self.flat[off : off + b.nbytes]
             off += b.nbytes
         return True
 
 
-def _views(bufs: list[np.ndarray], cfg: Config, pages: np.ndarray,
-           partner: np.ndarray) -> list[memoryview]:
+def _views(
+    bufs: list[np.ndarray], cfg: Config, pages: np.ndarray, partner: np.ndarray
+) -> list[memoryview]:
     """One memoryview per merged run and layer, in the order both sides use."""
     from transports.pages import merge_runs
 
     runs = merge_runs(pages, partner)
     pb = cfg.page_bytes
-    return [memoryview(b[s * pb:(s + n) * pb].data) for b in bufs
-            for s, n in zip(runs.src.tolist(), runs.length.tolist(), strict=True)]
+    return [
+        memoryview(b[s * pb : (s + n) * pb].data)
+        for b in bufs
+        for s, n in zip(runs.src.tolist(), runs.length.tolist(), strict=True)
+    ]
 
 
 class _SocketRx:
     """Plain TCP receiver: scatters each transfer straight into its runs, acks with 1 byte."""
 
-    def __init__(self, cfg: Config, bufs: list[np.ndarray], layouts: dict[str, Any],
-                 host: str) -> None:
+    def __init__(
+        self, cfg: Config, bufs: list[np.ndarray], layouts: dict[str, Any], host: str
+    ) -> None:
         # Runs keyed by destination: merge on (dst, src) so the order matches the sender's.
         self.views = {name: _views(bufs, cfg, dst, src) for name, (src, dst) in layouts.items()}
         self.listener = socket.create_server((host, 0))
@@ -384,7 +424,7 @@ def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
     views = list(views)
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i:i + IOV_MAX])
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
         while sent and sent >= len(views[i]):
             sent -= len(views[i])
             i += 1
@@ -418,9 +458,16 @@ class _Driver:
             raise RuntimeError(value)
 
 
-def _driver(system: System, cfg: Config, site: Site, info: dict[str, Any],
-            layouts: dict[str, Any], bufs: list[np.ndarray], rx_call: Callable[..., Any],
-            rx: Connection) -> _Driver:
+def _driver(
+    system: System,
+    cfg: Config,
+    site: Site,
+    info: dict[str, Any],
+    layouts: dict[str, Any],
+    bufs: list[np.ndarray],
+    rx_call: Callable[..., Any],
+    rx: Connection,
+) -> _Driver:
     drv = _Driver(rx_call, rx)
     if system.kind == "kvstate":
         from transports.base import Target
@@ -445,9 +492,15 @@ def _driver(system: System, cfg: Config, site: Site, info: dict[str, Any],
         def start(seq: list[str]) -> None:
             rx.send(("serve", seq, me, eh))
             if not eps:  # after the receiver is serving: it connects back for the acks
-                eps.append(run_on_ucx_thread(ucxx.create_endpoint_from_worker_address(
-                    ucxx.get_ucx_address_from_buffer(info["address"]),
-                    endpoint_error_handling=eh), 30))
+                eps.append(
+                    run_on_ucx_thread(
+                        ucxx.create_endpoint_from_worker_address(
+                            ucxx.get_ucx_address_from_buffer(info["address"]),
+                            endpoint_error_handling=eh,
+                        ),
+                        30,
+                    )
+                )
 
         async def one() -> None:
             await eps[0].send(flat, tag=11, force_tag=True)
@@ -467,8 +520,13 @@ def _driver(system: System, cfg: Config, site: Site, info: dict[str, Any],
             local, remote = _descs(cfg, bufs, info["addrs"], src, dst)
             # Prepared once and re-posted: NIXL's best case (a real request would
             # build its descriptors each time, as kvstate's write() does).
-            h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
-                                      agent.get_xfer_descs(remote, "DRAM"), peer, b"")
+            h = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs(local, "DRAM"),
+                agent.get_xfer_descs(remote, "DRAM"),
+                peer,
+                b"",
+            )
 
             def xfer(h: Any = h) -> None:
                 state = agent.transfer(h)
@@ -513,8 +571,15 @@ def _driver(system: System, cfg: Config, site: Site, info: dict[str, Any],
     return drv
 
 
-def _tx_main(system: System, cfg: Config, site: Site, info: dict[str, Any],
-             layouts: dict[str, Any], conn: Connection, rx: Connection) -> None:
+def _tx_main(
+    system: System,
+    cfg: Config,
+    site: Site,
+    info: dict[str, Any],
+    layouts: dict[str, Any],
+    conn: Connection,
+    rx: Connection,
+) -> None:
     """Sender: on ``rep``, one timed transfer of every case (layouts alternating); on
     ``verify``, one more transfer per case into zeroed pages, then the digests."""
     _enter_netns(site.tx_ns)
@@ -553,8 +618,10 @@ def _tx_main(system: System, cfg: Config, site: Site, info: dict[str, Any],
                     drv.finish()
                     src, dst = layouts.get(case) or (np.arange(cfg.pages),) * 2
                     ok = rx_call("digest") == expected_digests(cfg, src, dst)
-                    results[case] = {"verified": ok,
-                                     "rss_mib": {"tx": rss_mib(), "rx": rx_call("rss")}}
+                    results[case] = {
+                        "verified": ok,
+                        "rss_mib": {"tx": rss_mib(), "rx": rx_call("rss")},
+                    }
                 conn.send(("ok", results))
             else:
                 conn.send(("ok", None))
@@ -578,8 +645,9 @@ async def _ucxx_address() -> bytes:
     return bytes(ucxx.get_worker_address())
 
 
-def _descs(cfg: Config, bufs: list[np.ndarray], remote_addrs: list[int], src: np.ndarray,
-           dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _descs(
+    cfg: Config, bufs: list[np.ndarray], remote_addrs: list[int], src: np.ndarray, dst: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(addr, len, dev) rows, one per run and layer: what NIXL and Mooncake are given."""
     from transports.pages import merge_runs
 
@@ -596,20 +664,24 @@ def _descs(cfg: Config, bufs: list[np.ndarray], remote_addrs: list[int], src: np
 class Pair:
     """A system's receiver and sender processes, driven one rep at a time."""
 
-    def __init__(self, system: System, cfg: Config, site: Site,
-                 layouts: dict[str, Any]) -> None:
+    def __init__(self, system: System, cfg: Config, site: Site, layouts: dict[str, Any]) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.system = system
         self.rx, rx_end = ctx.Pipe()
-        self.procs = [ctx.Process(target=_rx_main, args=(system, cfg, site, layouts, rx_end),
-                                  daemon=True)]
+        self.procs = [
+            ctx.Process(target=_rx_main, args=(system, cfg, site, layouts, rx_end), daemon=True)
+        ]
         self.procs[0].start()
         try:
             info = self._reply(self.rx, 120, "receiver did not start")
             self.tx, tx_end = ctx.Pipe()
-            self.procs.append(ctx.Process(
-                target=_tx_main, args=(system, cfg, site, info, layouts, tx_end, self.rx),
-                daemon=True))
+            self.procs.append(
+                ctx.Process(
+                    target=_tx_main,
+                    args=(system, cfg, site, info, layouts, tx_end, self.rx),
+                    daemon=True,
+                )
+            )
             self.procs[1].start()
             self.cases: list[str] = self._reply(self.tx, 120, "sender did not start")
         except BaseException:
@@ -659,13 +731,19 @@ def memcpy_baseline(cfg: Config, layouts: dict[str, Any]) -> dict[str, Any]:
     ops = {}
     for name, (src, dst) in layouts.items():
         runs = merge_runs(src, dst)
-        spans = list(zip((runs.src * pb).tolist(), (runs.dst * pb).tolist(),
-                         (runs.length * pb).tolist(), strict=True))
+        spans = list(
+            zip(
+                (runs.src * pb).tolist(),
+                (runs.dst * pb).tolist(),
+                (runs.length * pb).tolist(),
+                strict=True,
+            )
+        )
 
         def copy(spans: list[tuple[int, int, int]] = spans) -> None:
             for s, d in zip(src_bufs, dst_bufs, strict=True):
                 for so, do, n in spans:
-                    d[do:do + n] = s[so:so + n]
+                    d[do : do + n] = s[so : so + n]
 
         ops[name] = copy
     times: dict[str, list[float]] = {name: [] for name in ops}
@@ -690,21 +768,38 @@ def available(module: str) -> bool:
 def row(mode: str, system: System, case: str, nbytes: int, r: dict[str, Any]) -> dict[str, Any]:
     t = r["times"]
     return {
-        "mode": mode, "system": system.key, "label": system.label, "path": system.path,
-        "case": case, "gbps": round(nbytes / statistics.median(t) / 1e9, 3),
-        "gbps_min": round(nbytes / max(t) / 1e9, 3), "gbps_max": round(nbytes / min(t) / 1e9, 3),
-        "median_ms": round(statistics.median(t) * 1e3, 2), "reps": len(t),
-        "verified": r.get("verified"), "rss_mib": r.get("rss_mib"),
+        "mode": mode,
+        "system": system.key,
+        "label": system.label,
+        "path": system.path,
+        "case": case,
+        "gbps": round(nbytes / statistics.median(t) / 1e9, 3),
+        "gbps_min": round(nbytes / max(t) / 1e9, 3),
+        "gbps_max": round(nbytes / min(t) / 1e9, 3),
+        "median_ms": round(statistics.median(t) * 1e3, 2),
+        "reps": len(t),
+        "verified": r.get("verified"),
+        "rss_mib": r.get("rss_mib"),
     }
 
 
-def run_mode(mode: str, cfg: Config, layouts: dict[str, Any], skip: set[str], lanes: int,
-             say: Callable[[str], None], notes: list[str]) -> list[dict[str, Any]]:
+def run_mode(
+    mode: str,
+    cfg: Config,
+    layouts: dict[str, Any],
+    skip: set[str],
+    lanes: int,
+    say: Callable[[str], None],
+    notes: list[str],
+) -> list[dict[str, Any]]:
     """Start every system's pair, then time them rep by rep in turn (so a burst of load
     from elsewhere hits all of them alike), then verify each."""
     rows: list[dict[str, Any]] = []
-    site_cm = cross_host_site() if mode == "cross-host" else contextlib.nullcontext(
-        Site("same-host", note="one host, loopback / shared memory"))
+    site_cm = (
+        cross_host_site()
+        if mode == "cross-host"
+        else contextlib.nullcontext(Site("same-host", note="one host, loopback / shared memory"))
+    )
     with site_cm as site, contextlib.ExitStack() as stack:
         say(f"[{mode}] {site.note}")
         notes.append(f"{mode}: {site.note}")
@@ -714,8 +809,9 @@ def run_mode(mode: str, cfg: Config, layouts: dict[str, Any], skip: set[str], la
                 notes.append(f"{mode}: {system.label}: skipped (--skip)")
                 continue
             if system.module and not available(system.module):
-                notes.append(f"{mode}: {system.label}: not installed (see the README's "
-                             "Development section)")
+                notes.append(
+                    f"{mode}: {system.label}: not installed (see the README's Development section)"
+                )
                 continue
             say(f"[{mode}] starting {system.label} ...")
             try:
@@ -734,8 +830,7 @@ def run_mode(mode: str, cfg: Config, layouts: dict[str, Any], skip: set[str], la
                     got = pair.call("rep")
                     pair.pause(True)
                 except Exception as exc:
-                    notes.append(f"{mode}: {pair.system.label}: failed: "
-                                 f"{str(exc).splitlines()[0]}")
+                    notes.append(f"{mode}: {pair.system.label}: failed: {str(exc).splitlines()[0]}")
                     pairs.remove(pair)
                     continue
                 if rep >= cfg.warmup:
@@ -756,8 +851,10 @@ def run_mode(mode: str, cfg: Config, layouts: dict[str, Any], skip: set[str], la
                     notes.append(f"{mode}: {pair.system.label}/{case}: receiver bytes differ")
     if mode == "same-host":
         mem = System("memcpy", "numpy memcpy in one process", "memcpy")
-        rows += [row(mode, mem, case, cfg.total_bytes, r)
-                 for case, r in memcpy_baseline(cfg, layouts).items()]
+        rows += [
+            row(mode, mem, case, cfg.total_bytes, r)
+            for case, r in memcpy_baseline(cfg, layouts).items()
+        ]
     return rows
 
 
@@ -767,8 +864,11 @@ def ratios_of(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     def rate(mode: str, system: str, case: str) -> float | None:
         """Median GB/s of a row; ``nixl`` means the faster of NIXL's two settings."""
         names = ("nixl", "nixl-eh") if system == "nixl" else (system,)
-        hits = [float(r["gbps"]) for r in rows
-                if r["mode"] == mode and r["system"] in names and r["case"] == case]
+        hits = [
+            float(r["gbps"])
+            for r in rows
+            if r["mode"] == mode and r["system"] in names and r["case"] == case
+        ]
         return max(hits) if hits else None
 
     out: dict[str, float | None] = {}
@@ -779,41 +879,69 @@ def ratios_of(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     for case in ("contiguous", "fragmented"):
         x = rate("cross-host", "kvstate-ucx", case)
         if x is not None:
-            ratio(f"cross-host {case}: kvstate UCX / NIXL (faster setting)  [>= 1.0]", x,
-                  rate("cross-host", "nixl", case))
-            ratio(f"cross-host {case}: kvstate UCX / raw ucxx one message  [>= 0.8]", x,
-                  rate("cross-host", "ucxx", "one message"))
-            ratio(f"cross-host {case}: kvstate UCX / Mooncake", x,
-                  rate("cross-host", "mooncake", case))
-            ratio(f"cross-host {case}: kvstate UCX / plain socket", x,
-                  rate("cross-host", "socket", case))
+            ratio(
+                f"cross-host {case}: kvstate UCX / NIXL (faster setting)  [>= 1.0]",
+                x,
+                rate("cross-host", "nixl", case),
+            )
+            ratio(
+                f"cross-host {case}: kvstate UCX / raw ucxx one message  [>= 0.8]",
+                x,
+                rate("cross-host", "ucxx", "one message"),
+            )
+            ratio(
+                f"cross-host {case}: kvstate UCX / Mooncake",
+                x,
+                rate("cross-host", "mooncake", case),
+            )
+            ratio(
+                f"cross-host {case}: kvstate UCX / plain socket",
+                x,
+                rate("cross-host", "socket", case),
+            )
         x = rate("same-host", "kvstate-cma", case)
         if x is not None:
-            ratio(f"same host {case}: kvstate CMA / NIXL (faster setting)  [>= 1.0]", x,
-                  rate("same-host", "nixl", case))
-            ratio(f"same host {case}: kvstate CMA / raw ucxx one message  [>= 0.9]", x,
-                  rate("same-host", "ucxx", "one message"))
+            ratio(
+                f"same host {case}: kvstate CMA / NIXL (faster setting)  [>= 1.0]",
+                x,
+                rate("same-host", "nixl", case),
+            )
+            ratio(
+                f"same host {case}: kvstate CMA / raw ucxx one message  [>= 0.9]",
+                x,
+                rate("same-host", "ucxx", "one message"),
+            )
             ratio(f"same host {case}: kvstate CMA / memcpy", x, rate("same-host", "memcpy", case))
-            ratio(f"same host {case}: kvstate UCX path / NIXL", rate(
-                "same-host", "kvstate-ucx", case), rate("same-host", "nixl", case))
+            ratio(
+                f"same host {case}: kvstate UCX path / NIXL",
+                rate("same-host", "kvstate-ucx", case),
+                rate("same-host", "nixl", case),
+            )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    ap.add_argument("--cross-host", action="store_true",
-                    help="sender and receiver in two network namespaces over a veth pair")
-    ap.add_argument("--plot", metavar="PNG",
-                    help="run same-host and cross-host and draw both (matplotlib)")
+    ap.add_argument(
+        "--cross-host",
+        action="store_true",
+        help="sender and receiver in two network namespaces over a veth pair",
+    )
+    ap.add_argument(
+        "--plot", metavar="PNG", help="run same-host and cross-host and draw both (matplotlib)"
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--pages", type=int, default=1024, help="pages per layer")
     ap.add_argument("--page-kib", type=int, default=16)
     ap.add_argument("--mooncake-lanes", type=int, default=2, help="MC_TCP_LANES_PER_PEER")
-    ap.add_argument("--skip", default="",
-                    help="comma list of systems or kinds: kvstate-cma,kvstate-ucx,ucxx,ucxx-eh,"
-                         "nixl,mooncake,socket")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma list of systems or kinds: kvstate-cma,kvstate-ucx,ucxx,ucxx-eh,"
+        "nixl,mooncake,socket",
+    )
     args = ap.parse_args(argv)
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the namespaces are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -834,13 +962,20 @@ def main(argv: list[str] | None = None) -> int:
 
     frag_runs = len(merge_runs(*layouts["fragmented"]).length)
     load0 = os.getloadavg()
-    say(f"{cfg.layers} layers x {cfg.pages} pages x {cfg.page_bytes // 1024} KiB = "
+    say(
+        f"{cfg.layers} layers x {cfg.pages} pages x {cfg.page_bytes // 1024} KiB = "
         f"{cfg.total_bytes / 2**20:.0f} MiB; fragmented: {frag_runs} runs per layer "
         f"({frag_runs * cfg.layers} in all); host {socket.gethostname()}, "
         f"{os.cpu_count()} CPUs, load {load0[0]:.2f}; median of {cfg.reps} after "
-        f"{cfg.warmup} warm-up")
-    modes = (["same-host", "cross-host"] if args.plot else
-             ["cross-host"] if args.cross_host else ["same-host"])
+        f"{cfg.warmup} warm-up"
+    )
+    modes = (
+        ["same-host", "cross-host"]
+        if args.plot
+        else ["cross-host"]
+        if args.cross_host
+        else ["same-host"]
+    )
     started = time.perf_counter()
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
@@ -850,29 +985,39 @@ def main(argv: list[str] | None = None) -> int:
     load1 = os.getloadavg()
     if args.plot:
         notes.append(plot(rows, cfg, args.plot, load1[0]))
-    doc = {"config": asdict(cfg) | {"total_bytes": cfg.total_bytes,
-                                    "fragmented_runs_per_layer": frag_runs},
-           "modes": modes, "results": rows, "ratios": ratios, "notes": notes,
-           "loadavg": {"start": [round(x, 2) for x in load0],
-                       "end": [round(x, 2) for x in load1]},
-           "wall_s": round(time.perf_counter() - started, 1)}
+    doc = {
+        "config": asdict(cfg)
+        | {"total_bytes": cfg.total_bytes, "fragmented_runs_per_layer": frag_runs},
+        "modes": modes,
+        "results": rows,
+        "ratios": ratios,
+        "notes": notes,
+        "loadavg": {"start": [round(x, 2) for x in load0], "end": [round(x, 2) for x in load1]},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
     if args.json:
         out.write(json.dumps(doc, indent=2) + "\n")
         out.flush()
     else:
-        print(f"\n{'mode':<11}{'system':<12}{'path':<5}{'case':<12}{'GB/s':>7}  "
-              f"{'spread':<13}{'ms':>8}  verified")
+        print(
+            f"\n{'mode':<11}{'system':<12}{'path':<5}{'case':<12}{'GB/s':>7}  "
+            f"{'spread':<13}{'ms':>8}  verified"
+        )
         for r in rows:
             spread = f"{r['gbps_min']:.2f}-{r['gbps_max']:.2f}"
-            print(f"{r['mode']:<11}{r['system']:<12}{r['path']:<5}{r['case']:<12}"
-                  f"{r['gbps']:>7.2f}  {spread:<13}{r['median_ms']:>8.2f}  {r['verified']}")
+            print(
+                f"{r['mode']:<11}{r['system']:<12}{r['path']:<5}{r['case']:<12}"
+                f"{r['gbps']:>7.2f}  {spread:<13}{r['median_ms']:>8.2f}  {r['verified']}"
+            )
         print("\nratios of medians:")
         for key, val in ratios.items():
             print(f"  {key:<68} {'n/a' if val is None else f'{val:.2f}'}")
         for note in notes:
             print(f"note: {note}")
-        print(f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at end; "
-              f"wall time {doc['wall_s']} s")
+        print(
+            f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at end; "
+            f"wall time {doc['wall_s']} s"
+        )
     return 0 if all(r["verified"] in (True, None) for r in rows) else 1
 
 
@@ -895,8 +1040,11 @@ def plot(rows: list[dict[str, Any]], cfg: Config, path: str, load: float) -> str
     for j, (case, color) in enumerate((("contiguous", "tab:blue"), ("fragmented", "tab:orange"))):
         ys, vals, lo, hi = [], [], [], []
         for i, key in enumerate(keys):
-            hit = [r for r in rows if (r["mode"], r["system"]) == key
-                   and r["case"] in (case, "one message")]
+            hit = [
+                r
+                for r in rows
+                if (r["mode"], r["system"]) == key and r["case"] in (case, "one message")
+            ]
             if not hit or (hit[0]["case"] == "one message" and case == "fragmented"):
                 continue
             r = hit[0]
@@ -904,9 +1052,17 @@ def plot(rows: list[dict[str, Any]], cfg: Config, path: str, load: float) -> str
             vals.append(r["gbps"])
             lo.append(r["gbps"] - r["gbps_min"])
             hi.append(r["gbps_max"] - r["gbps"])
-        ax.barh(ys, vals, height, xerr=[lo, hi], color=color, capsize=2,
-                label=f"{case} (one message for raw ucxx)" if j == 0 else
-                "fragmented: runs of 1-8 pages")
+        ax.barh(
+            ys,
+            vals,
+            height,
+            xerr=[lo, hi],
+            color=color,
+            capsize=2,
+            label=f"{case} (one message for raw ucxx)"
+            if j == 0
+            else "fragmented: runs of 1-8 pages",
+        )
     names = []
     for mode, system in keys:
         where = "1 host" if mode == "same-host" else "2 netns/TCP"
@@ -921,7 +1077,9 @@ def plot(rows: list[dict[str, Any]], cfg: Config, path: str, load: float) -> str
         f"= {cfg.total_bytes / 2**20:.0f} MiB, contiguous and fragmented\n"
         "kvstate (\u25b6): CMA path on 1 host, UCX put path across 2 network namespaces "
         "(TCP)\nvs NIXL, Mooncake, raw ucxx, plain socket, memcpy; "
-        f"{cfg.reps} reps each, load {load:.1f} on {os.cpu_count()} CPUs", fontsize=9)
+        f"{cfg.reps} reps each, load {load:.1f} on {os.cpu_count()} CPUs",
+        fontsize=9,
+    )
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()

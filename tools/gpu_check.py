@@ -57,12 +57,15 @@ def nvml_facts() -> tuple[int, list[str]]:
         return 0, [f"NVML unavailable: {exc}"]
     lines = []
     try:
+
         def text(v: Any) -> str:
             return v.decode() if isinstance(v, bytes) else str(v)
 
         count = pynvml.nvmlDeviceGetCount()
-        lines.append(f"driver {text(pynvml.nvmlSystemGetDriverVersion())}, "
-                     f"CUDA driver API {pynvml.nvmlSystemGetCudaDriverVersion()}, {count} GPU(s)")
+        lines.append(
+            f"driver {text(pynvml.nvmlSystemGetDriverVersion())}, "
+            f"CUDA driver API {pynvml.nvmlSystemGetCudaDriverVersion()}, {count} GPU(s)"
+        )
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         for i, h in enumerate(handles):
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
@@ -175,8 +178,9 @@ def fragmented(pages: int, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
     return place().astype(np.int32), place().astype(np.int32)
 
 
-def _receiver(conn: Connection, gpu: str, layers: int, nbytes: int, page_bytes: int,
-              dry: bool) -> None:
+def _receiver(
+    conn: Connection, gpu: str, layers: int, nbytes: int, page_bytes: int, dry: bool
+) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     try:
         dev = Device(dry)
@@ -208,9 +212,18 @@ def _receiver(conn: Connection, gpu: str, layers: int, nbytes: int, page_bytes: 
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _sender(conn: Connection, gpu: str, layers: int, nbytes: int, page_bytes: int,
-            endpoint: bytes, layout: dict[str, Any], rx: Connection, reps: int,
-            dry: bool) -> None:
+def _sender(
+    conn: Connection,
+    gpu: str,
+    layers: int,
+    nbytes: int,
+    page_bytes: int,
+    endpoint: bytes,
+    layout: dict[str, Any],
+    rx: Connection,
+    reps: int,
+    dry: bool,
+) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     try:
         dev = Device(dry)
@@ -224,8 +237,7 @@ def _sender(conn: Connection, gpu: str, layers: int, nbytes: int, page_bytes: in
         pages = nbytes // page_bytes
         ident = np.arange(pages, dtype=np.int32)
         out: dict[str, Any] = {}
-        for name, (src, dst) in (("contiguous", (ident, ident)),
-                                 ("fragmented", fragmented(pages))):
+        for name, (src, dst) in (("contiguous", (ident, ident)), ("fragmented", fragmented(pages))):
             rx.send("zero")
             rx.recv()
             target = [Target(endpoint, layout, dst)]
@@ -268,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-kib", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--proto-info", action="store_true", help="print UCX protocol choices")
-    ap.add_argument("--host-dry-run", action="store_true",
-                    help="numpy arrays instead of device arrays (checks the plumbing, no GPU)")
+    ap.add_argument(
+        "--host-dry-run",
+        action="store_true",
+        help="numpy arrays instead of device arrays (checks the plumbing, no GPU)",
+    )
     args = ap.parse_args(argv)
 
     count, lines = nvml_facts()
@@ -281,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         print("no NVIDIA GPU visible: nothing to check", file=sys.stderr)
         return NO_GPU
     if not Device(args.host_dry_run).kind:
-        print("neither cupy nor torch with CUDA is importable: cannot allocate device arrays",
-              file=sys.stderr)
+        print(
+            "neither cupy nor torch with CUDA is importable: cannot allocate device arrays",
+            file=sys.stderr,
+        )
         return NO_GPU
     if args.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
@@ -295,9 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     rx_gpu, tx_gpu = ("1", "0") if count >= 2 and not args.host_dry_run else ("0", "0")
     ctx = multiprocessing.get_context("spawn")
     a, b = ctx.Pipe()
-    rxp = ctx.Process(target=_receiver,
-                      args=(b, rx_gpu, args.layers, nbytes, page_bytes, args.host_dry_run),
-                      daemon=True)
+    rxp = ctx.Process(
+        target=_receiver,
+        args=(b, rx_gpu, args.layers, nbytes, page_bytes, args.host_dry_run),
+        daemon=True,
+    )
     rxp.start()
     code = 1
     try:
@@ -310,9 +329,22 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         endpoint, layout, kind = info
         c, d = ctx.Pipe()
-        txp = ctx.Process(target=_sender, args=(d, tx_gpu, args.layers, nbytes, page_bytes,
-                                                endpoint, layout, a, args.reps,
-                                                args.host_dry_run), daemon=True)
+        txp = ctx.Process(
+            target=_sender,
+            args=(
+                d,
+                tx_gpu,
+                args.layers,
+                nbytes,
+                page_bytes,
+                endpoint,
+                layout,
+                a,
+                args.reps,
+                args.host_dry_run,
+            ),
+            daemon=True,
+        )
         txp.start()
         if not c.poll(300):
             print("sender did not finish", file=sys.stderr)
@@ -324,13 +356,17 @@ def main(argv: list[str] | None = None) -> int:
             print(res, file=sys.stderr)
             return 1
         kind, out = res
-        print(f"{args.layers} layers x {args.pages} pages x {args.page_kib} KiB "
-              f"({total / 2**20:.0f} MiB) with {kind}; receiver GPU {rx_gpu}, sender GPU {tx_gpu}")
+        print(
+            f"{args.layers} layers x {args.pages} pages x {args.page_kib} KiB "
+            f"({total / 2**20:.0f} MiB) with {kind}; receiver GPU {rx_gpu}, sender GPU {tx_gpu}"
+        )
         base = total / out["device copy"]["median_s"] / 1e9
         for name, r in out.items():
             bw = total / r["median_s"] / 1e9
-            print(f"  {name:<12} {bw:8.2f} GB/s  {bw / base:5.2f} x device copy  "
-                  f"verified={r['verified']}")
+            print(
+                f"  {name:<12} {bw:8.2f} GB/s  {bw / base:5.2f} x device copy  "
+                f"verified={r['verified']}"
+            )
         code = 0 if all(r["verified"] in (True, None) for r in out.values()) else 1
         print("OK: every byte verified" if code == 0 else "MISMATCH: receiver bytes differ")
         return code

@@ -45,8 +45,14 @@ _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _libc = ctypes.CDLL(None, use_errno=True)
 _writev = _libc.process_vm_writev
 _writev.restype = ctypes.c_ssize_t
-_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                    ctypes.c_ulong, ctypes.c_ulong]
+_writev.argtypes = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 
 
 def _read(path: str) -> str:
@@ -62,7 +68,7 @@ def _start_time(pid: int) -> int | None:
     stat = _read(f"/proc/{pid}/stat")
     if not stat:
         return None
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     return int(fields[19])
 
 
@@ -85,12 +91,15 @@ class Identity:
     @classmethod
     def here(cls) -> Identity:
         pid = os.getpid()
-        return cls(_read("/proc/sys/kernel/random/boot_id"), _pid_ns(), pid,
-                   _start_time(pid) or 0)
+        return cls(_read("/proc/sys/kernel/random/boot_id"), _pid_ns(), pid, _start_time(pid) or 0)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"boot_id": self.boot_id, "pid_ns": self.pid_ns, "pid": self.pid,
-                "start_time": self.start_time}
+        return {
+            "boot_id": self.boot_id,
+            "pid_ns": self.pid_ns,
+            "pid": self.pid,
+            "start_time": self.start_time,
+        }
 
     @classmethod
     def from_dict(cls, d: Any) -> Identity | None:
@@ -143,23 +152,29 @@ def apply_ptracer(policy: str | int) -> str:
     need ``any`` or a ptrace scope of 0 (or CAP_SYS_PTRACE). Returns the message.
     """
     scope = ptrace_scope()
-    where = ("Yama inactive" if scope is None else f"Yama ptrace_scope={scope}")
+    where = "Yama inactive" if scope is None else f"Yama ptrace_scope={scope}"
     if policy == "off":
         msg = f"{PTRACER_ENV}=off: ptrace rights left as they are ({where})"
         if scope is not None and scope >= 1:
-            msg += ("; same-host senders that the kernel refuses write through UCX instead "
-                    f"of CMA ({PTRACER_ENV}=any or a sender pid allows CMA)")
+            msg += (
+                "; same-host senders that the kernel refuses write through UCX instead "
+                f"of CMA ({PTRACER_ENV}=any or a sender pid allows CMA)"
+            )
     else:
         arg = _PR_SET_PTRACER_ANY if policy == "any" else int(policy)
         rc = _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(arg), 0, 0, 0)
         err = ctypes.get_errno() if rc != 0 else 0
         who = "any process of this user" if policy == "any" else f"process {policy}"
         if rc == 0:
-            msg = (f"{PTRACER_ENV}={policy}: PR_SET_PTRACER set, {who} may ptrace this "
-                   f"process (and write into it by CMA) ({where})")
+            msg = (
+                f"{PTRACER_ENV}={policy}: PR_SET_PTRACER set, {who} may ptrace this "
+                f"process (and write into it by CMA) ({where})"
+            )
         else:
-            msg = (f"{PTRACER_ENV}={policy}: PR_SET_PTRACER for {who} refused: "
-                   f"{os.strerror(err)} ({where}; nothing to change without Yama)")
+            msg = (
+                f"{PTRACER_ENV}={policy}: PR_SET_PTRACER for {who} refused: "
+                f"{os.strerror(err)} ({where}; nothing to change without Yama)"
+            )
     with _log_lock:
         if msg not in _logged:
             _logged.add(msg)
@@ -192,8 +207,9 @@ class CMAError(TransportError):
         self.errno = err
 
 
-def write_runs(pid: int, local: np.ndarray, remote: np.ndarray, name: str,
-               deadline_check: Any = None) -> int:
+def write_runs(
+    pid: int, local: np.ndarray, remote: np.ndarray, name: str, deadline_check: Any = None
+) -> int:
     """Copy run ``i`` from ``local[i]`` to ``remote[i]`` in process ``pid``; return bytes.
 
     ``local`` and ``remote`` are iovec arrays of the same shape and lengths.
@@ -205,8 +221,14 @@ def write_runs(pid: int, local: np.ndarray, remote: np.ndarray, name: str,
     while start < n:
         stop = min(start + IOV_MAX, n)
         want = int(local[start:stop, 1].sum())
-        got = _writev(pid, local[start:].ctypes.data, stop - start,
-                      remote[start:].ctypes.data, stop - start, 0)
+        got = _writev(
+            pid,
+            local[start:].ctypes.data,
+            stop - start,
+            remote[start:].ctypes.data,
+            stop - start,
+            0,
+        )
         if got < 0:
             err = ctypes.get_errno()
             reason = "process gone" if err == errno.ESRCH else os.strerror(err)
@@ -215,7 +237,8 @@ def write_runs(pid: int, local: np.ndarray, remote: np.ndarray, name: str,
             # The kernel stops at the first fault: report it rather than retry blindly.
             raise CMAError(
                 f"writing into {name} stopped after {total + got} bytes "
-                "(destination memory no longer mapped?)", errno.EFAULT,
+                "(destination memory no longer mapped?)",
+                errno.EFAULT,
             )
         total += got
         start = stop

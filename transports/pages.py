@@ -68,9 +68,7 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
     src = np.asarray(src, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
     if src.shape != dst.shape or src.ndim != 1:
-        raise LayoutError(
-            f"source and destination index arrays differ: {src.shape} vs {dst.shape}"
-        )
+        raise LayoutError(f"source and destination index arrays differ: {src.shape} vs {dst.shape}")
     n = src.size
     if n == 0:
         empty = np.empty(0, dtype=np.int64)

@@ -178,17 +178,21 @@ class _LibUCP:
             f.argtypes = list(args)
             return f
 
-        self.mem_map = fn("ucp_mem_map", ctypes.c_int, vp, ctypes.POINTER(_MemMapParams),
-                          ctypes.POINTER(vp))
+        self.mem_map = fn(
+            "ucp_mem_map", ctypes.c_int, vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)
+        )
         self.mem_unmap = fn("ucp_mem_unmap", ctypes.c_int, vp, vp)
-        self.rkey_pack = fn("ucp_rkey_pack", ctypes.c_int, vp, vp, ctypes.POINTER(vp),
-                            ctypes.POINTER(sz))
+        self.rkey_pack = fn(
+            "ucp_rkey_pack", ctypes.c_int, vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)
+        )
         self.rkey_buffer_release = fn("ucp_rkey_buffer_release", None, vp)
-        self.ep_rkey_unpack = fn("ucp_ep_rkey_unpack", ctypes.c_int, vp, ctypes.c_char_p,
-                                 ctypes.POINTER(vp))
+        self.ep_rkey_unpack = fn(
+            "ucp_ep_rkey_unpack", ctypes.c_int, vp, ctypes.c_char_p, ctypes.POINTER(vp)
+        )
         self.rkey_destroy = fn("ucp_rkey_destroy", None, vp)
-        self.put_nbx = fn("ucp_put_nbx", vp, vp, vp, sz, ctypes.c_uint64, vp,
-                          ctypes.POINTER(_RequestParam))
+        self.put_nbx = fn(
+            "ucp_put_nbx", vp, vp, vp, sz, ctypes.c_uint64, vp, ctypes.POINTER(_RequestParam)
+        )
         self.ep_flush_nbx = fn("ucp_ep_flush_nbx", vp, vp, ctypes.POINTER(_RequestParam))
         self.request_check_status = fn("ucp_request_check_status", ctypes.c_int, vp)
         self.request_free = fn("ucp_request_free", None, vp)
@@ -240,15 +244,23 @@ UCX_DEFAULTS: dict[str, str] = {
     "UCX_TCP_RX_SEG_SIZE": "512K",
 }
 
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-               "G": 1 << 30, "GB": 1 << 30}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+}
 
 
 def _size(raw: str) -> int | None:
     """A UCX memory size ("256K", "1m", "65536") in bytes; None if not one."""
     text = raw.strip().upper()
     digits = text.rstrip("BKMG")
-    unit = text[len(digits):]
+    unit = text[len(digits) :]
     if not digits.isdigit() or unit not in _SIZE_UNITS:
         return None
     return int(digits) * _SIZE_UNITS[unit]
@@ -446,8 +458,9 @@ def _buffer_info(obj: Any, what: str) -> tuple[int, int, str]:
             ) from None
     if not view.c_contiguous:
         raise LayoutError(f"{what}: array is not C-contiguous (UCX would send its raw memory)")
-    flat = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view,
-                         dtype=np.uint8)
+    flat = np.frombuffer(
+        view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8
+    )
     return int(flat.__array_interface__["data"][0]), flat.nbytes, "host"
 
 
@@ -513,12 +526,18 @@ class UCXTransport(Transport):
                     length=r.nbytes,
                 )
                 memh = ctypes.c_void_p()
-                lib.check(lib.mem_map(self._rt.context_h, ctypes.byref(params),
-                                      ctypes.byref(memh)), "ucp_mem_map")
+                lib.check(
+                    lib.mem_map(self._rt.context_h, ctypes.byref(params), ctypes.byref(memh)),
+                    "ucp_mem_map",
+                )
                 r.memh = memh.value or 0
                 packed, size = ctypes.c_void_p(), ctypes.c_size_t()
-                lib.check(lib.rkey_pack(self._rt.context_h, r.memh, ctypes.byref(packed),
-                                        ctypes.byref(size)), "ucp_rkey_pack")
+                lib.check(
+                    lib.rkey_pack(
+                        self._rt.context_h, r.memh, ctypes.byref(packed), ctypes.byref(size)
+                    ),
+                    "ucp_rkey_pack",
+                )
                 r.rkey = ctypes.string_at(packed.value or 0, size.value)
                 lib.rkey_buffer_release(packed)
                 r.param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMH, memh=r.memh)
@@ -607,16 +626,21 @@ class UCXTransport(Transport):
             if refused:  # the kernel would not let us write there: go through UCX
                 for p in refused:
                     p.peer = None
-                self._wait_future(asyncio.run_coroutine_threadsafe(
-                    self._write(room, refused, deadline), self._rt.loop
-                ), room, deadline)
+                self._wait_future(
+                    asyncio.run_coroutine_threadsafe(
+                        self._write(room, refused, deadline), self._rt.loop
+                    ),
+                    room,
+                    deadline,
+                )
         except TransportError:
             self._record(0, 0.0, ok=False)
             raise
         self._record(sum(p.nbytes for p in plans), time.perf_counter() - started, ok=True)
 
-    def _wait_future(self, fut: concurrent.futures.Future[None] | None, room: int,
-                     deadline: float) -> None:
+    def _wait_future(
+        self, fut: concurrent.futures.Future[None] | None, room: int, deadline: float
+    ) -> None:
         """Wait for a UCX-thread write; the coroutine enforces the deadline itself,
         the margin here only covers a stuck event loop."""
         if fut is None:
@@ -638,15 +662,15 @@ class UCXTransport(Transport):
 
         cma.check_alive(plan.peer, plan.name)
         try:
-            cma.write_runs(plan.peer.pid, plan.local_iov, plan.remote_iov, plan.name,
-                           check_deadline)
+            cma.write_runs(
+                plan.peer.pid, plan.local_iov, plan.remote_iov, plan.name, check_deadline
+            )
         except cma.CMAError as exc:
             if exc.errno == errno.EPERM:
                 self._no_cma.add(plan.endpoint)
                 return False
             if exc.errno == errno.ESRCH:
-                raise TransportError(f"room {room}: {plan.name} is gone (process exited)") \
-                    from None
+                raise TransportError(f"room {room}: {plan.name} is gone (process exited)") from None
             raise TransportError(f"room {room}: {exc}") from None
         return True
 
@@ -745,8 +769,10 @@ class UCXTransport(Transport):
         rkey = peer.rkeys.get(packed)
         if rkey is None:
             handle = ctypes.c_void_p()
-            self._lib.check(self._lib.ep_rkey_unpack(peer.ep_h, packed, ctypes.byref(handle)),
-                            f"unpacking the remote key of {peer.name}")
+            self._lib.check(
+                self._lib.ep_rkey_unpack(peer.ep_h, packed, ctypes.byref(handle)),
+                f"unpacking the remote key of {peer.name}",
+            )
             rkey = handle.value or 0
             peer.rkeys[packed] = rkey
         return rkey
@@ -800,9 +826,11 @@ class UCXTransport(Transport):
         except BaseException as exc:
             for ptr, _ in pending:
                 lib.request_free(ptr)
-            failed = {p.endpoint for _, p in pending} if isinstance(exc, TimeoutError) else {
-                p.endpoint for p in plans
-            }
+            failed = (
+                {p.endpoint for _, p in pending}
+                if isinstance(exc, TimeoutError)
+                else {p.endpoint for p in plans}
+            )
             for endpoint in failed:
                 self._drop_peer(endpoint)
             if isinstance(exc, TimeoutError):
@@ -835,8 +863,10 @@ class UCXTransport(Transport):
                         continue
                     lib.request_free(ptr)
                     if status < 0 and error is None:
-                        error = (f"room {room}: transfer to {plan.name} failed: "
-                                 f"{lib.status_string(status)}{_PEER_HINT}")
+                        error = (
+                            f"room {room}: transfer to {plan.name} failed: "
+                            f"{lib.status_string(status)}{_PEER_HINT}"
+                        )
                 pending[:] = keep
                 if error is not None:
                     raise TransportError(error)
@@ -861,8 +891,11 @@ class UCXTransport(Transport):
             s = self._stats
             if ok:
                 self._stats = TransportStats(
-                    s.bytes_moved + nbytes, s.transfers + 1, s.failures,
-                    latency if nbytes else s.last_latency_s, nbytes if nbytes else s.last_bytes,
+                    s.bytes_moved + nbytes,
+                    s.transfers + 1,
+                    s.failures,
+                    latency if nbytes else s.last_latency_s,
+                    nbytes if nbytes else s.last_bytes,
                 )
             else:
                 self._stats = TransportStats(

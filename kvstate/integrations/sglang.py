@@ -89,8 +89,12 @@ class _DeviceBuffer:
     """A raw device pointer presented as a 1-D byte array (CUDA array interface)."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
 
 
 def raw_buffer(ptr: int, nbytes: int, memory: str) -> Any:
@@ -115,35 +119,48 @@ class Spaces(Transport):
     them. ``write`` (what ``KVSender.send`` calls) moves KV pages; ``write_space``
     moves aux and state slots."""
 
-    def __init__(self, kv_args: Any, memory: str,
-                 factory: Callable[[], Transport] | None = None) -> None:
+    def __init__(
+        self, kv_args: Any, memory: str, factory: Callable[[], Transport] | None = None
+    ) -> None:
         if factory is None:
             from transports.ucx import UCXTransport
 
             factory = UCXTransport
-        self.kv = self._space(factory, kv_args.kv_data_ptrs, kv_args.kv_data_lens,
-                              kv_args.kv_item_lens, memory)
+        self.kv = self._space(
+            factory, kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens, memory
+        )
         if self.kv is None:
             raise UnsupportedLayoutError("SGLang registered no KV buffers (kv_data_ptrs empty)")
         # SGLang keeps the metadata buffers in host memory
-        self.aux = self._space(factory, getattr(kv_args, "aux_data_ptrs", None) or [],
-                               getattr(kv_args, "aux_data_lens", None) or [],
-                               getattr(kv_args, "aux_item_lens", None) or [], "host")
+        self.aux = self._space(
+            factory,
+            getattr(kv_args, "aux_data_ptrs", None) or [],
+            getattr(kv_args, "aux_data_lens", None) or [],
+            getattr(kv_args, "aux_item_lens", None) or [],
+            "host",
+        )
         ptrs = getattr(kv_args, "state_data_ptrs", None) or []
         lens = getattr(kv_args, "state_data_lens", None) or []
         items = getattr(kv_args, "state_item_lens", None) or []
-        self.state = [self._space(factory, p, n, i, memory)
-                      for p, n, i in zip(ptrs, lens, items, strict=True)]
+        self.state = [
+            self._space(factory, p, n, i, memory) for p, n, i in zip(ptrs, lens, items, strict=True)
+        ]
 
     @staticmethod
-    def _space(factory: Callable[[], Transport], ptrs: Sequence[int], lens: Sequence[int],
-               items: Sequence[int], memory: str) -> Transport | None:
+    def _space(
+        factory: Callable[[], Transport],
+        ptrs: Sequence[int],
+        lens: Sequence[int],
+        items: Sequence[int],
+        memory: str,
+    ) -> Transport | None:
         if not ptrs:
             return None
         t = factory()
-        t.register_buffers([raw_buffer(int(p), int(n), memory) for p, n in zip(ptrs, lens,
-                                                                               strict=True)],
-                           [int(i) for i in items])
+        t.register_buffers(
+            [raw_buffer(int(p), int(n), memory) for p, n in zip(ptrs, lens, strict=True)],
+            [int(i) for i in items],
+        )
         return t
 
     def register_buffers(self, buffers: Sequence[Any], page_bytes: Sequence[int]) -> None:
@@ -155,23 +172,39 @@ class Spaces(Transport):
 
     def layout(self) -> dict[str, Any]:
         assert self.kv is not None
-        return {"transport": "kvstate-sglang", "kv": self.kv.layout(),
-                "aux": self.aux.layout() if self.aux else None,
-                "state": [s.layout() if s else None for s in self.state]}
+        return {
+            "transport": "kvstate-sglang",
+            "kv": self.kv.layout(),
+            "aux": self.aux.layout() if self.aux else None,
+            "state": [s.layout() if s else None for s in self.state],
+        }
 
     def expect(self, room: int, dst_indices: np.ndarray) -> None:
         assert self.kv is not None
         self.kv.expect(room, dst_indices)
 
-    def write(self, room: int, src_indices: np.ndarray, targets: Sequence[Target],
-              timeout: float) -> None:
+    def write(
+        self, room: int, src_indices: np.ndarray, targets: Sequence[Target], timeout: float
+    ) -> None:
         assert self.kv is not None
-        self.kv.write(room, src_indices, [Target(t.endpoint, t.layout["kv"], t.dst_indices)
-                                          for t in targets], timeout)
+        self.kv.write(
+            room,
+            src_indices,
+            [Target(t.endpoint, t.layout["kv"], t.dst_indices) for t in targets],
+            timeout,
+        )
 
-    def write_space(self, space: Transport | None, remote: dict[str, Any] | None, what: str,
-                    room: int, endpoint: bytes, src: np.ndarray, dst: np.ndarray,
-                    timeout: float) -> None:
+    def write_space(
+        self,
+        space: Transport | None,
+        remote: dict[str, Any] | None,
+        what: str,
+        room: int,
+        endpoint: bytes,
+        src: np.ndarray,
+        dst: np.ndarray,
+        timeout: float,
+    ) -> None:
         if space is None or remote is None:
             raise TransportError(f"room {room}: {what} is not registered on both sides")
         space.write(room, src, [Target(endpoint, remote, dst)], timeout)
@@ -314,10 +347,18 @@ class KVStateKVManager(_BaseManager):
     supports_role_switch = False
     supports_deferred_decode_kv_release = False
 
-    def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
-                 is_mla_backend: bool | None = False, *, store: Store | None = None,
-                 settings: Settings | None = None,
-                 transport: Transport | None = None, mirror: bool = False) -> None:
+    def __init__(
+        self,
+        args: Any,
+        disaggregation_mode: Any,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+        *,
+        store: Store | None = None,
+        settings: Settings | None = None,
+        transport: Transport | None = None,
+        mirror: bool = False,
+    ) -> None:
         check_version()
         self.kv_args = args
         self.server_args = server_args
@@ -332,15 +373,18 @@ class KVStateKVManager(_BaseManager):
         if pp > 1:
             raise UnsupportedLayoutError(
                 f"pipeline parallel size {pp}: kvstate's SGLang backend supports pp_size 1 "
-                "only; use the mooncake backend (with kvstate mirror mode) for PP")
-        if getattr(server_args, "disaggregation_decode_allocation_policy", None) == \
-                "prefill_complete" or os.environ.get(
-                    "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "").lower() in (
-                    "1", "true"):
+                "only; use the mooncake backend (with kvstate mirror mode) for PP"
+            )
+        if getattr(
+            server_args, "disaggregation_decode_allocation_policy", None
+        ) == "prefill_complete" or os.environ.get(
+            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", ""
+        ).lower() in ("1", "true"):
             raise UnsupportedLayoutError(
                 "the prefill_complete decode allocation policy and forced prefill DP-rank "
                 "queries need SGLang's bootstrap HTTP server; kvstate's backend has none: "
-                "use the default allocation policy (the DP rank follows bootstrap_room)")
+                "use the default allocation policy (the DP rank follows bootstrap_room)"
+            )
         dp = int(getattr(server_args, "dp_size", 1) or 1)
         tp = int(getattr(server_args, "tp_size", 1) or 1)
         self.tp_size = tp // dp if getattr(server_args, "enable_dp_attention", False) else tp
@@ -362,9 +406,16 @@ class KVStateKVManager(_BaseManager):
             self.spaces = transport if transport is not None else Spaces(args, memory)
         waiting = float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "300"))
         bootstrap = float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "300"))
-        self.kv = KVManager(self.store, self.role, engine, self.addr, self.spaces,
-                            lease=self.settings.lease, bootstrap_timeout=bootstrap,
-                            waiting_timeout=waiting)
+        self.kv = KVManager(
+            self.store,
+            self.role,
+            engine,
+            self.addr,
+            self.spaces,
+            lease=self.settings.lease,
+            bootstrap_timeout=bootstrap,
+            waiting_timeout=waiting,
+        )
         self.engine = engine
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lock = threading.Lock()
@@ -401,7 +452,8 @@ class KVStateKVManager(_BaseManager):
             return False
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(
             dp_size=max(int(m["dp"]) for m in ranks) + 1,
-            tp_size=max(int(m["tp"]) for m in ranks) + 1)
+            tp_size=max(int(m["tp"]) for m in ranks) + 1,
+        )
         return True
 
     def ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -416,11 +468,15 @@ class KVStateKVManager(_BaseManager):
         with self._lock:
             other = self._rooms.get(room)
             if other is not None:
-                return (f"duplicate bootstrap_room {room}: already in flight on {self.engine}; "
-                        "each request needs its own room (refused, not shared)")
+                return (
+                    f"duplicate bootstrap_room {room}: already in flight on {self.engine}; "
+                    "each request needs its own room (refused, not shared)"
+                )
             if len(self._rooms) >= self.settings.max_rooms:
-                return (f"{len(self._rooms)} rooms in flight on {self.engine}, the cap "
-                        "(KVSTATE_SGLANG_MAX_ROOMS); refused")
+                return (
+                    f"{len(self._rooms)} rooms in flight on {self.engine}, the cap "
+                    "(KVSTATE_SGLANG_MAX_ROOMS); refused"
+                )
             self._rooms[room] = p
         return ""
 
@@ -449,8 +505,7 @@ class KVStateKVManager(_BaseManager):
 
     def _poll_batch(self) -> None:
         with self._lock:
-            parts = [p for p in self._rooms.values()
-                     if p._part is not None and not p._local_reason]
+            parts = [p for p in self._rooms.values() if p._part is not None and not p._local_reason]
         held = [p for p in parts if p._lock.acquire(blocking=False)]  # busy: mid-send
         try:
             rooms = [p.bootstrap_room for p in held]
@@ -477,8 +532,9 @@ class KVStateKVManager(_BaseManager):
         log.warning("kvstate poll failed: %s", exc)
         if now - self._store_down_since >= self.settings.store_grace_s:
             for p in parts:
-                p._fail_local(f"state store unreachable for "
-                              f"{now - self._store_down_since:.0f}s: {exc}")
+                p._fail_local(
+                    f"state store unreachable for {now - self._store_down_since:.0f}s: {exc}"
+                )
 
 
 def _host(server_args: Any) -> str:
@@ -494,8 +550,13 @@ def _host(server_args: Any) -> str:
 class KVStateKVSender(_Adapter, _BaseSender):
     """Prefill side of one room."""
 
-    def __init__(self, mgr: KVStateKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+    def __init__(
+        self,
+        mgr: KVStateKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
         self._setup(mgr, bootstrap_room)
         self.bootstrap_addr = bootstrap_addr
         self._aux: int | None = None
@@ -519,10 +580,14 @@ class KVStateKVSender(_Adapter, _BaseSender):
             if len(infos) > 1:
                 # a second decode request published into this room (sglang#40125)
                 with self._lock:
-                    self._guard("duplicate", lambda: self._part.abort(  # type: ignore[union-attr]
-                        f"duplicate bootstrap_room {self.bootstrap_room}: {len(infos)} decode "
-                        f"receivers ({', '.join(sorted(infos))}) published into one room; "
-                        "refused, not shared"))
+                    self._guard(
+                        "duplicate",
+                        lambda: self._part.abort(  # type: ignore[union-attr]
+                            f"duplicate bootstrap_room {self.bootstrap_room}: {len(infos)} decode "
+                            f"receivers ({', '.join(sorted(infos))}) published into one room; "
+                            "refused, not shared"
+                        ),
+                    )
                 return self._polled(KVPoll.Failed)
         return st
 
@@ -547,8 +612,13 @@ class KVStateKVSender(_Adapter, _BaseSender):
             if self._part is not None:
                 self._guard("init", lambda: self._part.init(num_kv_indices))  # type: ignore[union-attr]
 
-    def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
-             num_kv_tokens: int | None = None, **_: Any) -> None:
+    def send(
+        self,
+        kv_indices: Any,
+        state_indices: list[Any] | None = None,
+        num_kv_tokens: int | None = None,
+        **_: Any,
+    ) -> None:
         """Move this chunk's pages; with the last chunk also the aux slot and the state
         slots, and only then conclude the room (the receiver's Success means all landed)."""
         with self._lock:
@@ -584,29 +654,50 @@ class KVStateKVSender(_Adapter, _BaseSender):
             return
         timeout = self.kv_mgr.kv.transfer_timeout
         room = self.bootstrap_room
-        state = [(i, np.asarray(s, dtype=np.int64).reshape(-1))
-                 for i, s in enumerate(state_indices or []) if s is not None]
+        state = [
+            (i, np.asarray(s, dtype=np.int64).reshape(-1))
+            for i, s in enumerate(state_indices or [])
+            if s is not None
+        ]
         for info in part.transfer_infos().values():
             if info.dummy:
                 continue
             peer = self.kv_mgr.kv.peer(info.receiver, info.incarnation)
             if self._aux is not None and info.aux_index is not None:
-                spaces.write_space(spaces.aux, peer.layout.get("aux"), "the aux slot", room,
-                                   peer.endpoint, np.array([self._aux]),
-                                   np.array([info.aux_index]), timeout)
-            dst = (np.empty(0, np.int64) if info.state_indices is None
-                   else info.state_indices.astype(np.int64))
+                spaces.write_space(
+                    spaces.aux,
+                    peer.layout.get("aux"),
+                    "the aux slot",
+                    room,
+                    peer.endpoint,
+                    np.array([self._aux]),
+                    np.array([info.aux_index]),
+                    timeout,
+                )
+            dst = (
+                np.empty(0, np.int64)
+                if info.state_indices is None
+                else info.state_indices.astype(np.int64)
+            )
             if sum(s.size for _, s in state) != dst.size:
                 raise TransportError(
                     f"room {room}: {sum(s.size for _, s in state)} state slots here, "
-                    f"{dst.size} published by {info.receiver}")
+                    f"{dst.size} published by {info.receiver}"
+                )
             remote = peer.layout.get("state") or []
             at = 0
             for i, src in state:
                 space = spaces.state[i] if i < len(spaces.state) else None
-                spaces.write_space(space, remote[i] if i < len(remote) else None,
-                                   f"state type {i}", room, peer.endpoint, src,
-                                   dst[at:at + src.size], timeout)
+                spaces.write_space(
+                    space,
+                    remote[i] if i < len(remote) else None,
+                    f"state type {i}",
+                    room,
+                    peer.endpoint,
+                    src,
+                    dst[at : at + src.size],
+                    timeout,
+                )
                 at += src.size
 
     def mirror(self, theirs: int, backend: str) -> KVPoll:
@@ -618,8 +709,10 @@ class KVStateKVSender(_Adapter, _BaseSender):
             return KVPoll.Failed
         with self._lock:
             if theirs == KVPoll.Failed:
-                self._guard("recording the failure",
-                            lambda: part.fail(f"{backend} reported the transfer failed"))
+                self._guard(
+                    "recording the failure",
+                    lambda: part.fail(f"{backend} reported the transfer failed"),
+                )
                 return KVPoll.Failed
             if theirs == KVPoll.Success and ours != KVPoll.Success:
                 self.mirror_begin()
@@ -635,8 +728,9 @@ class KVStateKVSender(_Adapter, _BaseSender):
                 self._guard("begin_transfer", part.begin_transfer)
 
     def get_transfer_metric(self) -> Any:
-        return _conn.KVTransferMetric(transfer_latency_s=self._latency,
-                                      transfer_total_bytes=self._bytes)
+        return _conn.KVTransferMetric(
+            transfer_latency_s=self._latency, transfer_total_bytes=self._bytes
+        )
 
     def mark_prefill_complete(self) -> None:
         """Nothing to publish early: decode allocates before prefill runs."""
@@ -651,8 +745,9 @@ class KVStateKVReceiver(_Adapter, _BaseReceiver):
     WaitingForInput after ``init()`` until ``send_metadata()``, then Transferring
     until the sender concluded."""
 
-    def __init__(self, mgr: KVStateKVManager, bootstrap_addr: str,
-                 bootstrap_room: int | None = None) -> None:
+    def __init__(
+        self, mgr: KVStateKVManager, bootstrap_addr: str, bootstrap_room: int | None = None
+    ) -> None:
         self._setup(mgr, bootstrap_room)
         self.bootstrap_addr = bootstrap_addr
         self.require_staging = False
@@ -670,12 +765,14 @@ class KVStateKVReceiver(_Adapter, _BaseReceiver):
                 self._fail_local(
                     f"TP mismatch: prefill at {self.bootstrap_addr} has attention TP size "
                     f"{info.tp_size}, this decode {mgr.tp_size}; kvstate's SGLang backend "
-                    "maps rank i to rank i and needs equal sizes")
+                    "maps rank i to rank i and needs equal sizes"
+                )
                 return
             sender = prefill_engine(self.bootstrap_addr, int(prefill_dp_rank or 0), mgr.tp_rank)
             try:
-                self._part = mgr.kv.receiver(self.bootstrap_room, self.bootstrap_addr,
-                                             required_senders=1, senders=[sender])
+                self._part = mgr.kv.receiver(
+                    self.bootstrap_room, self.bootstrap_addr, required_senders=1, senders=[sender]
+                )
             except PeerNotFoundError as exc:
                 self._fail_local(str(exc))
             except KVStateError as exc:
@@ -690,22 +787,34 @@ class KVStateKVReceiver(_Adapter, _BaseReceiver):
         self._status = st
         return KVPoll.Transferring if self._metadata_sent else KVPoll.WaitingForInput
 
-    def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
-                      state_indices: list[Any] | None = None,
-                      decode_prefix_len: int | None = None, destination: Any = None) -> None:
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = None,
+    ) -> None:
         with self._lock:
             if self._part is None or self._local_reason:
                 return
             if getattr(destination, "value", destination) == "host":
                 self._fail_local("host KV destinations are not supported by kvstate's backend")
                 return
-            parts = [np.asarray(s, dtype=np.int64).reshape(-1)
-                     for s in state_indices or [] if s is not None]
+            parts = [
+                np.asarray(s, dtype=np.int64).reshape(-1)
+                for s in state_indices or []
+                if s is not None
+            ]
             state = np.concatenate(parts) if parts else None
             part = self._part
             assert isinstance(part, KVReceiver)
-            self._guard("send_metadata", lambda: part.init(
-                kv_indices, aux_index, state, prefix_len=int(decode_prefix_len or 0)))
+            self._guard(
+                "send_metadata",
+                lambda: part.init(
+                    kv_indices, aux_index, state, prefix_len=int(decode_prefix_len or 0)
+                ),
+            )
             self._metadata_sent = True
 
     def abort(self) -> None:
@@ -723,8 +832,10 @@ class KVStateKVReceiver(_Adapter, _BaseReceiver):
         if theirs == KVPoll.Failed and self._part is not None:
             part = self._part
             with self._lock:
-                self._guard("recording the failure",
-                            lambda: part.fail(f"{backend} reported the transfer failed"))
+                self._guard(
+                    "recording the failure",
+                    lambda: part.fail(f"{backend} reported the transfer failed"),
+                )
             return KVPoll.Failed
         return KVPoll(int(theirs))
 
@@ -736,8 +847,12 @@ class KVStateBootstrapServer(_BaseServer):
     def __init__(self, host: str, port: int, **_: Any) -> None:
         self.host = host
         self.port = port
-        log.info("kvstate backend: no bootstrap server on %s:%s; prefill ranks register "
-                 "in kvstate's registry", host, port)
+        log.info(
+            "kvstate backend: no bootstrap server on %s:%s; prefill ranks register "
+            "in kvstate's registry",
+            host,
+            port,
+        )
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -754,24 +869,34 @@ def mirrored(base: type, kind: str, backend: str) -> type:
     keeping the per-room state beside it: the bytes still go the base's way."""
     key = base
     if key not in _MIRRORS:
-        body = {"manager": _mirror_manager, "sender": _mirror_sender,
-                "receiver": _mirror_receiver}[kind](base, backend)
+        body = {"manager": _mirror_manager, "sender": _mirror_sender, "receiver": _mirror_receiver}[
+            kind
+        ](base, backend)
         _MIRRORS[key] = type(f"KVStateMirror{base.__name__}", (base,), body)
     return _MIRRORS[key]
 
 
 def _mirror_manager(base: type, backend: str) -> dict[str, Any]:
-    def __init__(self: Any, args: Any, disaggregation_mode: Any, server_args: Any,
-                 is_mla_backend: bool | None = False, **kw: Any) -> None:
+    def __init__(
+        self: Any,
+        args: Any,
+        disaggregation_mode: Any,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+        **kw: Any,
+    ) -> None:
         base.__init__(self, args, disaggregation_mode, server_args, is_mla_backend, **kw)  # type: ignore[misc]
-        self.kvstate = KVStateKVManager(args, disaggregation_mode, server_args,
-                                        is_mla_backend, mirror=True)
+        self.kvstate = KVStateKVManager(
+            args, disaggregation_mode, server_args, is_mla_backend, mirror=True
+        )
+
     return {"__init__": __init__}
 
 
 def _mirror_sender(base: type, backend: str) -> dict[str, Any]:
-    def __init__(self: Any, mgr: Any, bootstrap_addr: str, bootstrap_room: int,
-                 *a: Any, **kw: Any) -> None:
+    def __init__(
+        self: Any, mgr: Any, bootstrap_addr: str, bootstrap_room: int, *a: Any, **kw: Any
+    ) -> None:
         base.__init__(self, mgr, bootstrap_addr, bootstrap_room, *a, **kw)  # type: ignore[misc]
         self.kvstate = KVStateKVSender(mgr.kvstate, bootstrap_addr, bootstrap_room)
 
@@ -786,8 +911,14 @@ def _mirror_sender(base: type, backend: str) -> dict[str, Any]:
 
 
 def _mirror_receiver(base: type, backend: str) -> dict[str, Any]:
-    def __init__(self: Any, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None,
-                 *a: Any, **kw: Any) -> None:
+    def __init__(
+        self: Any,
+        mgr: Any,
+        bootstrap_addr: str,
+        bootstrap_room: int | None = None,
+        *a: Any,
+        **kw: Any,
+    ) -> None:
         base.__init__(self, mgr, bootstrap_addr, bootstrap_room, *a, **kw)  # type: ignore[misc]
         self.kvstate = KVStateKVReceiver(mgr.kvstate, bootstrap_addr, bootstrap_room)
 
@@ -795,19 +926,31 @@ def _mirror_receiver(base: type, backend: str) -> dict[str, Any]:
         self.kvstate.init(prefill_dp_rank)
         return base.init(self, prefill_dp_rank, *a, **kw)  # type: ignore[attr-defined]
 
-    def send_metadata(self: Any, kv_indices: Any, aux_index: int | None = None,
-                      state_indices: Any = None, *a: Any, **kw: Any) -> Any:
+    def send_metadata(
+        self: Any,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        *a: Any,
+        **kw: Any,
+    ) -> Any:
         # published in kvstate before the other backend can see the metadata, so the
         # prefill's kvstate sender is ready when its transfer starts
-        self.kvstate.send_metadata(kv_indices, aux_index, state_indices,
-                                   kw.get("decode_prefix_len"))
+        self.kvstate.send_metadata(
+            kv_indices, aux_index, state_indices, kw.get("decode_prefix_len")
+        )
         return base.send_metadata(self, kv_indices, aux_index, state_indices, *a, **kw)  # type: ignore[attr-defined]
 
     def poll(self: Any) -> KVPoll:
         return self.kvstate.mirror(base.poll(self), backend)  # type: ignore[attr-defined, no-any-return]
 
-    return {"__init__": __init__, "init": init, "send_metadata": send_metadata, "poll": poll,
-            **_mirror_common(base)}
+    return {
+        "__init__": __init__,
+        "init": init,
+        "send_metadata": send_metadata,
+        "poll": poll,
+        **_mirror_common(base),
+    }
 
 
 def _mirror_common(base: type) -> dict[str, Any]:
@@ -834,7 +977,15 @@ def _mirror_common(base: type) -> dict[str, Any]:
 
 
 __all__ = [
-    "KVStateBootstrapServer", "KVStateKVManager", "KVStateKVReceiver", "KVStateKVSender",
-    "PrefillInfo", "Settings", "Spaces", "UnsupportedLayoutError", "prefill_engine",
-    "mirrored", "raw_buffer",
+    "KVStateBootstrapServer",
+    "KVStateKVManager",
+    "KVStateKVReceiver",
+    "KVStateKVSender",
+    "PrefillInfo",
+    "Settings",
+    "Spaces",
+    "UnsupportedLayoutError",
+    "prefill_engine",
+    "mirrored",
+    "raw_buffer",
 ]

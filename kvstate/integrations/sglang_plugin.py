@@ -29,7 +29,8 @@ def check_version(found: str | None = None) -> str:
             found = version("sglang")
         except PackageNotFoundError:
             raise UnsupportedSGLangError(
-                "SGLang is not installed: pip install 'kvstate[sglang]'") from None
+                "SGLang is not installed: pip install 'kvstate[sglang]'"
+            ) from None
     if found not in SUPPORTED_SGLANG:
         raise UnsupportedSGLangError(
             f"kvstate's SGLang backend supports sglang {', '.join(SUPPORTED_SGLANG)}; found "
@@ -97,9 +98,12 @@ def get_kv_class(original: Callable[..., Any], transfer_backend: Any, class_type
         return original(transfer_backend, class_type)
     from kvstate.integrations import sglang
 
-    return {"manager": sglang.KVStateKVManager, "sender": sglang.KVStateKVSender,
-            "receiver": sglang.KVStateKVReceiver,
-            "bootstrap_server": sglang.KVStateBootstrapServer}[name]
+    return {
+        "manager": sglang.KVStateKVManager,
+        "sender": sglang.KVStateKVSender,
+        "receiver": sglang.KVStateKVReceiver,
+        "bootstrap_server": sglang.KVStateBootstrapServer,
+    }[name]
 
 
 __all__ = ["BACKEND", "SUPPORTED_SGLANG", "UnsupportedSGLangError", "check_version", "plugin"]

@@ -72,18 +72,22 @@ class KVStateConnector(KVConnectorBase_V1):
     """Scheduler side: which requests load or send, as rooms; worker side: the rooms
     themselves (kvstate participants) and the pages."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole,
-                 kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = self._kv_transfer_config
         extra = dict(cfg.kv_connector_extra_config or {})
-        tp = int(getattr(getattr(vllm_config, "parallel_config", None),
-                         "tensor_parallel_size", 1) or 1)
+        tp = int(
+            getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+        )
         if tp > 1:
             raise KVStateError(f"KVStateConnector supports tensor_parallel_size 1, got {tp}")
         if cfg.kv_role not in ("kv_producer", "kv_consumer"):
-            raise KVStateError(f"KVStateConnector needs kv_role kv_producer (prefill) or "
-                               f"kv_consumer (decode), got {cfg.kv_role!r}")
+            raise KVStateError(
+                f"KVStateConnector needs kv_role kv_producer (prefill) or "
+                f"kv_consumer (decode), got {cfg.kv_role!r}"
+            )
         self.engine_id = str(cfg.engine_id or "vllm")
         self.engine = engine_name(self.engine_id)
         self.producer = cfg.kv_role == "kv_producer"
@@ -109,16 +113,16 @@ class KVStateConnector(KVConnectorBase_V1):
         return self._store
 
     # -- scheduler side ------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill") or params.get("kvstate_room") is None:
             return 0, False
         count = max(len(request.prompt_token_ids) - num_computed_tokens, 0)
         return count, count > 0
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill") or params.get("kvstate_room") is None:
             return
@@ -138,8 +142,9 @@ class KVStateConnector(KVConnectorBase_V1):
         self._recv, self._send = {}, {}
         return meta
 
-    def request_finished(self, request: Any,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
         room = params.get("kvstate_room")
         pending = self._pending_loads.pop(request.request_id, None)
@@ -149,8 +154,10 @@ class KVStateConnector(KVConnectorBase_V1):
             # a decode request that ended before its load did (aborted): fail the room
             # so the prefill frees its blocks now
             try:
-                self._state().abort(int(room), f"request {request.request_id} ended on "
-                                                f"decode engine {self.engine_id}")
+                self._state().abort(
+                    int(room),
+                    f"request {request.request_id} ended on decode engine {self.engine_id}",
+                )
             except KVStateError as exc:
                 log.warning("abort of room %s failed: %s", room, exc)
             return False, None
@@ -160,8 +167,12 @@ class KVStateConnector(KVConnectorBase_V1):
             return False, None  # aborted on prefill: nothing to hand over
         room = room_of(self.engine_id, request.request_id)
         self._send[request.request_id] = (room, list(block_ids))
-        return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      "kvstate_room": room, "remote_engine_id": self.engine}
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvstate_room": room,
+            "remote_engine_id": self.engine,
+        }
 
     # -- worker side ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -176,8 +187,9 @@ class KVStateConnector(KVConnectorBase_V1):
         self.transport = UCXTransport()
         self.transport.register_buffers(buffers, page_bytes)
         role = "prefill" if self.producer else "decode"
-        self.mgr = KVManager(self._state(), role, self.engine, self.engine, self.transport,
-                             lease=self._lease)
+        self.mgr = KVManager(
+            self._state(), role, self.engine, self.engine, self.transport, lease=self._lease
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Create this step's rooms: publish decode blocks, hold prefill blocks."""
@@ -201,21 +213,22 @@ class KVStateConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Pages arrive before the request is scheduled (asynchronous load)."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Pages are pushed whole from ``get_finished`` once the decode published."""
 
     def wait_for_save(self) -> None:
         """Nothing is saved per layer."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
-                                                                set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """One poll_many for every pending room; push pages into rooms whose decode
         published; report rooms that concluded (Failed ones free blocks at once)."""
         if self.mgr is None or not (self._sending or self._loading or self._refused):
             return None, None
-        rooms = [s.room for s, _ in self._sending.values()] + \
-                [r.room for r, _ in self._loading.values()]
+        rooms = [s.room for s, _ in self._sending.values()] + [
+            r.room for r, _ in self._loading.values()
+        ]
         try:
             if rooms:
                 self.mgr.poll_many(rooms)
@@ -228,7 +241,7 @@ class KVStateConnector(KVConnectorBase_V1):
                 infos = snd.transfer_infos()
                 want = max((len(i.kv_indices) for i in infos.values()), default=0)
                 try:
-                    snd.send(np.asarray(blocks[len(blocks) - want:], dtype=np.int64))
+                    snd.send(np.asarray(blocks[len(blocks) - want :], dtype=np.int64))
                 except KVStateError as exc:
                     snd.abort(f"send failed: {exc}")
             if snd.status in (KVPoll.Success, KVPoll.Failed):

@@ -1,5 +1,5 @@
 -- _lib.lua: helpers that kvstate prepends to every script below; not a script itself.
--- Times come from the server clock (TIME), never from a client (SPEC rule 9).
+-- Times come from the server clock (TIME), never from a client (design rule 9).
 -- Corrupt stored values raise "CORRUPT <key> <field> <value>", which the client
 -- turns into CorruptStateError naming the key and field.
 redis.replicate_commands()  -- Redis 6.2 needs this before writing after TIME

@@ -1,5 +1,5 @@
 -- abort.lua: fail every participant of a room with a reason, Success included
--- (the explicit abort of SPEC rule 3), and leave an abort mark so that a participant
+-- (the explicit abort of design rule 3), and leave an abort mark so that a participant
 -- created later (the other side had not joined yet) starts Failed; every clear
 -- deletes the mark, so a fully cleared room leaves no key. The caller read the parts
 -- hash first; if it changed since (a participant joined or cleared), nothing is

@@ -1,4 +1,4 @@
--- update.lua: move one participant's status by the merge rule (SPEC rule 3):
+-- update.lua: move one participant's status by the merge rule (design rule 3):
 -- forward only, Failed is sticky, Success is final here (only abort.lua fails
 -- it). A missing participant is never re-created (rule 2). Idempotent.
 -- KEYS[1] participant hash

@@ -7,8 +7,10 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for marker, module, how in (("sglang", "sglang", "pip install -e '.[sglang,test]'"),
-                                ("vllm", "vllm", "see .ci/run")):
+    for marker, module, how in (
+        ("sglang", "sglang", "pip install -e '.[sglang,test]'"),
+        ("vllm", "vllm", "see .ci/run"),
+    ):
         try:
             __import__(module)
         except ImportError:

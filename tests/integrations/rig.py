@@ -39,18 +39,32 @@ def sglang() -> SimpleNamespace:
 
     load_plugins()
     backend = utils.TransferBackend("kvstate")
-    return SimpleNamespace(dist=dist, utils=utils, decode=decode, prefill=prefill,
-                           disagg_service=disagg_service, KVArgs=KVArgs, KVPoll=KVPoll,
-                           backend=backend, Mode=utils.DisaggregationMode,
-                           cls=lambda kind: utils.get_kv_class(backend, utils.KVClassType(kind)))
+    return SimpleNamespace(
+        dist=dist,
+        utils=utils,
+        decode=decode,
+        prefill=prefill,
+        disagg_service=disagg_service,
+        KVArgs=KVArgs,
+        KVPoll=KVPoll,
+        backend=backend,
+        Mode=utils.DisaggregationMode,
+        cls=lambda kind: utils.get_kv_class(backend, utils.KVClassType(kind)),
+    )
 
 
 def server_args(mode: str, tp: int) -> Any:
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path="dummy", disaggregation_mode=mode,
-                      disaggregation_transfer_backend="kvstate", tp_size=tp, host=HOST,
-                      port=DECODE_PORT, disaggregation_bootstrap_port=BOOTSTRAP_PORT)
+    return ServerArgs(
+        model_path="dummy",
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend="kvstate",
+        tp_size=tp,
+        host=HOST,
+        port=DECODE_PORT,
+        disaggregation_bootstrap_port=BOOTSTRAP_PORT,
+    )
 
 
 @dataclass
@@ -80,8 +94,9 @@ class Rank:
 
         self.kv = [buf(PAGES * PAGE_BYTES) for _ in range(LAYERS * 2)]
         self.state = buf(STATE_SLOTS * STATE_BYTES)
-        self.meta = MetadataBuffers(AUX_SLOTS, hidden_size=8, hidden_states_dtype=torch.float32,
-                                    max_sampling_mask_tokens=4)
+        self.meta = MetadataBuffers(
+            AUX_SLOTS, hidden_size=8, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
+        )
         if self.seed is not None:
             for t in self.meta_tensors():
                 t.view(torch.uint8).view(-1).copy_(buf(t.nbytes))
@@ -120,8 +135,10 @@ class Rank:
     def slot(self, idx: int) -> bytes:
         import torch
 
-        return b"".join(t[idx:idx + 1].contiguous().view(torch.uint8).numpy().tobytes()
-                        for t in self.meta_tensors())
+        return b"".join(
+            t[idx : idx + 1].contiguous().view(torch.uint8).numpy().tobytes()
+            for t in self.meta_tensors()
+        )
 
     def state_slots(self, idx: np.ndarray) -> bytes:
         return self.state.numpy().reshape(STATE_SLOTS, STATE_BYTES)[idx].tobytes()
@@ -132,22 +149,33 @@ def room_plan(k: int, room_base: int) -> dict[str, Any]:
     n = 5
     src = np.arange(k * n, k * n + n, dtype=np.int32)
     dst = (PAGES - 1 - src)[::-1].copy()
-    return {"room": room_base + k, "src": src, "dst": dst, "aux_src": k,
-            "aux_dst": AUX_SLOTS - 1 - k, "state_src": np.array([k], np.int32),
-            "state_dst": np.array([STATE_SLOTS - 1 - k], np.int32)}
+    return {
+        "room": room_base + k,
+        "src": src,
+        "dst": dst,
+        "aux_src": k,
+        "aux_dst": AUX_SLOTS - 1 - k,
+        "state_src": np.array([k], np.int32),
+        "state_dst": np.array([STATE_SLOTS - 1 - k], np.int32),
+    }
 
 
 def decode_req(room: int, slot: int) -> SimpleNamespace:
-    req = SimpleNamespace(rid=f"req-{room}", bootstrap_host=HOST, bootstrap_port=BOOTSTRAP_PORT,
-                          bootstrap_room=room, return_logprob=False, finished_reason=None)
+    req = SimpleNamespace(
+        rid=f"req-{room}",
+        bootstrap_host=HOST,
+        bootstrap_port=BOOTSTRAP_PORT,
+        bootstrap_room=room,
+        return_logprob=False,
+        finished_reason=None,
+    )
     return SimpleNamespace(req=req, metadata_buffer_index=slot)
 
 
 def init_group(rank: int, world: int, init_file: str) -> Any:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     return dist.group.WORLD
 
 
@@ -182,8 +210,11 @@ def lifecycle(rank: int, url: str, init_file: str, out: str, nrooms: int) -> Non
         reqs = [decode_req(pl["room"], pl["aux_dst"]) for pl in plans]
         live = [i for i in range(nrooms) if not rx_done[i]]
         polls = poll(
-            [rx[i] for i in live], group, decode_reqs=[reqs[i] for i in live],
-            metadata_buffers=d.meta)
+            [rx[i] for i in live],
+            group,
+            decode_reqs=[reqs[i] for i in live],
+            metadata_buffers=d.meta,
+        )
         for i, st in zip(live, polls, strict=True):
             seen_rx[i].add(int(st))
             assert st != KVPoll.Failed, f"room {plans[i]['room']} failed"
@@ -207,8 +238,12 @@ def lifecycle(rank: int, url: str, init_file: str, out: str, nrooms: int) -> Non
                 sent[i] = True
             elif st == KVPoll.Success:
                 tx_done[i] = True
-    result: dict[str, Any] = {"steps": steps, "tx_batches": p.mgr.batches,
-                              "rx_batches": d.mgr.batches, "seen_rx": [sorted(s) for s in seen_rx]}
+    result: dict[str, Any] = {
+        "steps": steps,
+        "tx_batches": p.mgr.batches,
+        "rx_batches": d.mgr.batches,
+        "seen_rx": [sorted(s) for s in seen_rx],
+    }
     mismatch = []
     for pl in plans:
         for layer in range(LAYERS * 2):
@@ -256,8 +291,19 @@ def pair(_index: int, url: str, out: str, scenario: str) -> None:
     elif scenario == "decode":
         rx.abort()
     elif scenario == "cli":
-        subprocess.run([sys.executable, "-m", "kvstate.cli", "abort", str(pl["room"]),
-                        "--reason", "operator says no"], check=True, env=os.environ)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvstate.cli",
+                "abort",
+                str(pl["room"]),
+                "--reason",
+                "operator says no",
+            ],
+            check=True,
+            env=os.environ,
+        )
     result = {"tx": int(poll([tx], group)[0]), "rx": int(poll([rx], group)[0])}
     for name, part in (("tx_error", tx), ("rx_error", rx)):
         try:
@@ -314,8 +360,9 @@ def lone(url: str, out: str, role: str, hold: bool) -> None:
     Path(out, f"{role}.json").write_text(json.dumps(result))
 
 
-def inflight_queue_outcome(group: Any, tx: Any, pl: dict[str, Any],
-                           deadline: float) -> dict[str, Any]:
+def inflight_queue_outcome(
+    group: Any, tx: Any, pl: dict[str, Any], deadline: float
+) -> dict[str, Any]:
     """Run SGLang's prefill inflight queue (process_disagg_prefill_inflight_queue) on the
     real sender until the room leaves it; report what SGLang did with it."""
     from types import MethodType
@@ -323,41 +370,68 @@ def inflight_queue_outcome(group: Any, tx: Any, pl: dict[str, Any],
 
     from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin as Mixin
 
-    ts = SimpleNamespace(trace_ctx=SimpleNamespace(abort=lambda **_k: None),
-                         set_completion_time=lambda: None,
-                         set_prefill_kv_transfer_finish_time=lambda: None)
-    req = SimpleNamespace(rid=f"req-{pl['room']}", bootstrap_room=pl["room"],
-                          bootstrap_host=HOST, pending_bootstrap=False, disagg_kv_sender=tx,
-                          finished_reason=None, time_stats=ts, return_logprob=False,
-                          return_routed_experts=False, metadata_buffer_index=pl["aux_src"])
+    ts = SimpleNamespace(
+        trace_ctx=SimpleNamespace(abort=lambda **_k: None),
+        set_completion_time=lambda: None,
+        set_prefill_kv_transfer_finish_time=lambda: None,
+    )
+    req = SimpleNamespace(
+        rid=f"req-{pl['room']}",
+        bootstrap_room=pl["room"],
+        bootstrap_host=HOST,
+        pending_bootstrap=False,
+        disagg_kv_sender=tx,
+        finished_reason=None,
+        time_stats=ts,
+        return_logprob=False,
+        return_routed_experts=False,
+        metadata_buffer_index=pl["aux_src"],
+    )
     freed: list[int] = []
     streamed: list[str] = []
     released: list[str] = []
     sched = SimpleNamespace(
-        disagg_prefill_inflight_queue=[req], attn_cp_cpu_group=group, attn_tp_cpu_group=group,
-        tree_cache=None, metrics_reporter=SimpleNamespace(enable_metrics=False),
+        disagg_prefill_inflight_queue=[req],
+        attn_cp_cpu_group=group,
+        attn_tp_cpu_group=group,
+        tree_cache=None,
+        metrics_reporter=SimpleNamespace(enable_metrics=False),
         output_streamer=SimpleNamespace(
-            stream_output=lambda reqs, *_a: streamed.extend(r.rid for r in reqs)),
+            stream_output=lambda reqs, *_a: streamed.extend(r.rid for r in reqs)
+        ),
         req_to_metadata_buffer_idx_allocator=SimpleNamespace(free=freed.append),
-        _release_aborted_request=lambda r: released.append(r.rid), scheduler_stage_metrics=None)
+        _release_aborted_request=lambda r: released.append(r.rid),
+        scheduler_stage_metrics=None,
+    )
     sched.handle_inflight_transfer_failure = MethodType(
-        Mixin.handle_inflight_transfer_failure, sched)
+        Mixin.handle_inflight_transfer_failure, sched
+    )
     done: list[Any] = []
     from sglang.srt.runtime_context import get_parallel
 
-    with mock.patch("sglang.srt.disaggregation.prefill.release_kv_cache",
-                    lambda r, *_a, **_k: released.append(r.rid)), \
-            get_parallel().override(tp_rank=0):
+    with (
+        mock.patch(
+            "sglang.srt.disaggregation.prefill.release_kv_cache",
+            lambda r, *_a, **_k: released.append(r.rid),
+        ),
+        get_parallel().override(tp_rank=0),
+    ):
         while sched.disagg_prefill_inflight_queue and time.monotonic() < deadline:
             done += Mixin.process_disagg_prefill_inflight_queue(sched)
             time.sleep(0.1)
-    return {"left_queue": not sched.disagg_prefill_inflight_queue, "done": len(done),
-            "abort": getattr(req.finished_reason, "message", None), "released": released,
-            "freed_slots": freed, "streamed": streamed}
+    return {
+        "left_queue": not sched.disagg_prefill_inflight_queue,
+        "done": len(done),
+        "abort": getattr(req.finished_reason, "message", None),
+        "released": released,
+        "freed_slots": freed,
+        "streamed": streamed,
+    }
 
 
-def transfer_queue_outcome(sg: SimpleNamespace, group: Any, side: Rank, rx: Any,
-                           pl: dict[str, Any], deadline: float) -> dict[str, Any]:
+def transfer_queue_outcome(
+    sg: SimpleNamespace, group: Any, side: Rank, rx: Any, pl: dict[str, Any], deadline: float
+) -> dict[str, Any]:
     """Run SGLang's DecodeTransferQueue.pop_transferred on the real receiver until the
     room leaves the queue; report what SGLang did with it."""
     from unittest import mock
@@ -383,21 +457,32 @@ def transfer_queue_outcome(sg: SimpleNamespace, group: Any, side: Rank, rx: Any,
     q._clean_hicache_prefetch_resources = lambda _r: None
     streamed: list[Any] = []
     q.scheduler = SimpleNamespace(
-        enable_decode_hicache=False, enable_hisparse=False,
+        enable_decode_hicache=False,
+        enable_hisparse=False,
         output_streamer=SimpleNamespace(stream_output=lambda reqs, _lp: streamed.extend(reqs)),
-        metrics_reporter=SimpleNamespace(enable_metrics=False), kv_checksum_computer=None)
+        metrics_reporter=SimpleNamespace(enable_metrics=False),
+        kv_checksum_computer=None,
+    )
     released: list[Any] = []
     transferred: list[Any] = []
     # the KV pool and radix tree are not part of this rig: record what SGLang releases
-    with mock.patch("sglang.srt.disaggregation.decode.release_kv_cache",
-                    lambda req, *_a, **_k: released.append(req.rid)):
+    with mock.patch(
+        "sglang.srt.disaggregation.decode.release_kv_cache",
+        lambda req, *_a, **_k: released.append(req.rid),
+    ):
         while q.queue and time.monotonic() < deadline:
             transferred += q.pop_transferred()
             time.sleep(0.1)
     reason = getattr(dreq.req.finished_reason, "message", None)
-    return {"left_queue": not q.queue, "transferred": len(transferred), "abort": reason,
-            "released": released, "freed_slots": freed,
-            "receiver_cleared": dreq.kv_receiver is None, "streamed": [r.rid for r in streamed]}
+    return {
+        "left_queue": not q.queue,
+        "transferred": len(transferred),
+        "abort": reason,
+        "released": released,
+        "freed_slots": freed,
+        "receiver_cleared": dreq.kv_receiver is None,
+        "streamed": [r.rid for r in streamed],
+    }
 
 
 def scenarios(_index: int, url: str, out: str) -> None:
@@ -478,8 +563,12 @@ def scenarios(_index: int, url: str, out: str) -> None:
             r.init(0)
             r.poll()
             r.send_metadata(pl["dst"], pl["aux_dst"], [pl["state_dst"]], 0)
-        out = {"tx": int(tx.poll()), "rx": [int(r.poll()) for r in rxs],
-               "tx_error": error(tx), "rx_error": [error(r) for r in rxs]}
+        out = {
+            "tx": int(tx.poll()),
+            "rx": [int(r.poll()) for r in rxs],
+            "tx_error": error(tx),
+            "rx_error": [error(r) for r in rxs],
+        }
         tx.clear()
         for r in rxs:
             r.clear()
@@ -492,8 +581,12 @@ def scenarios(_index: int, url: str, out: str) -> None:
         txs = [Sender(p.mgr, ADDR, 12000 + i) for i in range(41)]
         polls = [int(t.poll()) for t in txs]
         no_ttl = [k for k in store.scan(store.keys.all_pattern) if store.client.pttl(k) < 0]
-        out = {"polls": polls, "refused": error(txs[-1]), "no_ttl": no_ttl,
-               "rooms": len(p.mgr._rooms)}
+        out = {
+            "polls": polls,
+            "refused": error(txs[-1]),
+            "no_ttl": no_ttl,
+            "rooms": len(p.mgr._rooms),
+        }
         for t in txs:
             t.clear()
         out["after_clear"] = len(p.mgr._rooms)
@@ -527,7 +620,7 @@ def scenarios(_index: int, url: str, out: str) -> None:
                     time.sleep(0.01)
                 t.init(len(pl["src"]), pl["aux_src"])
                 for i in range(len(pl["src"])):  # one page per chunk
-                    t.send(pl["src"][i:i + 1], [pl["state_src"]] if i == 4 else None)
+                    t.send(pl["src"][i : i + 1], [pl["state_src"]] if i == 4 else None)
         finally:
             stop.set()
             th.join()
@@ -596,13 +689,25 @@ def mirror(sg: SimpleNamespace, url: str) -> dict[str, Any]:
         seen.append(int(tx.poll()))
         tx.init(3, 0)
         if abort:
-            subprocess.run([sys.executable, "-m", "kvstate.cli", "abort", str(room),
-                            "--reason", "mirror abort"], check=True, env=os.environ)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvstate.cli",
+                    "abort",
+                    str(room),
+                    "--reason",
+                    "mirror abort",
+                ],
+                check=True,
+                env=os.environ,
+            )
         tx.send(np.arange(3))
         seen += [int(tx.poll()), int(rx.poll())]
         keys = sorted(k.split(":", 2)[2] for k in store.scan(store.keys.room_prefix(room) + "*"))
-        phases.append({"seen": seen, "keys": keys, "tx_error": error_of(tx),
-                       "rx_error": error_of(rx)})
+        phases.append(
+            {"seen": seen, "keys": keys, "tx_error": error_of(tx), "rx_error": error_of(rx)}
+        )
         tx.clear()
         rx.clear()
     out["rooms"] = phases

@@ -56,17 +56,20 @@ def test_plugin_entry_point_server_args_and_rebound_get_kv_class() -> None:
     assert "kvstate" in load_plugins_by_group("sglang.srt.plugins")
     load_plugins()
     kv = TransferBackend("kvstate")
-    expected = {KVClassType.MANAGER: backend.KVStateKVManager,
-                KVClassType.SENDER: backend.KVStateKVSender,
-                KVClassType.RECEIVER: backend.KVStateKVReceiver,
-                KVClassType.BOOTSTRAP_SERVER: backend.KVStateBootstrapServer,
-                KVClassType.KVARGS: KVArgs}
+    expected = {
+        KVClassType.MANAGER: backend.KVStateKVManager,
+        KVClassType.SENDER: backend.KVStateKVSender,
+        KVClassType.RECEIVER: backend.KVStateKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: backend.KVStateBootstrapServer,
+        KVClassType.KVARGS: KVArgs,
+    }
     for module in (prefill, decode, disagg_service):
         for kind, cls in expected.items():
             assert module.get_kv_class(kv, kind) is cls, (module.__name__, kind)
         # other backends are untouched
-        assert module.get_kv_class(TransferBackend.FAKE, KVClassType.SENDER).__name__ == \
-            "FakeKVSender"
+        assert (
+            module.get_kv_class(TransferBackend.FAKE, KVClassType.SENDER).__name__ == "FakeKVSender"
+        )
     from tests.integrations.rig import server_args
 
     assert server_args("prefill", 1).disaggregation_transfer_backend == "kvstate"
@@ -99,13 +102,17 @@ def test_two_rank_lifecycle_moves_kv_aux_and_state(redis_url: str, tmp_path: Pat
     assert keys_of(store) == []
 
 
-@pytest.mark.parametrize("scenario,side,reason", [
-    ("prefill", "tx", "aborted by prefill"),
-    ("decode", "rx", "aborted by decode"),
-    ("cli", "rx", "operator says no"),
-])
-def test_aborts_reach_the_other_side(redis_url: str, tmp_path: Path, scenario: str, side: str,
-                                     reason: str) -> None:
+@pytest.mark.parametrize(
+    "scenario,side,reason",
+    [
+        ("prefill", "tx", "aborted by prefill"),
+        ("decode", "rx", "aborted by decode"),
+        ("cli", "rx", "operator says no"),
+    ],
+)
+def test_aborts_reach_the_other_side(
+    redis_url: str, tmp_path: Path, scenario: str, side: str, reason: str
+) -> None:
     from tests.integrations.rig import pair
 
     _join(_spawn(pair, (redis_url, str(tmp_path), scenario)))
@@ -121,8 +128,9 @@ def _wait_file(path: Path, proc, timeout: float = SPAWN_TIMEOUT) -> None:  # typ
     assert path.exists(), f"process exited with {proc.exitcode} before {path.name}"
 
 
-def test_sigkilled_prefill_fails_decode_rooms_through_sglangs_queue(redis_url: str,
-                                                                   tmp_path: Path) -> None:
+def test_sigkilled_prefill_fails_decode_rooms_through_sglangs_queue(
+    redis_url: str, tmp_path: Path
+) -> None:
     from tests.integrations.rig import lone
 
     prefill = _process(lone, redis_url, str(tmp_path), "prefill", True)
@@ -142,8 +150,9 @@ def test_sigkilled_prefill_fails_decode_rooms_through_sglangs_queue(redis_url: s
     assert res["streamed"] == ["req-9100"]
 
 
-def test_sigkilled_decode_fails_the_prefill_room_through_sglangs_queue(redis_url: str,
-                                                                     tmp_path: Path) -> None:
+def test_sigkilled_decode_fails_the_prefill_room_through_sglangs_queue(
+    redis_url: str, tmp_path: Path
+) -> None:
     from tests.integrations.rig import lone
 
     prefill = _process(lone, redis_url, str(tmp_path), "prefill", False)
@@ -178,8 +187,11 @@ def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
     assert not crashed, crashed
 
     tp = res["tp_mismatch"]
-    assert tp["rx"] == 0 and "TP mismatch: prefill at 127.0.0.1:18998 has attention TP size 1, " \
-        "this decode 2" in tp["error"]
+    assert (
+        tp["rx"] == 0
+        and "TP mismatch: prefill at 127.0.0.1:18998 has attention TP size 1, this decode 2"
+        in tp["error"]
+    )
 
     dup = res["duplicate_local"]
     assert dup["twin"] == 0 and "duplicate bootstrap_room 11000" in dup["twin_error"]
@@ -211,12 +223,14 @@ def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
     assert keys_of(connect(redis_url)) == []
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("pp_size", 2, "pipeline parallel size 2"),
-    ("disaggregation_decode_allocation_policy", "prefill_complete", "bootstrap HTTP server"),
-])
-def test_unsupported_layouts_are_refused_at_start(field: str, value: object,
-                                                  message: str) -> None:
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("pp_size", 2, "pipeline parallel size 2"),
+        ("disaggregation_decode_allocation_policy", "prefill_complete", "bootstrap HTTP server"),
+    ],
+)
+def test_unsupported_layouts_are_refused_at_start(field: str, value: object, message: str) -> None:
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import DisaggregationMode
 

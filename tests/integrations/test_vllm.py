@@ -32,18 +32,19 @@ def test_factory_loads_the_connector_by_module_path_and_by_plugin_name() -> None
     by_name = KVTransferConfig(kv_connector="KVStateConnector", kv_role="kv_consumer")
     assert KVConnectorFactory.get_connector_class(by_name) is KVStateConnector
     with pytest.raises(KVStateError, match="kv_producer .prefill. or kv_consumer"):
-        KVConnectorFactory.create_connector(config("kv_both", "x"), KVConnectorRole.WORKER,
-                                            None)
+        KVConnectorFactory.create_connector(config("kv_both", "x"), KVConnectorRole.WORKER, None)
 
 
-def test_prefill_to_decode_moves_pages_and_aborts_free_blocks(redis_url: str,
-                                                              tmp_path: Path) -> None:
+def test_prefill_to_decode_moves_pages_and_aborts_free_blocks(
+    redis_url: str, tmp_path: Path
+) -> None:
     import torch.multiprocessing as mp
 
     from tests.integrations.vllm_rig import flow
 
-    ctx = mp.start_processes(flow, args=(redis_url, str(tmp_path)), nprocs=1, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        flow, args=(redis_url, str(tmp_path)), nprocs=1, join=False, start_method="spawn"
+    )
     ctx.join(timeout=240)
     res = json.loads((tmp_path / "vllm.json").read_text())
     assert res["r-ok-delay"] and res["r-abort-delay"]

@@ -17,11 +17,15 @@ BLOCK_SHAPE = (4, 2, 8)  # tokens per block, heads, head size
 def config(role: str, engine_id: str) -> Any:
     from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
 
-    return VllmConfig(device_config=DeviceConfig(device="cpu"),
-                      kv_transfer_config=KVTransferConfig(
-                          kv_connector="KVStateConnector",
-                          kv_connector_module_path="kvstate.integrations.vllm",
-                          kv_role=role, engine_id=engine_id))
+    return VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVStateConnector",
+            kv_connector_module_path="kvstate.integrations.vllm",
+            kv_role=role,
+            engine_id=engine_id,
+        ),
+    )
 
 
 def connectors(role: str, engine_id: str) -> tuple[Any, Any]:
@@ -29,8 +33,10 @@ def connectors(role: str, engine_id: str) -> tuple[Any, Any]:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     cfg = config(role, engine_id)
-    return (KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None),
-            KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None))
+    return (
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None),
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None),
+    )
 
 
 def request(rid: str, params: dict[str, Any] | None, status: Any = None) -> Any:
@@ -58,8 +64,9 @@ def caches(seed: int | None) -> dict[str, Any]:
     out = {}
     for layer in range(2):
         shape = (2, BLOCKS, *BLOCK_SHAPE)
-        out[f"layer{layer}"] = (torch.zeros(shape) if seed is None
-                                else torch.rand(shape, generator=gen))
+        out[f"layer{layer}"] = (
+            torch.zeros(shape) if seed is None else torch.rand(shape, generator=gen)
+        )
     return out
 
 
@@ -87,13 +94,15 @@ def flow(_index: int, url: str, out: str) -> None:
     done = RequestStatus.FINISHED_LENGTH_CAPPED
     handoff = {}
     for rid, src in (("r-ok", [3, 4, 5]), ("r-abort", [6, 7, 8]), ("r-cli", [9, 10, 11])):
-        delay, params = p_sched.request_finished(request(rid, {"do_remote_decode": True},
-                                                         done), src)
+        delay, params = p_sched.request_finished(
+            request(rid, {"do_remote_decode": True}, done), src
+        )
         handoff[rid] = params
         res[f"{rid}-delay"] = delay
     # a request aborted on prefill hands nothing over
     res["aborted-on-prefill"] = p_sched.request_finished(
-        request("r-x", {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED), [1])
+        request("r-x", {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED), [1]
+    )
     res["p-first"] = [sorted(x or []) for x in step(p_work, p_sched.build_connector_meta(None))]
     # decode: two requests load, one is aborted while waiting for its KV
     dst = {"r-ok": [12, 13, 14], "r-abort": [0, 1, 2], "r-cli": [6, 7, 8]}
@@ -104,9 +113,19 @@ def flow(_index: int, url: str, out: str) -> None:
     res["d-first"] = [sorted(x or []) for x in step(d_work, d_sched.build_connector_meta(None))]
     aborted = request("d-r-abort", dict(handoff["r-abort"]), RequestStatus.FINISHED_ABORTED)
     res["d-abort"] = list(d_sched.request_finished(aborted, []))
-    subprocess.run([sys.executable, "-m", "kvstate.cli", "abort",
-                    str(handoff["r-cli"]["kvstate_room"]), "--reason", "operator"],
-                   check=True, env=os.environ)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstate.cli",
+            "abort",
+            str(handoff["r-cli"]["kvstate_room"]),
+            "--reason",
+            "operator",
+        ],
+        check=True,
+        env=os.environ,
+    )
     # prefill's next step: r-ok is pushed and done, r-abort and r-cli free their blocks
     res["p-second"] = [sorted(x or []) for x in step(p_work, p_sched.build_connector_meta(None))]
     res["d-second"] = [sorted(x or []) for x in step(d_work, d_sched.build_connector_meta(None))]
@@ -115,8 +134,9 @@ def flow(_index: int, url: str, out: str) -> None:
     from vllm.v1.outputs import KVConnectorOutput
 
     d_sched.update_connector_output(KVConnectorOutput(finished_recving={"d-r-ok"}))
-    finished = request("d-r-ok", dict(handoff["r-ok"], do_remote_prefill=False),
-                       RequestStatus.FINISHED_STOPPED)
+    finished = request(
+        "d-r-ok", dict(handoff["r-ok"], do_remote_prefill=False), RequestStatus.FINISHED_STOPPED
+    )
     res["d-ok-finished"] = list(d_sched.request_finished(finished, [12, 13, 14]))
     same = all(bool((p_kv[k][:, [3, 4, 5]] == d_kv[k][:, [12, 13, 14]]).all()) for k in p_kv)
     untouched = all(bool((d_kv[k][:, [6, 7, 8]] == 0).all()) for k in d_kv)

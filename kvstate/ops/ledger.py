@@ -28,7 +28,7 @@ disappearance:
   not recorded at all in this mode.
 
 The ledger itself is ``kvstate:<ns>:ledger``, a stream capped with
-``XADD MAXLEN ~ 10000`` whose 7-day TTL is refreshed by each append (SPEC rule 1:
+``XADD MAXLEN ~ 10000`` whose 7-day TTL is refreshed by each append (design rule 1:
 every key has a TTL, even the long-lived ones).
 """
 
@@ -45,9 +45,9 @@ from typing import Any
 import redis
 
 from kvstate.errors import KVStateError
-from kvstate.inspect import Census, Participant, scan_participants
 from kvstate.keys import SIDES
-from kvstate.metrics import Metrics
+from kvstate.ops.metrics import Metrics
+from kvstate.ops.views import Census, Participant, scan_participants
 from kvstate.store import Store
 
 log = logging.getLogger(__name__)
@@ -353,8 +353,11 @@ class Monitor:
                     self.events.healthy = False
                 if end is not None and time.monotonic() >= end:
                     break
-                wait = self.interval if end is None else min(self.interval,
-                                                             max(0.0, end - time.monotonic()))
+                wait = (
+                    self.interval
+                    if end is None
+                    else min(self.interval, max(0.0, end - time.monotonic()))
+                )
                 stop.wait(wait)
         finally:
             self.events.close()

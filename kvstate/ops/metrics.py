@@ -33,8 +33,8 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.exposition import start_http_server
 
 from kvstate.errors import KVStateError
-from kvstate.inspect import AGE_BUCKETS, STATUSES, Census
 from kvstate.keys import SIDES
+from kvstate.ops.views import AGE_BUCKETS, STATUSES, Census
 from kvstate.store import Store
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "corrupt",
     "server_setting",
 )
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
-                   10)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 STATS_TTL_S = 24 * 3600  # an engine's counters outlive it by a day, then expire
 LOCAL_ENGINE = "this-process"  # the label of transfers observed in the exporting process
 _REAPED_MEMORY = 100_000  # rooms remembered so a room is counted once, not per participant
@@ -82,8 +81,11 @@ class TransferTotals:
     def fields(self) -> dict[str, Any]:
         """The hash fields (readable with redis-cli: ``le:<bound>`` = transfers that took
         at most that many seconds and more than the previous bound)."""
-        out: dict[str, Any] = {"bytes": self.bytes, "count": self.count,
-                               "seconds": repr(self.seconds)}
+        out: dict[str, Any] = {
+            "bytes": self.bytes,
+            "count": self.count,
+            "seconds": repr(self.seconds),
+        }
         for bound, n in zip((*LATENCY_BUCKETS, "+Inf"), self.buckets, strict=True):
             out[f"le:{bound}"] = n
         return out
@@ -107,8 +109,9 @@ class TransferRecorder:
     ``close()`` writes the final figures. A failed write is logged and retried with
     the next one: metrics never break a transfer."""
 
-    def __init__(self, store: Store, engine: str, flush_interval: float = 1.0,
-                 ttl: float = STATS_TTL_S) -> None:
+    def __init__(
+        self, store: Store, engine: str, flush_interval: float = 1.0, ttl: float = STATS_TTL_S
+    ) -> None:
         self.store, self.engine = store, engine
         self.key = store.keys.transfer_stats(engine)
         self.flush_interval, self.ttl_ms = flush_interval, int(ttl * 1000)
@@ -136,8 +139,13 @@ class TransferRecorder:
             self._flushed = time.monotonic()
         s = self.store
         try:
-            s.execute([s.command("HSET", self.key, args=flat),
-                       s.command("PEXPIRE", self.key, args=[self.ttl_ms])], transaction=True)
+            s.execute(
+                [
+                    s.command("HSET", self.key, args=flat),
+                    s.command("PEXPIRE", self.key, args=[self.ttl_ms]),
+                ],
+                transaction=True,
+            )
         except KVStateError as exc:
             log.warning("transfer counters of %s not published: %s", self.engine, exc)
             with self._lock:
@@ -154,7 +162,7 @@ def read_transfer_totals(store: Store) -> dict[str, TransferTotals]:
     if not keys:
         return {}
     raw = store.execute([store.command("HGETALL", k) for k in keys])
-    return {k[len(prefix):]: TransferTotals.parse(h) for k, h in zip(keys, raw, strict=True) if h}
+    return {k[len(prefix) :]: TransferTotals.parse(h) for k, h in zip(keys, raw, strict=True) if h}
 
 
 class _TransferCollector:
@@ -167,12 +175,16 @@ class _TransferCollector:
     def collect(self) -> Iterator[Metric]:
         with self.lock:
             totals = {e: t for e, t in self.totals.items()}
-        nbytes = CounterMetricFamily("kvstate_transfer_bytes",
-                                     "KV bytes moved, by engine (published by each engine)",
-                                     labels=["engine"])
-        hist = HistogramMetricFamily("kvstate_transfer_seconds",
-                                     "Latency of one room's transfer (the write alone), by engine",
-                                     labels=["engine"])
+        nbytes = CounterMetricFamily(
+            "kvstate_transfer_bytes",
+            "KV bytes moved, by engine (published by each engine)",
+            labels=["engine"],
+        )
+        hist = HistogramMetricFamily(
+            "kvstate_transfer_seconds",
+            "Latency of one room's transfer (the write alone), by engine",
+            labels=["engine"],
+        )
         for engine in sorted(totals):
             t = totals[engine]
             nbytes.add_metric([engine], t.bytes)
@@ -195,24 +207,36 @@ class Metrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.participants = Gauge(
-            "kvstate_participants", "Participants stored, by side and status",
-            ["side", "status"], registry=r)
+            "kvstate_participants",
+            "Participants stored, by side and status",
+            ["side", "status"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "kvstate_inflight_participants",
-            "Non-terminal participants by age since creation (server clock)", ["age"], registry=r)
+            "Non-terminal participants by age since creation (server clock)",
+            ["age"],
+            registry=r,
+        )
         self.reaped = Counter(
             "kvstate_rooms_reaped",
             "Rooms with a participant reaped by TTL (never cleared), by the first such "
-            "participant's last status; each room counted once", ["status"], registry=r)
+            "participant's last status; each room counted once",
+            ["status"],
+            registry=r,
+        )
         self.participants_reaped = Counter(
             "kvstate_participants_reaped",
             "Participants reaped by TTL (never cleared), by side and last status",
-            ["side", "status"], registry=r)
+            ["side", "status"],
+            registry=r,
+        )
         self.findings = Gauge(
-            "kvstate_audit_findings", "Findings of the latest audit, by kind", ["kind"],
-            registry=r)
+            "kvstate_audit_findings", "Findings of the latest audit, by kind", ["kind"], registry=r
+        )
         self.engines = Gauge(
-            "kvstate_engines_alive", "Engines holding a lease, by role", ["role"], registry=r)
+            "kvstate_engines_alive", "Engines holding a lease, by role", ["role"], registry=r
+        )
         self._transfers = _TransferCollector()
         self._local = TransferTotals()
         r.register(self._transfers)  # type: ignore[arg-type]

@@ -39,10 +39,10 @@ import redis
 from redis.exceptions import NoPermissionError
 
 from kvstate.errors import KVStateError, StateConnectionError
-from kvstate.inspect import BATCH, Participant, fmt_ms, read_participants
 from kvstate.keys import SIDES
-from kvstate.ledger import LEDGER_TTL_MS, Entry, Ledger, config_value
-from kvstate.metrics import FINDING_KINDS
+from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger, config_value
+from kvstate.ops.metrics import FINDING_KINDS
+from kvstate.ops.views import BATCH, Participant, fmt_ms, read_participants
 from kvstate.poll import KVPoll
 from kvstate.store import Status, Store
 
@@ -75,9 +75,16 @@ class Finding:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "kind": self.kind, "key": self.key, "detail": self.detail, "room": self.room,
-            "side": self.side, "engine": self.engine, "status": self.status,
-            "age_ms": self.age_ms, "fixed": self.fixed, "left": self.left,
+            "kind": self.kind,
+            "key": self.key,
+            "detail": self.detail,
+            "room": self.room,
+            "side": self.side,
+            "engine": self.engine,
+            "status": self.status,
+            "age_ms": self.age_ms,
+            "fixed": self.fixed,
+            "left": self.left,
             "resolved": self.resolved,
         }
 
@@ -85,12 +92,21 @@ class Finding:
 def acl_refused(exc: BaseException) -> bool:
     """A command refused by the server's ACL (the store words it so)."""
     return isinstance(exc, NoPermissionError) or (
-        isinstance(exc, StateConnectionError) and "under its ACL" in str(exc))
+        isinstance(exc, StateConnectionError) and "under its ACL" in str(exc)
+    )
 
 
 def _about(kind: str, p: Participant, detail: str) -> Finding:
-    return Finding(kind, p.key, detail, room=p.room, side=p.side, engine=p.engine,
-                   status=p.status, age_ms=p.age_ms)
+    return Finding(
+        kind,
+        p.key,
+        detail,
+        room=p.room,
+        side=p.side,
+        engine=p.engine,
+        status=p.status,
+        age_ms=p.age_ms,
+    )
 
 
 @dataclass
@@ -164,7 +180,11 @@ class Auditor:
         k = self.keys
         addr_prefix, engine_prefix = k.addr(""), k.engine("")
         groups: dict[str, list[str]] = {
-            "participant": [], "xfer": [], "addr": [], "engine": [], "other": []
+            "participant": [],
+            "xfer": [],
+            "addr": [],
+            "engine": [],
+            "other": [],
         }
         for key in all_keys:
             parsed = k.parse_room_key(key)
@@ -188,18 +208,25 @@ class Auditor:
             except NoPermissionError:
                 report.notes.append(
                     f"{name}: CONFIG GET is not allowed for this user; eviction policy not "
-                    "checked (give the audit a user with +config|get)")
+                    "checked (give the audit a user with +config|get)"
+                )
                 continue
             except redis.ResponseError as exc:
-                report.notes.append(f"{name}: CONFIG GET failed ({exc}); eviction policy "
-                                    "not checked")
+                report.notes.append(
+                    f"{name}: CONFIG GET failed ({exc}); eviction policy not checked"
+                )
                 continue
             if policy and policy != "noeviction":
-                report.findings.append(Finding(
-                    "server_setting", name,
-                    f"maxmemory-policy is {policy}: Redis may evict room state under memory "
-                    "pressure (volatile-* evicts exactly the keys with a TTL: all of kvstate's); "
-                    "set it to noeviction"))
+                report.findings.append(
+                    Finding(
+                        "server_setting",
+                        name,
+                        f"maxmemory-policy is {policy}: Redis may evict room state under memory "
+                        "pressure (volatile-* evicts exactly the keys with a TTL: all of "
+                        "kvstate's); "
+                        "set it to noeviction",
+                    )
+                )
 
     def _config(self, client: redis.Redis, name: str) -> str:
         """CONFIG GET; ACL refusals reach the caller as NoPermissionError, connection
@@ -231,26 +258,39 @@ class Auditor:
     def _participants(self, parts: list[Participant], now: int, report: Report) -> None:
         for p in parts:
             if not p.valid or p.since_ms is None:
-                report.findings.append(_about(
-                    "corrupt", p,
-                    f"status {p.status!r} / since_ms {p.fields.get('since_ms')!r} do not parse; "
-                    f"inspect with redis-cli HGETALL, fail the room with kvstate abort {p.room}"))
+                report.findings.append(
+                    _about(
+                        "corrupt",
+                        p,
+                        f"status {p.status!r} / since_ms {p.fields.get('since_ms')!r} do not "
+                        f"parse; inspect with redis-cli HGETALL, fail the room with "
+                        f"kvstate abort {p.room}",
+                    )
+                )
                 continue
             waited = now - p.since_ms
             if p.terminal:
                 if waited > self.grace_ms:
-                    report.findings.append(_about(
-                        "terminal_uncleared", p,
-                        f"{p.status} for {fmt_ms(waited)} and never cleared (grace "
-                        f"{fmt_ms(self.grace_ms)}): its owner did not call clear(); "
-                        f"TTL reaps it in {fmt_ms(p.pttl_ms)}"))
+                    report.findings.append(
+                        _about(
+                            "terminal_uncleared",
+                            p,
+                            f"{p.status} for {fmt_ms(waited)} and never cleared (grace "
+                            f"{fmt_ms(self.grace_ms)}): its owner did not call clear(); "
+                            f"TTL reaps it in {fmt_ms(p.pttl_ms)}",
+                        )
+                    )
                 continue
             limit = p.timeout_ms()
             if limit is not None and waited > limit[1]:
-                report.findings.append(_about(
-                    "stuck", p,
-                    f"{p.status} for {fmt_ms(waited)}, past its {limit[0]} timeout of "
-                    f"{fmt_ms(limit[1])} (nobody polled it since)"))
+                report.findings.append(
+                    _about(
+                        "stuck",
+                        p,
+                        f"{p.status} for {fmt_ms(waited)}, past its {limit[0]} timeout of "
+                        f"{fmt_ms(limit[1])} (nobody polled it since)",
+                    )
+                )
 
     def _dead_engines(self, parts: list[Participant], report: Report) -> None:
         """Receivers bound to a peer whose lease is gone or whose incarnation changed
@@ -262,8 +302,9 @@ class Auditor:
         if not engines:
             return
         s = self.store
-        raw = s.execute([s.command("HGET", self.keys.engine(e), args=["incarnation"])
-                         for e in engines])
+        raw = s.execute(
+            [s.command("HGET", self.keys.engine(e), args=["incarnation"]) for e in engines]
+        )
         alive = {e: None if r is None else r.decode() for e, r in zip(engines, raw, strict=True)}
         for p in live:
             f = None
@@ -271,16 +312,23 @@ class Auditor:
                 now_inc = alive.get(engine)
                 if now_inc == inc:
                     continue
-                why = ("has no lease (engine key gone)" if now_inc is None
-                       else f"restarted (incarnation {inc} -> {now_inc})")
-                f = _about("dead_engine", p,
-                           f"bound to peer {engine} (incarnation {inc}), which {why}")
+                why = (
+                    "has no lease (engine key gone)"
+                    if now_inc is None
+                    else f"restarted (incarnation {inc} -> {now_inc})"
+                )
+                f = _about(
+                    "dead_engine", p, f"bound to peer {engine} (incarnation {inc}), which {why}"
+                )
                 f.target = (engine, inc, p.fields.get("peer_addr", ""))
                 break
             if f is None and alive.get(p.engine) is None:
-                f = _about("dead_owner", p,
-                           f"{p.status} for {fmt_ms(p.in_status_ms)}, but its engine {p.engine} "
-                           "holds no lease: nobody will move it again")
+                f = _about(
+                    "dead_owner",
+                    p,
+                    f"{p.status} for {fmt_ms(p.in_status_ms)}, but its engine {p.engine} "
+                    "holds no lease: nobody will move it again",
+                )
             if f is not None:
                 report.findings.append(f)
 
@@ -295,16 +343,24 @@ class Auditor:
             # reading the participant and its index must not read as "unindexed"
             calls = []
             for p in chunk:
-                calls += [s.command("EXISTS", p.key),
-                          s.command("HEXISTS", k.parts(p.room),
-                                    args=[k.part_member(p.side, p.engine)])]  # type: ignore[arg-type]
+                calls += [
+                    s.command("EXISTS", p.key),
+                    s.command(
+                        "HEXISTS",
+                        k.parts(p.room),
+                        args=[k.part_member(p.side, p.engine)],  # type: ignore[arg-type]
+                    ),
+                ]
             raw = s.execute(calls, transaction=True)
             for i, p in enumerate(chunk):
                 if int(raw[2 * i]) and not int(raw[2 * i + 1]):
-                    f = _about("unindexed", p,
-                               f"not in {k.parts(p.room)} (the index expired before the "
-                               "participant, or a clear was cut short): abort and show "
-                               "cannot reach it")
+                    f = _about(
+                        "unindexed",
+                        p,
+                        f"not in {k.parts(p.room)} (the index expired before the "
+                        "participant, or a clear was cut short): abort and show "
+                        "cannot reach it",
+                    )
                     f.target = (str(p.created_ms or 0),)
                     report.findings.append(f)
 
@@ -320,9 +376,12 @@ class Auditor:
             for (tracker, member), n in zip(chunk, exists, strict=True):
                 if int(n):
                     continue
-                f = Finding("orphan_tracker", tracker,
-                            f"member {member} names a participant that is gone "
-                            "(a clear interrupted between the room and the tracker)")
+                f = Finding(
+                    "orphan_tracker",
+                    tracker,
+                    f"member {member} names a participant that is gone "
+                    "(a clear interrupted between the room and the tracker)",
+                )
                 parsed = self.keys.parse_room_key(member)
                 if parsed is not None:
                     f.room, f.side, f.engine = parsed
@@ -340,13 +399,20 @@ class Auditor:
                 if idle_s * 1000 < self.grace_ms:
                     continue  # a receiver may publish before its sender exists
                 room, _, sender = k.parse_room_key(x)  # type: ignore[misc]
-                report.findings.append(Finding(
-                    "unclaimed_xfer", x,
-                    f"transfer infos for sender {sender}, which does not exist and is not in "
-                    f"the room; untouched for {fmt_ms(idle_s * 1000)}", room=room, engine=sender))
+                report.findings.append(
+                    Finding(
+                        "unclaimed_xfer",
+                        x,
+                        f"transfer infos for sender {sender}, which does not exist and is not in "
+                        f"the room; untouched for {fmt_ms(idle_s * 1000)}",
+                        room=room,
+                        engine=sender,
+                    )
+                )
 
-    def _xfer_reads(self, chunk: Sequence[str],
-                    report: Report) -> list[tuple[bool, bool, int | None]]:
+    def _xfer_reads(
+        self, chunk: Sequence[str], report: Report
+    ) -> list[tuple[bool, bool, int | None]]:
         """(sender exists, sender in parts, idle seconds) per xfer key. OBJECT IDLETIME
         comes first and nothing here reads the xfer hash itself: a read would reset the
         idle time the next audit measures. Idle is None where an LFU policy hides it."""
@@ -364,11 +430,15 @@ class Auditor:
             raw = s.execute(calls)
         except KVStateError as exc:  # LFU maxmemory policy: idle time is not tracked
             if acl_refused(exc):
-                note = ("OBJECT IDLETIME is not allowed for this user: unclaimed transfer "
-                        "infos not checked (the README's operator ACL line allows it)")
+                note = (
+                    "OBJECT IDLETIME is not allowed for this user: unclaimed transfer "
+                    "infos not checked (the README's operator ACL line allows it)"
+                )
             elif "IDLETIME" in str(exc):
-                note = ("OBJECT IDLETIME refused (LFU maxmemory policy?): unclaimed transfer "
-                        "infos not checked")
+                note = (
+                    "OBJECT IDLETIME refused (LFU maxmemory policy?): unclaimed transfer "
+                    "infos not checked"
+                )
             else:
                 raise
             if note not in report.notes:
@@ -390,8 +460,16 @@ class Auditor:
             if f.fixed:
                 done.append(f)
         entries = [
-            Entry(f"audit:{f.kind}", f.room, f.side, f.engine, f.status or "", f.age_ms, f.key,
-                  f.fixed)
+            Entry(
+                f"audit:{f.kind}",
+                f.room,
+                f.side,
+                f.engine,
+                f.status or "",
+                f.age_ms,
+                f.key,
+                f.fixed,
+            )
             for f in done
         ]
         try:
@@ -399,8 +477,10 @@ class Auditor:
         except KVStateError as exc:
             if not acl_refused(exc):
                 raise
-            report.notes.append("XADD is not allowed for this user: the repairs above are not "
-                                "recorded in the ledger")
+            report.notes.append(
+                "XADD is not allowed for this user: the repairs above are not "
+                "recorded in the ledger"
+            )
 
     def _room_ttl_ms(self, room: int, also: Sequence[str] = ()) -> int:
         """The longest TTL left on the room's index, its listed participants and
@@ -435,16 +515,17 @@ class Auditor:
                 ttl = s.ttl_ms
             now = int(s.execute([s.command("PTTL", f.key)])[0])
             if now != -1:  # only keys that still have no TTL
-                f.resolved = ("it is gone" if now == -2 else
-                              f"it got a TTL meanwhile ({fmt_ms(now)} left)")
+                f.resolved = (
+                    "it is gone" if now == -2 else f"it got a TTL meanwhile ({fmt_ms(now)} left)"
+                )
                 return
             s.execute([s.command("PEXPIRE", f.key, args=[ttl])])
             f.fixed = f"set a TTL of {fmt_ms(ttl)}" + (
-                " (the room's remaining TTL)" if f.room is not None else "")
+                " (the room's remaining TTL)" if f.room is not None else ""
+            )
         elif f.kind == "stuck":
             assert f.room is not None
-            st: Status = s.execute(
-                [self._store_for(f.room).poll(f.room, f.side, f.engine)])[0]  # type: ignore[arg-type]
+            st: Status = s.execute([self._store_for(f.room).poll(f.room, f.side, f.engine)])[0]  # type: ignore[arg-type]
             if st.status == KVPoll.Failed:
                 f.fixed = f"failed it: {st.reason}"
             else:
@@ -466,8 +547,10 @@ class Auditor:
                 f.fixed = "deleted the unclaimed transfer infos"
         elif f.kind == "dead_engine":
             engine, inc, addr = f.target
-            reason = (f"peer {engine} at {addr or '?'} is gone (incarnation {inc}); "
-                      "failed by kvstate audit")
+            reason = (
+                f"peer {engine} at {addr or '?'} is gone (incarnation {inc}); "
+                "failed by kvstate audit"
+            )
             view = self._store_for(f.room)
             n = s.execute([view.fail_receiver(f.key, engine, inc, reason)])[0]
             if int(n):
@@ -478,8 +561,8 @@ class Auditor:
             assert f.room is not None
             reason = f"engine {f.engine} lost its lease; failed by kvstate audit"
             view = self._store_for(f.room)
-            st2: Status = s.execute(
-                [view.update(f.room, f.side, f.engine, KVPoll.Failed, reason)])[0]  # type: ignore[arg-type]
+            call = view.update(f.room, f.side, f.engine, KVPoll.Failed, reason)  # type: ignore[arg-type]
+            st2: Status = s.execute([call])[0]
             if st2.status == KVPoll.Failed and st2.reason == reason:
                 f.fixed = f"failed it: {reason}"
             else:
@@ -493,9 +576,13 @@ class Auditor:
                 f.resolved = "it was cleared meanwhile"
                 return
             ttl = self._room_ttl_ms(f.room, also=[f.key])
-            s.execute([s.command("HSET", k.parts(f.room), args=[member, f.target[0]]),
-                       s.command("PEXPIRE", k.parts(f.room), args=[ttl])],
-                      transaction=True)
+            s.execute(
+                [
+                    s.command("HSET", k.parts(f.room), args=[member, f.target[0]]),
+                    s.command("PEXPIRE", k.parts(f.room), args=[ttl]),
+                ],
+                transaction=True,
+            )
             f.fixed = f"added {member} back to the room's index (TTL {fmt_ms(ttl)})"
         elif f.kind == "terminal_uncleared":
             f.left = "left for its TTL: the owner may still read the status"

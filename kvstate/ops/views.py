@@ -1,7 +1,7 @@
 """Read-side views of room state for operators: participants, rooms, engines, census.
 
 Nothing here writes. Ages are computed against the Redis server clock (``TIME``),
-never this host's (SPEC rule 9), so a view taken from a laptop with a skewed
+never this host's (design rule 9), so a view taken from a laptop with a skewed
 clock still shows true ages.
 """
 
@@ -224,8 +224,11 @@ class RoomView:
     @property
     def unindexed(self) -> list[str]:
         """Participants the room's parts index does not list (abort cannot reach them)."""
-        return [f"{p.side}:{p.engine}" for p in self.participants
-                if f"{p.side}:{p.engine}" not in self.members]
+        return [
+            f"{p.side}:{p.engine}"
+            for p in self.participants
+            if f"{p.side}:{p.engine}" not in self.members
+        ]
 
     @property
     def missing_members(self) -> list[str]:
@@ -249,8 +252,9 @@ class RoomView:
             "participants": [p.to_json() for p in self.participants],
             "transfer_infos": infos,
             "acks": self.acks,
-            "aborted": None if self.aborted is None else {
-                "reason": self.aborted, "ttl_ms": self.aborted_ttl_ms},
+            "aborted": None
+            if self.aborted is None
+            else {"reason": self.aborted, "ttl_ms": self.aborted_ttl_ms},
         }
 
 
@@ -286,8 +290,11 @@ def room_view(store: Store, room: int) -> RoomView:
         if side in SIDES:
             keys.append(k.participant(room, side, engine))  # type: ignore[arg-type]
     if not keys:  # no index (expired before its participants?): look for them the slow way
-        keys = [key for key in store.scan(k.room_prefix(room) + "*")
-                if (parsed := k.parse_room_key(key)) is not None and parsed[1] in SIDES]
+        keys = [
+            key
+            for key in store.scan(k.room_prefix(room) + "*")
+            if (parsed := k.parse_room_key(key)) is not None and parsed[1] in SIDES
+        ]
     parts = read_participants(store, keys, now)
     senders = {p.engine for p in parts if p.side == "tx"}
     receivers = {p.engine for p in parts if p.side == "rx"}
@@ -320,8 +327,9 @@ def room_view(store: Store, room: int) -> RoomView:
     }
     parts.sort(key=lambda p: (p.side != "tx", p.engine))
     aborted = None if mark is None else mark.decode("utf-8", "replace")
-    return RoomView(room, now, members, parts, infos, acks, aborted,
-                    None if mark is None else int(mark_ttl))
+    return RoomView(
+        room, now, members, parts, infos, acks, aborted, None if mark is None else int(mark_ttl)
+    )
 
 
 def holds_keys(store: Store) -> bool:
