@@ -24,6 +24,7 @@ import pytest
 
 from transports.base import LayoutError, Target, TransportError
 
+pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
 pytestmark = pytest.mark.timeout(60)
 
 # Three layers/kinds with different page sizes; same shape on every peer.

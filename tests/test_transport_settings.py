@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
+
 from tests.test_transport import LAYOUT, Peer, assert_layers, fragmented
 from transports import cma
 from transports.ucx import UCX_DEFAULTS

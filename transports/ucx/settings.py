@@ -1,0 +1,121 @@
+"""UCX settings: kvstate's defaults for UCX, and the knobs the environment overrides.
+
+Settings (each can be overridden)
+    * UCX endpoints are made from worker addresses WITH error handling
+      (``KVSTATE_UCX_ERROR_HANDLING=0`` turns it off: faster on one host, but a
+      dead peer then aborts this process; for trusted benchmarks only). Every
+      wait still has a deadline: a vanished host sends no reset.
+    * ``KVSTATE_UCX_CMA=0`` sends same-host transfers through UCX puts too.
+    * Progress mode ``blocking`` (``KVSTATE_UCX_PROGRESS_MODE``; ``polling``
+      is accepted). ``thread`` is refused: its progress thread would race the
+      ctypes calls, which must run on the thread that progresses the worker.
+      Blocking beat thread by 1.5-2x on 2 cores; polling spins a core. In
+      blocking mode the transport re-arms the worker after progress itself
+      (ucxx 0.52 does not, and its loop then spins a core while idle).
+    * ``UCX_DEFAULTS`` are exported unless the environment sets them (the
+      environment wins; ``ucx_env()`` says what is in effect):
+      ``UCX_TCP_TX_SEG_SIZE=256K`` and ``UCX_TCP_RX_SEG_SIZE=512K`` (UCX: 8K
+      and 64K). With error handling on, UCX has no zero-copy put over TCP and
+      emulates each put with active messages of at most one TX segment
+      (``UCX_PROTO_INFO=y`` shows it), so 8K segments meant 2048 messages per
+      16 MiB put. Measured between two network namespaces over a veth pair,
+      settings timed in turn (``tools/bench_transfer.py --cross-host``; the
+      README has the figures): fragmented pages 1.4-1.5 -> 3.6 GB/s,
+      contiguous unchanged (1.5-1.6); 1M/2M: contiguous 1.9-2.1, fragmented
+      3.1-3.3, at 4-6x the memory below.
+      Cost: the segments come from UCX memory pools that grow per connection
+      in use: +0.3 MiB resident per process for one peer moving 64 MiB, +1.0
+      MiB on a sender writing to 4 receivers (+0.4 MiB on each receiver),
+      against UCX's defaults. TX must not exceed RX (UCX refuses it; checked
+      here with a clear error). RDMA, cuda_ipc and shared memory ignore them.
+    * ``UCX_TLS``, ``UCX_RNDV_SCHEME`` and the rest are left to UCX unless set
+      in the environment (puts do not use rendezvous; UCX picks RDMA,
+      cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is a
+      default because ucxx sets a variable UCX 1.21 no longer knows.
+    * ``KVSTATE_CMA_PTRACER``: ``off`` (default), ``any`` or one sender pid;
+      see ``transports.cma``. Applied at ``register_buffers`` and logged once.
+
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from transports import cma
+from transports.base import TransportError
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() in ("1", "y", "yes", "true", "on")
+
+
+#: UCX variables set for this process unless its environment already sets them
+#: (the environment wins). Why each, with measurements: this module's docstring.
+UCX_DEFAULTS: dict[str, str] = {
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_TCP_TX_SEG_SIZE": "256K",
+    "UCX_TCP_RX_SEG_SIZE": "512K",
+}
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+}
+
+
+def _size(raw: str) -> int | None:
+    """A UCX memory size ("256K", "1m", "65536") in bytes; None if not one."""
+    text = raw.strip().upper()
+    digits = text.rstrip("BKMG")
+    unit = text[len(digits) :]
+    if not digits.isdigit() or unit not in _SIZE_UNITS:
+        return None
+    return int(digits) * _SIZE_UNITS[unit]
+
+
+@dataclass(frozen=True)
+class UCXSettings:
+    """UCX knobs; defaults come from the environment (see this module's docstring)."""
+
+    progress_mode: str = field(
+        default_factory=lambda: os.environ.get("KVSTATE_UCX_PROGRESS_MODE", "blocking")
+    )
+    error_handling: bool = field(
+        default_factory=lambda: _env_flag("KVSTATE_UCX_ERROR_HANDLING", True)
+    )
+    cma: bool = field(default_factory=lambda: _env_flag("KVSTATE_UCX_CMA", True))
+    tls: str | None = field(default_factory=lambda: os.environ.get("UCX_TLS"))
+    rndv_scheme: str | None = field(default_factory=lambda: os.environ.get("UCX_RNDV_SCHEME"))
+    #: who may ptrace (and so CMA-write into) this process: "off", "any" or a pid
+    ptracer: str | int = field(
+        default_factory=lambda: cma.parse_ptracer(os.environ.get(cma.PTRACER_ENV))
+    )
+
+    def apply_env(self) -> dict[str, str]:
+        """Export the UCX variables (UCX reads them once, when ucxx creates its context);
+        return the values in effect for the ones kvstate has defaults for."""
+        for name, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        if self.tls:
+            os.environ["UCX_TLS"] = self.tls
+        if self.rndv_scheme:
+            os.environ["UCX_RNDV_SCHEME"] = self.rndv_scheme
+        tx = _size(os.environ["UCX_TCP_TX_SEG_SIZE"])
+        rx = _size(os.environ["UCX_TCP_RX_SEG_SIZE"])
+        if tx is not None and rx is not None and tx > rx:
+            raise TransportError(
+                f"UCX_TCP_TX_SEG_SIZE={os.environ['UCX_TCP_TX_SEG_SIZE']} is larger than "
+                f"UCX_TCP_RX_SEG_SIZE={os.environ['UCX_TCP_RX_SEG_SIZE']}: UCX refuses that; "
+                "set both (kvstate's defaults: 256K and 512K)"
+            )
+        return {name: os.environ[name] for name in UCX_DEFAULTS}
