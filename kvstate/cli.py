@@ -56,9 +56,9 @@ from kvstate.ops.views import (
     scan_participants,
 )
 from kvstate.poll import KVPoll
+from kvstate.redis_server import RedisServerError
 from kvstate.registry import EngineInfo, Registry
 from kvstate.store import Store, connect
-from kvstate.testing.servers import RedisServerError
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1

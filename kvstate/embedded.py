@@ -13,10 +13,11 @@ import os
 import threading
 
 from kvstate.connection import ENV_URL
+from kvstate.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_server = None
+_server: RedisServer | None = None
 
 
 def ensure_server() -> str:
@@ -24,12 +25,10 @@ def ensure_server() -> str:
     global _server
     with _lock:
         if _server is None:
-            from kvstate.testing.servers import RedisProcess
-
             # PR_SET_PDEATHSIG follows the starting *thread*: only tie the server's life
             # to the main thread's; elsewhere the atexit hook alone stops it.
             main = threading.current_thread() is threading.main_thread()
-            proc = RedisProcess(unix_socket=True, port=0, die_with_parent=main)
+            proc = RedisServer(unix_socket=True, die_with_parent=main)
             proc.start()
             owner = os.getpid()
 
@@ -41,4 +40,4 @@ def ensure_server() -> str:
             _server = proc
             os.environ[ENV_URL] = proc.url
             log.info("started embedded redis-server at %s", proc.url)
-        return str(_server.url)
+        return _server.url

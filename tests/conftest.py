@@ -35,10 +35,10 @@ import pytest
 import redis
 
 try:
-    from kvstate.testing import servers
+    from kvstate import testing as servers
 except ImportError:  # not installed (pip install -e .): use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvstate.testing import servers
+    from kvstate import testing as servers
 
 RedisCluster = servers.RedisCluster
 RedisProcess = servers.RedisProcess

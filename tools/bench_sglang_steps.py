@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_state import RoundTrips  # noqa: E402
 
-from kvstate.testing.servers import RedisCluster, RedisProcess  # noqa: E402
+from kvstate.testing import RedisCluster, RedisProcess  # noqa: E402
 
 ADDR = "127.0.0.1:18998"
 

@@ -26,7 +26,7 @@ import numpy as np
 from redis.connection import AbstractConnection
 
 import kvstate
-from kvstate.testing.servers import RedisCluster, RedisProcess
+from kvstate.testing import RedisCluster, RedisProcess
 
 ADDR = "10.0.0.1:8998"
 

@@ -28,10 +28,10 @@ from pathlib import Path
 from types import FrameType
 
 try:
-    from kvstate.testing.servers import RedisCluster, RedisServerError, find_redis_server
+    from kvstate.testing import RedisCluster, RedisServerError, find_redis_server
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvstate.testing.servers import RedisCluster, RedisServerError, find_redis_server
+    from kvstate.testing import RedisCluster, RedisServerError, find_redis_server
 
 STATE_FILE = "cluster.json"
 
