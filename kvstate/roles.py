@@ -17,7 +17,9 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from kvstate import schema
 from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, unpack
+from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
 from kvstate.errors import (
     CorruptStateError,
     EngineNameTakenError,
@@ -29,9 +31,9 @@ from kvstate.errors import (
 )
 from kvstate.gpu import gpu_facts
 from kvstate.keys import Side, check_name, check_room
-from kvstate.ops.metrics import TransferRecorder
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Claim, EngineInfo, Registry
+from kvstate.stats import TransferRecorder
 from kvstate.store import Call, Status, Store
 from transports.base import Target, Transport, TransportError
 
@@ -89,10 +91,10 @@ class _Participant:
         self.engine = mgr.engine
         self.key = self.store.keys.participant(self.room, self.side, self.engine)
         self._fields = {
-            "addr": mgr.bootstrap_addr,
-            "peers": peers,
-            "bootstrap_timeout_ms": int(mgr.bootstrap_timeout * 1000),
-            "waiting_timeout_ms": int(mgr.waiting_timeout * 1000),
+            schema.ADDR: mgr.bootstrap_addr,
+            schema.PEERS: peers,
+            schema.BOOTSTRAP_TIMEOUT_MS: int(mgr.bootstrap_timeout * 1000),
+            schema.WAITING_TIMEOUT_MS: int(mgr.waiting_timeout * 1000),
             **fields,
         }
         self._created = False
@@ -366,7 +368,7 @@ class KVReceiver(_Participant):
         self._bound: dict[str, str] = {}  # sender engine -> incarnation bound to
         self._pending: tuple[dict[str, str], int] | None = None  # a binding in flight
         self._payload = b""  # the transfer info, once init() made it
-        super().__init__(mgr, room, self._required, {"peer_addr": bootstrap_addr})
+        super().__init__(mgr, room, self._required, {schema.PEER_ADDR: bootstrap_addr})
 
     @property
     def senders(self) -> list[str]:
@@ -504,10 +506,10 @@ class KVManager:
         bootstrap_addr: str | None = None,
         transport: Transport | None = None,
         *,
-        lease: float = 10.0,
+        lease: float = LEASE,
         heartbeat_interval: float | None = None,
-        bootstrap_timeout: float = 300.0,
-        waiting_timeout: float = 300.0,
+        bootstrap_timeout: float = BOOTSTRAP_TIMEOUT,
+        waiting_timeout: float = WAITING_TIMEOUT,
         transfer_timeout: float = 60.0,
         ranks: int = 1,
         transfer_stats: bool = False,
