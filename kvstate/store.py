@@ -816,7 +816,9 @@ class Store:
 
 
 def _text_or_none(raw: Any) -> str | None:
-    return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+    if raw is None:
+        return None
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
 def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
