@@ -15,7 +15,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstate import schema
 from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, unpack
@@ -38,6 +38,7 @@ from kvstate.store import Call, Status, Store
 from transports.base import Target, Transport, TransportError
 
 log = logging.getLogger(__name__)
+_P = TypeVar("_P", bound="_Participant")
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 # (bootstrap addr, named senders or None) -> the prefill engines found there
 _Lookups = dict[tuple[str, tuple[str, ...] | None], list[EngineInfo]]
@@ -619,7 +620,7 @@ class KVManager:
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
         return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
 
-    def _keep(self, p: Any) -> Any:
+    def _keep(self, p: _P) -> _P:
         with self._lock:
             self._live[p.room] = p
         return p

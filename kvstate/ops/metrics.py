@@ -141,7 +141,7 @@ class Metrics:
         )
         self._transfers = _TransferCollector()
         self._local = TransferTotals()
-        r.register(self._transfers)  # type: ignore[arg-type]
+        r.register(self._transfers)
         self.sweeps = Counter("kvstate_monitor_sweeps", "Monitor sweeps done", registry=r)
         self._reaped_rooms: OrderedDict[int, None] = OrderedDict()
 
