@@ -751,11 +751,9 @@ class KVManager:
         self._misses.pop((engine, inc), None)
         return why
 
-    def _check_peers(self) -> None:
-        """Fan-out both ways: receivers bound to a dead prefill (decode side), senders
-        writing to a dead decode (prefill side)."""
+    def _senders_by_receiver(self) -> dict[tuple[str, str], list[KVSender]]:
+        """The live senders that write to each (receiver engine, incarnation)."""
         with self._lock:
-            watched = set(self._watched)
             senders = [
                 p
                 for p in self._live.values()
@@ -774,6 +772,14 @@ class KVManager:
                 continue
             for engine, inc in incarnations.items():
                 writes_to.setdefault((engine, inc), []).append(snd)
+        return writes_to
+
+    def _check_peers(self) -> None:
+        """Fan-out both ways: receivers bound to a dead prefill (decode side), senders
+        writing to a dead decode (prefill side)."""
+        with self._lock:
+            watched = set(self._watched)
+        writes_to = self._senders_by_receiver()
         pairs = {(e, i) for e, _, i in watched} | set(writes_to)
         if not pairs:
             return

@@ -259,18 +259,7 @@ class Monitor:
         expired |= self.events.drain()
         now = self.store.server_time_ms()
         covered = covered and self.events.healthy
-        entries: list[Entry] = []
-        for key in sorted(expired):
-            parsed = self.store.keys.parse_room_key(key)
-            part = None if parsed is None else parsed.participant
-            if parsed is None or part is None:
-                continue
-            seen = self.known.pop(key, None) or self._gone.pop(key, None)
-            if seen is None and key in current:  # expired right after the SCAN read it
-                seen = Seen.of(current.pop(key))
-            if seen is None:
-                seen = Seen(parsed.room, *part, "unknown", None, None)
-            entries.append(self._entry(key, seen, now, "expiry event"))
+        entries = self._expired(expired, current, now)
         # Keys held in _gone a sweep ago and still without an event were cleared.
         self._gone = {}
         for key, seen in self.known.items():
@@ -289,6 +278,23 @@ class Monitor:
         for e in entries:
             if self.on_entry is not None:
                 self.on_entry(e)
+        return entries
+
+    def _expired(self, expired: set[str], current: dict[str, Participant], now: int) -> list[Entry]:
+        """Entries for the participants whose expiry event arrived; forgets them (from
+        ``current`` too: one that expired right after the SCAN read it)."""
+        entries: list[Entry] = []
+        for key in sorted(expired):
+            parsed = self.store.keys.parse_room_key(key)
+            part = None if parsed is None else parsed.participant
+            if parsed is None or part is None:
+                continue
+            seen = self.known.pop(key, None) or self._gone.pop(key, None)
+            if seen is None and key in current:
+                seen = Seen.of(current.pop(key))
+            if seen is None:
+                seen = Seen(parsed.room, *part, "unknown", None, None)
+            entries.append(self._entry(key, seen, now, "expiry event"))
         return entries
 
     def _entry(self, key: str, seen: Seen, now: int, how: str) -> Entry:

@@ -289,14 +289,7 @@ def room_view(store: Store, room: int) -> RoomView:
     k = store.keys
     now = store.server_time_ms()
     members = store.members(room)
-    keys = [k.participant(room, *part) for m in members if (part := schema.parse_member(m))]
-    if not keys:  # no index (expired before its participants?): look for them the slow way
-        keys = [
-            key
-            for key in store.scan(k.room_prefix(room) + "*")
-            if (parsed := k.parse_room_key(key)) is not None and parsed.side is not None
-        ]
-    parts = read_participants(store, keys, now)
+    parts = read_participants(store, _participant_keys(store, room, members), now)
     senders = {p.engine for p in parts if p.side == "tx"}
     receivers = {p.engine for p in parts if p.side == "rx"}
     for p in parts:
@@ -308,19 +301,11 @@ def room_view(store: Store, room: int) -> RoomView:
     raw = store.execute(calls)
     mark, mark_ttl = raw[-2:]
     raw = raw[:-2]
-    infos: dict[str, dict[str, TransferInfo | str]] = {}
-    for s, h in zip(sender_list, raw[: len(sender_list)], strict=True):
-        if not h:
-            continue
-        key = k.xfer(room, s)
-        per: dict[str, TransferInfo | str] = {}
-        for f, v in h.items():
-            receiver = f.decode("utf-8", "replace")
-            try:
-                per[receiver] = TransferInfo.decode(receiver, v, key)
-            except CorruptStateError as exc:
-                per[receiver] = str(exc)
-        infos[s] = per
+    infos = {
+        s: _decode_infos(k.xfer(room, s), h)
+        for s, h in zip(sender_list, raw[: len(sender_list)], strict=True)
+        if h
+    }
     acks = {
         r: sorted(m.decode() for m in a)
         for r, a in zip(receiver_list, raw[len(sender_list) :], strict=True)
@@ -331,6 +316,32 @@ def room_view(store: Store, room: int) -> RoomView:
     return RoomView(
         room, now, members, parts, infos, acks, aborted, None if mark is None else int(mark_ttl)
     )
+
+
+def _participant_keys(store: Store, room: int, members: list[str]) -> list[str]:
+    """The room's participant keys: from its parts index, else (the index expired
+    before its participants?) the slow way, by SCAN."""
+    k = store.keys
+    keys = [k.participant(room, *part) for m in members if (part := schema.parse_member(m))]
+    if keys:
+        return keys
+    return [
+        key
+        for key in store.scan(k.room_prefix(room) + "*")
+        if (parsed := k.parse_room_key(key)) is not None and parsed.side is not None
+    ]
+
+
+def _decode_infos(key: str, raw: dict[bytes, bytes]) -> dict[str, TransferInfo | str]:
+    """One sender's xfer hash: receiver -> its transfer info, or why it does not decode."""
+    per: dict[str, TransferInfo | str] = {}
+    for f, v in raw.items():
+        receiver = f.decode("utf-8", "replace")
+        try:
+            per[receiver] = TransferInfo.decode(receiver, v, key)
+        except CorruptStateError as exc:
+            per[receiver] = str(exc)
+    return per
 
 
 def holds_keys(store: Store) -> bool:
