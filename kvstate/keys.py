@@ -137,7 +137,7 @@ class Keys:
         return f"{self.prefix}ledger"
 
     def transfer_stats(self, engine: str) -> str:
-        """An engine's transfer counters, published for the monitor (kvstate.ops.metrics)."""
+        """An engine's transfer counters (kvstate.stats), read by kvstate.ops.metrics."""
         return f"{self.prefix}stats:{engine}"
 
     # -- patterns and parsing (for SCAN-based tools) ---------------------------

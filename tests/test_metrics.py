@@ -15,11 +15,11 @@ import pytest
 
 import kvstate
 from kvstate.ops import metrics as metrics_mod
-from kvstate.stats import STATS_TTL_S
 from kvstate.ops.audit import Auditor
 from kvstate.ops.ledger import Monitor
 from kvstate.ops.metrics import Metrics, MetricsPortError, read_transfer_totals
 from kvstate.poll import KVPoll
+from kvstate.stats import STATS_TTL_S
 
 ADDR = "10.0.0.1:8998"
 
