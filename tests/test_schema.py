@@ -5,6 +5,9 @@ tool may meet in a shared Redis (another namespace, foreign tags, odd digits).""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -192,3 +195,19 @@ def test_parse_room_key_never_raises(tail: str) -> None:
             assert p.key == key
             assert key.startswith(k.room_prefix(p.room))
             assert 0 <= p.room < MAX_ROOM
+
+
+# -- layering ------------------------------------------------------------------------
+def test_the_core_imports_no_ops_cli_demo_or_testing() -> None:
+    """The engines' side (roles, store, registry, stats, schema) stands alone: the
+    operator tools build on it, never the other way round."""
+    code = (
+        "import sys, kvstate, kvstate.roles, kvstate.store, kvstate.registry, "
+        "kvstate.stats, kvstate.schema, kvstate.keys, kvstate.defaults\n"
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120
+    ).stdout.split()
+    outside = ("kvstate.ops", "kvstate.cli", "kvstate.demo", "kvstate.testing")
+    assert [m for m in out if m.startswith(outside)] == []
