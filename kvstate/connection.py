@@ -27,6 +27,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError
 from redis.retry import Retry
 
+from kvstate.defaults import CALL_TIMEOUT
 from kvstate.errors import InvalidURLError
 
 ENV_URL = "KVSTATE_REDIS_URL"
@@ -187,7 +188,7 @@ class Options:
     backoff_base: float = 0.05
     backoff_cap: float = 1.0
     health_check_interval: int = 10
-    call_timeout: float = 8.0
+    call_timeout: float = CALL_TIMEOUT
 
     def __post_init__(self) -> None:
         for name in ("socket_timeout", "connect_timeout", "call_timeout"):

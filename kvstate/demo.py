@@ -56,8 +56,9 @@ import numpy as np
 
 from kvstate.connection import ENV_NAMESPACE, ENV_URL, redact
 from kvstate.errors import KVStateError
-from kvstate.ops.metrics import TransferRecorder, read_transfer_totals
+from kvstate.ops.metrics import read_transfer_totals
 from kvstate.poll import KVPoll
+from kvstate.stats import TransferRecorder
 
 __all__ = ["decode_worker", "demo", "expected_pages", "prefill_worker"]
 

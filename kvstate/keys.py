@@ -7,12 +7,26 @@ share one Cluster slot and one Lua script can move both sides of it.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from dataclasses import dataclass
 
+from kvstate import schema
 from kvstate.errors import InvalidNameError, InvalidRoomError
+from kvstate.schema import SIDES, Side
 
-Side = Literal["tx", "rx"]
-SIDES: tuple[Side, ...] = ("tx", "rx")
+__all__ = [
+    "MAX_ROOM",
+    "ROOT",
+    "SIDES",
+    "Keys",
+    "RoomKey",
+    "Side",
+    "check_name",
+    "check_namespace",
+    "check_room",
+    "namespace_of",
+    "parse_room_text",
+]
+
 MAX_ROOM = 2**63
 
 ROOT = "kvstate:"  # every kvstate key starts with it, then "<namespace>:"
@@ -103,7 +117,7 @@ class Keys:
 
     @staticmethod
     def part_member(side: Side, engine: str) -> str:
-        return f"{side}:{engine}"
+        return schema.member(side, engine)
 
     # -- shared ----------------------------------------------------------------
     def addr(self, bootstrap_addr: str) -> str:
@@ -123,7 +137,7 @@ class Keys:
         return f"{self.prefix}ledger"
 
     def transfer_stats(self, engine: str) -> str:
-        """An engine's transfer counters, published for the monitor (kvstate.ops.metrics)."""
+        """An engine's transfer counters (kvstate.stats), read by kvstate.ops.metrics."""
         return f"{self.prefix}stats:{engine}"
 
     # -- patterns and parsing (for SCAN-based tools) ---------------------------
@@ -147,8 +161,8 @@ class Keys:
     def addr_pattern(self) -> str:
         return f"{self.prefix}addr:*"
 
-    def parse_room_key(self, key: str) -> tuple[int, str, str] | None:
-        """Split a per-room key into (room, kind, rest): kind is tx, rx, xfer, acks or parts."""
+    def parse_room_key(self, key: str) -> RoomKey | None:
+        """The room and kind of a per-room key of this namespace, else None."""
         if not key.startswith(self.prefix + "{"):
             return None
         tag_end = key.find("}:", len(self.prefix))
@@ -157,6 +171,34 @@ class Keys:
         tag = key[len(self.prefix) + 1 : tag_end]
         if not _ROOM.fullmatch(tag) or int(tag) >= MAX_ROOM:
             return None
-        room = int(tag)
         kind, _, rest = key[tag_end + 2 :].partition(":")
-        return room, kind, rest
+        return RoomKey(key, int(tag), kind, rest)
+
+
+@dataclass(frozen=True)
+class RoomKey:
+    """A per-room key read back (``Keys.parse_room_key``): ``kind`` is tx, rx, xfer,
+    acks, parts or aborted (or whatever else a foreign key holds there), ``rest`` what
+    follows it: the engine for tx, rx, xfer and acks. The parser lives beside the
+    builder above so that the two cannot drift apart."""
+
+    key: str
+    room: int
+    kind: str
+    rest: str = ""
+
+    @property
+    def side(self) -> Side | None:
+        """tx or rx for a participant key, else None."""
+        return schema.side_of(self.kind)
+
+    @property
+    def engine(self) -> str:
+        """The engine a participant, xfer or acks key is about ('' for the others)."""
+        return self.rest if self.kind in ("tx", "rx", "xfer", "acks") else ""
+
+    @property
+    def participant(self) -> tuple[Side, str] | None:
+        """(side, engine) of a participant key, else None."""
+        side = self.side
+        return None if side is None else (side, self.rest)

@@ -12,9 +12,12 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstate import schema
 from kvstate.codec import pack, unpack
 from kvstate.errors import CorruptStateError, EngineNameTakenError
 from kvstate.store import Store
+
+_TEXT_FIELDS = (schema.ROLE, schema.ADDR, schema.INCARNATION, schema.HOST, schema.PID)
 
 
 @dataclass(frozen=True)
@@ -33,38 +36,38 @@ class EngineInfo:
 
     def fields(self) -> dict[str, Any]:
         return {
-            "role": self.role,
-            "addr": self.addr,
-            "incarnation": self.incarnation,
-            "endpoint": self.endpoint,
-            "layout": pack({"layout": self.layout}),
-            "host": self.host,
-            "pid": self.pid,
-            "gpus": pack({"gpus": self.gpus}),
-            "ranks": self.ranks,
+            schema.ROLE: self.role,
+            schema.ADDR: self.addr,
+            schema.INCARNATION: self.incarnation,
+            schema.ENDPOINT: self.endpoint,
+            schema.LAYOUT: pack({"layout": self.layout}),
+            schema.HOST: self.host,
+            schema.PID: self.pid,
+            schema.GPUS: pack({"gpus": self.gpus}),
+            schema.RANKS: self.ranks,
         }
 
     @classmethod
     def decode(cls, key: str, engine: str, raw: dict[bytes, bytes], pttl: int) -> EngineInfo:
         h = {k.decode(): v for k, v in raw.items()}
         try:
-            text = {n: h[n].decode() for n in ("role", "addr", "incarnation", "host", "pid")}
-            pid = int(text["pid"])
-            ranks = int(h.get("ranks", b"1"))
+            text = {n: h[n].decode() for n in _TEXT_FIELDS}
+            pid = int(text[schema.PID])
+            ranks = int(h.get(schema.RANKS, b"1"))
         except (KeyError, UnicodeDecodeError, ValueError) as exc:
             raise CorruptStateError(key, str(exc), "engine registration is incomplete") from None
-        layout = unpack(h.get("layout"), key, "layout").get("layout")
-        gpus = unpack(h.get("gpus"), key, "gpus").get("gpus")
+        layout = unpack(h.get(schema.LAYOUT), key, schema.LAYOUT).get("layout")
+        gpus = unpack(h.get(schema.GPUS), key, schema.GPUS).get("gpus")
         if not isinstance(layout, dict) or not isinstance(gpus, list):
-            raise CorruptStateError(key, "layout", "layout is not a map or gpus not a list")
+            raise CorruptStateError(key, schema.LAYOUT, "layout is not a map or gpus not a list")
         return cls(
             engine,
-            text["role"],
-            text["addr"],
-            text["incarnation"],
-            h.get("endpoint", b""),
+            text[schema.ROLE],
+            text[schema.ADDR],
+            text[schema.INCARNATION],
+            h.get(schema.ENDPOINT, b""),
             layout,
-            text["host"],
+            text[schema.HOST],
             pid,
             gpus,
             pttl,
@@ -97,22 +100,12 @@ class Registry:
         """Register (``mode`` 'register') or renew ('renew') ``info`` if the name is free
         or already ours, then refresh its address index entry (another slot on a Cluster,
         hence a second call)."""
-        flat: list[Any] = []
-        for name, value in info.fields().items():
-            flat += [name, value]
         s, ms = self.store, int(lease * 1000)
         claim: Claim = s.execute(
-            [
-                s.script(
-                    "register",
-                    [self.keys.engine(info.engine)],
-                    [ms, info.incarnation, mode, *flat],
-                    Claim.parse,
-                )
-            ]
+            [s.claim_engine(info.engine, info.incarnation, mode, ms, info.fields(), Claim.parse)]
         )[0]
         if claim.answer != "taken":  # a refused or taken claim must not index anything
-            s.execute([s.script("index", [self.keys.engines_at(info.addr)], [info.engine, ms])])
+            s.execute([s.index_engine(info.addr, info.engine, ms)])
         return claim
 
     def register(self, info: EngineInfo, lease: float) -> None:
@@ -131,31 +124,24 @@ class Registry:
     def drop(self, engine: str, incarnation: str, addr: str) -> bool:
         """Delete the registration if it is still this incarnation's; True if it was."""
         s = self.store
-        claim = s.execute(
-            [
-                s.script(
-                    "register", [self.keys.engine(engine)], [1, incarnation, "drop"], Claim.parse
-                )
-            ]
-        )[0]
+        claim = s.execute([s.claim_engine(engine, incarnation, "drop", 1, {}, Claim.parse)])[0]
         if claim.answer != "dropped":
             return False
-        s.execute([s.script("index", [self.keys.engines_at(addr)], [engine, ""])])
+        s.execute([s.index_engine(addr, engine, None)])
         return True
 
     def incarnations(self, engines: list[str]) -> dict[str, str | None]:
+        """Engine -> the incarnation holding its name now, None when none does."""
         s = self.store
-        raw = s.execute(
-            [s.command("HGET", self.keys.engine(e), args=["incarnation"]) for e in engines]
-        )
-        return {e: None if r is None else r.decode() for e, r in zip(engines, raw, strict=True)}
+        raw = s.execute([s.engine_field(e, schema.INCARNATION) for e in engines])
+        return dict(zip(engines, raw, strict=True))
 
     def get_many(self, engines: list[str]) -> dict[str, EngineInfo | None]:
         s = self.store
         calls = []
         for e in engines:
             key = self.keys.engine(e)
-            calls += [s.command("HGETALL", key), s.command("PTTL", key)]
+            calls += [s.read_hash(key), s.key_ttl(key)]
         raw = s.execute(calls)
         out: dict[str, EngineInfo | None] = {}
         for i, e in enumerate(engines):
@@ -175,7 +161,7 @@ class Registry:
         """Live engines registered at a bootstrap address, by name: the index names
         candidates, each one's own registration decides (no SCAN)."""
         s = self.store
-        raw = s.execute([s.command("ZRANGE", self.keys.engines_at(addr), args=[0, -1])])[0]
+        raw = s.execute([s.tracked(self.keys.engines_at(addr))])[0]
         names = sorted(n.decode() for n in raw)
         if not names:
             return []

@@ -15,9 +15,11 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
+from kvstate import schema
 from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, unpack
+from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
 from kvstate.errors import (
     CorruptStateError,
     EngineNameTakenError,
@@ -29,13 +31,14 @@ from kvstate.errors import (
 )
 from kvstate.gpu import gpu_facts
 from kvstate.keys import Side, check_name, check_room
-from kvstate.ops.metrics import TransferRecorder
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Claim, EngineInfo, Registry
+from kvstate.stats import TransferRecorder
 from kvstate.store import Call, Status, Store
 from transports.base import Target, Transport, TransportError
 
 log = logging.getLogger(__name__)
+_P = TypeVar("_P", bound="_Participant")
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 # (bootstrap addr, named senders or None) -> the prefill engines found there
 _Lookups = dict[tuple[str, tuple[str, ...] | None], list[EngineInfo]]
@@ -89,10 +92,10 @@ class _Participant:
         self.engine = mgr.engine
         self.key = self.store.keys.participant(self.room, self.side, self.engine)
         self._fields = {
-            "addr": mgr.bootstrap_addr,
-            "peers": peers,
-            "bootstrap_timeout_ms": int(mgr.bootstrap_timeout * 1000),
-            "waiting_timeout_ms": int(mgr.waiting_timeout * 1000),
+            schema.ADDR: mgr.bootstrap_addr,
+            schema.PEERS: peers,
+            schema.BOOTSTRAP_TIMEOUT_MS: int(mgr.bootstrap_timeout * 1000),
+            schema.WAITING_TIMEOUT_MS: int(mgr.waiting_timeout * 1000),
             **fields,
         }
         self._created = False
@@ -366,7 +369,7 @@ class KVReceiver(_Participant):
         self._bound: dict[str, str] = {}  # sender engine -> incarnation bound to
         self._pending: tuple[dict[str, str], int] | None = None  # a binding in flight
         self._payload = b""  # the transfer info, once init() made it
-        super().__init__(mgr, room, self._required, {"peer_addr": bootstrap_addr})
+        super().__init__(mgr, room, self._required, {schema.PEER_ADDR: bootstrap_addr})
 
     @property
     def senders(self) -> list[str]:
@@ -504,10 +507,10 @@ class KVManager:
         bootstrap_addr: str | None = None,
         transport: Transport | None = None,
         *,
-        lease: float = 10.0,
+        lease: float = LEASE,
         heartbeat_interval: float | None = None,
-        bootstrap_timeout: float = 300.0,
-        waiting_timeout: float = 300.0,
+        bootstrap_timeout: float = BOOTSTRAP_TIMEOUT,
+        waiting_timeout: float = WAITING_TIMEOUT,
         transfer_timeout: float = 60.0,
         ranks: int = 1,
         transfer_stats: bool = False,
@@ -617,7 +620,7 @@ class KVManager:
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
         return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
 
-    def _keep(self, p: Any) -> Any:
+    def _keep(self, p: _P) -> _P:
         with self._lock:
             self._live[p.room] = p
         return p
@@ -748,11 +751,9 @@ class KVManager:
         self._misses.pop((engine, inc), None)
         return why
 
-    def _check_peers(self) -> None:
-        """Fan-out both ways: receivers bound to a dead prefill (decode side), senders
-        writing to a dead decode (prefill side)."""
+    def _senders_by_receiver(self) -> dict[tuple[str, str], list[KVSender]]:
+        """The live senders that write to each (receiver engine, incarnation)."""
         with self._lock:
-            watched = set(self._watched)
             senders = [
                 p
                 for p in self._live.values()
@@ -771,6 +772,14 @@ class KVManager:
                 continue
             for engine, inc in incarnations.items():
                 writes_to.setdefault((engine, inc), []).append(snd)
+        return writes_to
+
+    def _check_peers(self) -> None:
+        """Fan-out both ways: receivers bound to a dead prefill (decode side), senders
+        writing to a dead decode (prefill side)."""
+        with self._lock:
+            watched = set(self._watched)
+        writes_to = self._senders_by_receiver()
         pairs = {(e, i) for e, _, i in watched} | set(writes_to)
         if not pairs:
             return

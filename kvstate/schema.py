@@ -1,34 +1,125 @@
 """The stored vocabulary: hash field names and member formats of kvstate's keys.
 
-Key *names* are built in ``kvstate.keys``; what goes *inside* the keys is spelled here
-and mirrored by the constants at the top of ``kvstate/scripts/_lib.lua`` (a test holds
-the two together). Change a field in these two files, nowhere else.
+Key *names* are built (and parsed back) in ``kvstate.keys``; what goes *inside* the
+keys is spelled here and mirrored by the constants at the top of
+``kvstate/scripts/_lib.lua`` (a test holds the two together). Change a field in these
+two files, nowhere else.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Final, Literal, NamedTuple, TypeVar
+
+Side = Literal["tx", "rx"]  # tx: a sender (prefill), rx: a receiver (decode)
+SIDES: Final[tuple[Side, ...]] = ("tx", "rx")
 
 # -- participant hash: kvstate:<ns>:{<room>}:<side>:<engine> ---------------------------
 STATUS: Final = "status"  # a KVPoll name
 SINCE_MS: Final = "since_ms"  # server ms of the last status change
+CREATED_MS: Final = "created_ms"  # server ms of the create (create.lua)
 REASON: Final = "reason"  # text, set with Failed
+ADDR: Final = "addr"  # the participant's own engine's bootstrap address
 PEERS: Final = "peers"  # senders a receiver waits for / receivers a sender serves
-PEER_ADDR: Final = "peer_addr"  # the other side's bootstrap address
+PEER_ADDR: Final = "peer_addr"  # receiver: the prefill side's bootstrap address
 BOOTSTRAP_TIMEOUT_MS: Final = "bootstrap_timeout_ms"
 WAITING_TIMEOUT_MS: Final = "waiting_timeout_ms"
 INFOS_V: Final = "infos_v"  # sender: publishes addressed to it so far
 BOUND: Final = "bound"  # receiver: senders bound so far
 PEER_PREFIX: Final = "peer:"  # receiver: peer:<engine> -> that engine's incarnation
 
+# The timeout that applies in a status: (its name for people, the field holding it).
+STATUS_TIMEOUTS: Final[Mapping[str, tuple[str, str]]] = {
+    "Bootstrapping": ("bootstrap", BOOTSTRAP_TIMEOUT_MS),
+    "WaitingForInput": ("waiting", WAITING_TIMEOUT_MS),
+}
+
 # -- engine registration hash: kvstate:<ns>:engine:<engine> ----------------------------
-INCARNATION: Final = "incarnation"
+ROLE: Final = "role"  # prefill / decode
+INCARNATION: Final = "incarnation"  # changes with every new KVManager of the name
 HOST: Final = "host"
 PID: Final = "pid"
+ENDPOINT: Final = "endpoint"  # the transport's endpoint blob
+LAYOUT: Final = "layout"  # msgpack {"layout": {...}}
+GPUS: Final = "gpus"  # msgpack {"gpus": [...]}
+RANKS: Final = "ranks"  # prefill ranks serving the address
+# ADDR (above) is the engine's bootstrap address here too.
 
-# -- parts hash: kvstate:<ns>:{<room>}:parts, member "<side>:<engine>" -> created ms ----
-CREATED_MS: Final = "created_ms"
+# -- other keys' members ---------------------------------------------------------------
+# parts hash  {<room>}:parts        field "<side>:<engine>" (member()) -> created ms
+# xfer hash   {<room>}:xfer:<s>     field <receiver engine> -> packed TransferInfo
+# acks set    {<room>}:acks:<r>     members: sender engines that finished
+# tracker     addr:<addr> zset      members: receiver participant *key names*
+# index       engines_at:<addr>     members: engine names, scored by lease deadline (ms)
+
+# -- transfer counters hash: kvstate:<ns>:stats:<engine> -------------------------------
+STATS_BYTES: Final = "bytes"
+STATS_COUNT: Final = "count"
+STATS_SECONDS: Final = "seconds"
+STATS_LE_PREFIX: Final = "le:"  # le:<bound> -> transfers in that latency bucket
+
+# -- ledger stream: kvstate:<ns>:ledger, one entry per reaped or repaired thing -------
+LEDGER_FIELDS: Final = ("event", "room", "side", "engine", "status", "age_ms", "key", "detail")
+
+
+class Member(NamedTuple):
+    """A parts-hash member: which participant of the room."""
+
+    side: Side
+    engine: str
+
+    def __str__(self) -> str:
+        return member(self.side, self.engine)
+
+
+def member(side: Side, engine: str) -> str:
+    """The parts-hash member of a participant (``tx:<engine>`` / ``rx:<engine>``)."""
+    return f"{side}:{engine}"
+
+
+def side_of(text: str) -> Side | None:
+    """``text`` as a Side, or None when it is not one (typed narrowing for callers)."""
+    if text == "tx":
+        return "tx"
+    if text == "rx":
+        return "rx"
+    return None
+
+
+def parse_member(text: str) -> Member | None:
+    """Read back a parts-hash member; None unless it starts with ``tx``/``rx``. What
+    follows the first ``:`` is the engine, '' if nothing does (a corrupt member still
+    names the key the scripts would use for it)."""
+    head, _, engine = text.partition(":")
+    side = side_of(head)
+    return None if side is None else Member(side, engine)
 
 
 def peer_field(engine: str) -> str:
+    """The receiver field that binds it to a sender engine (value: the incarnation)."""
     return f"{PEER_PREFIX}{engine}"
+
+
+def peer_of(field: str) -> str | None:
+    """The sender engine a ``peer:<engine>`` field names, else None."""
+    if field.startswith(PEER_PREFIX) and len(field) > len(PEER_PREFIX):
+        return field[len(PEER_PREFIX) :]
+    return None
+
+
+_V = TypeVar("_V")
+
+
+def bindings(fields: Mapping[str, _V]) -> dict[str, _V]:
+    """Sender engine -> incarnation, from a receiver hash's ``peer:`` fields."""
+    out: dict[str, _V] = {}
+    for name, value in fields.items():
+        engine = peer_of(name)
+        if engine is not None:
+            out[engine] = value
+    return out
+
+
+def le_field(bound: object) -> str:
+    """The transfer-counter field of one latency bucket (``le:0.005``, ``le:+Inf``)."""
+    return f"{STATS_LE_PREFIX}{bound}"

@@ -42,7 +42,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from kvstate import embedded
+from kvstate import embedded, schema
 from kvstate.connection import (
     ENV_NAMESPACE,
     ENV_URL,
@@ -57,6 +57,7 @@ from kvstate.connection import (
     redact,
     time_left,
 )
+from kvstate.defaults import ROOM_TTL
 from kvstate.errors import (
     CorruptStateError,
     InvalidArgumentError,
@@ -164,7 +165,7 @@ class Store:
         client: Client,
         url: str,
         namespace: str = "default",
-        room_ttl: float = 900.0,
+        room_ttl: float = ROOM_TTL,
         options: Options | None = None,
     ) -> None:
         if room_ttl <= 0:
@@ -618,10 +619,10 @@ class Store:
             members = self.members(room)
             keys = [k.parts(room), k.aborted(room)]
             for member in members:
-                side, _, engine = member.partition(":")
-                if side not in ("tx", "rx"):
+                part = schema.parse_member(member)
+                if part is None:
                     raise CorruptStateError(k.parts(room), member, "not a tx:/rx: member")
-                keys.append(k.participant(room, side, engine))  # type: ignore[arg-type]
+                keys.append(k.participant(room, *part))
             n = self.execute([self.script("abort", keys, [self.ttl_ms, reason, *members])])[0]
             if n >= 0:
                 return int(n)
@@ -671,11 +672,11 @@ class Store:
     def fail_receiver(self, key: str, peer_engine: str, incarnation: str, reason: str) -> Call:
         """Fail one receiver (by key) if it is bound to that peer (and incarnation)."""
         parsed = self.keys.parse_room_key(key)
-        if parsed is None or parsed[1] != "rx":
+        if parsed is None or parsed.side != "rx":
             raise CorruptStateError(key, "*", "not a receiver participant key")
         return self.script(
             "fail_bound",
-            [key, self.keys.parts(parsed[0])],
+            [key, self.keys.parts(parsed.room)],
             [self.ttl_ms, reason, peer_engine, incarnation],
         )
 
@@ -686,6 +687,138 @@ class Store:
             else:
                 secs, micros = self.client.time()  # type: ignore[misc]
         return int(secs) * 1000 + int(micros) // 1000
+
+    # -- operations for ops/, registry and integrations (schema helper) ---------------
+    # Named reads and writes, so that no module outside this one spells a Redis command.
+    # Each returns a Call to batch with others in one execute(), unless it says it runs.
+
+    def read_hash(self, key: str) -> Call:
+        """HGETALL of any kvstate hash (a participant, an xfer, a registration...)."""
+        return self.command("HGETALL", key)
+
+    def key_ttl(self, key: str) -> Call:
+        """PTTL in ms: -1 no TTL, -2 gone."""
+        return self.command("PTTL", key)
+
+    def key_exists(self, key: str) -> Call:
+        return self.command("EXISTS", key)
+
+    def key_idle_s(self, key: str) -> Call:
+        """OBJECT IDLETIME (refused under an LFU policy); reading the key would reset it."""
+        return self.command("OBJECT IDLETIME", key)
+
+    def set_ttl(self, key: str, ttl_ms: int) -> Call:
+        return self.command("PEXPIRE", key, args=[ttl_ms])
+
+    def delete(self, *keys: str) -> Call:
+        return self.command("DEL", *keys)
+
+    def is_member(self, room: int, side: Side, engine: str) -> Call:
+        """Whether the room's parts index lists that participant (HEXISTS)."""
+        return self.command("HEXISTS", self.keys.parts(room), args=[schema.member(side, engine)])
+
+    def index_member(self, room: int, side: Side, engine: str, created_ms: str) -> Call:
+        """Put a participant back into its room's parts index (an audit repair)."""
+        return self.command(
+            "HSET", self.keys.parts(room), args=[schema.member(side, engine), created_ms]
+        )
+
+    def acks_of(self, room: int, receiver: str) -> Call:
+        """The sender engines that finished for one receiver."""
+        return self.command("SMEMBERS", self.keys.acks(room, receiver))
+
+    def abort_mark(self, room: int) -> list[Call]:
+        """The room's abort reason (None if not aborted) and the mark's PTTL."""
+        key = self.keys.aborted(room)
+        return [self.command("GET", key), self.command("PTTL", key)]
+
+    def tracked(self, tracker: str) -> Call:
+        """Every member of an ``addr:`` tracker or ``engines_at:`` index key."""
+        return self.command("ZRANGE", tracker, args=[0, -1])
+
+    def untrack(self, tracker: str, member: str) -> Call:
+        return self.command("ZREM", tracker, args=[member])
+
+    def engine_field(self, engine: str, name: str) -> Call:
+        """One field of an engine's registration, as text (None when it has none)."""
+        return self.command("HGET", self.keys.engine(engine), args=[name], parse=_text_or_none)
+
+    def claim_engine(
+        self,
+        engine: str,
+        incarnation: str,
+        mode: str,
+        lease_ms: int,
+        fields: dict[str, Any],
+        parse: Callable[[Any], Any] = _identity,
+    ) -> Call:
+        """register.lua: register, renew (``fields`` written when the name is free) or
+        drop an engine's registration; never displaces a live holder."""
+        flat: list[Any] = []
+        for name, value in fields.items():
+            flat += [name, value]
+        return self.script(
+            "register", [self.keys.engine(engine)], [lease_ms, incarnation, mode, *flat], parse
+        )
+
+    def index_engine(self, addr: str, engine: str, lease_ms: int | None) -> Call:
+        """index.lua: list ``engine`` under its bootstrap address until ``lease_ms`` from
+        now, or (None) take it off the index."""
+        return self.script(
+            "index", [self.keys.engines_at(addr)], [engine, "" if lease_ms is None else lease_ms]
+        )
+
+    def publish_transfer_stats(self, engine: str, fields: dict[str, Any], ttl_ms: int) -> None:
+        """Runs: write an engine's transfer counters (absolute values) and their TTL."""
+        key = self.keys.transfer_stats(engine)
+        flat: list[Any] = []
+        for name, value in fields.items():
+            flat += [name, value]
+        self.execute(
+            [self.command("HSET", key, args=flat), self.set_ttl(key, ttl_ms)], transaction=True
+        )
+
+    def ledger_append(self, entries: Iterable[list[Any]], maxlen: int, ttl_ms: int) -> None:
+        """Runs: XADD each entry (field, value list) to the ledger stream, capped near
+        ``maxlen``, and refresh its TTL, in one transaction."""
+        key = self.keys.ledger
+        calls = [self.command("XADD", key, args=["MAXLEN", "~", maxlen, "*", *e]) for e in entries]
+        if calls:
+            self.execute([*calls, self.set_ttl(key, ttl_ms)], transaction=True)
+
+    def ledger_recent(self, count: int) -> Call:
+        """The newest ``count`` ledger entries, newest first: [(id, {field: value})]."""
+        return self.command("XREVRANGE", self.keys.ledger, args=["+", "-", "COUNT", count])
+
+    @staticmethod
+    def node_config(node: redis.Redis, name: str) -> str:
+        """Runs: CONFIG GET of one setting on one node (see ``nodes()``) as text, '' when
+        unset. Raises what redis-py raises (NoPermissionError under a strict ACL)."""
+        raw: dict[Any, Any] = node.config_get(name)
+        for k, v in raw.items():
+            if (k.decode() if isinstance(k, bytes) else k) == name:
+                return v.decode() if isinstance(v, bytes) else str(v)
+        return ""
+
+    @staticmethod
+    def set_node_config(node: redis.Redis, name: str, value: str) -> None:
+        """Runs: CONFIG SET on one node; raises what redis-py raises."""
+        node.config_set(name, value)
+
+    @staticmethod
+    def expiry_events(node: redis.Redis) -> redis.client.PubSub:
+        """A subscription to one node's key expiry events (``notify-keyspace-events``
+        must hold Ex; see ``set_node_config``). Node-local on a Cluster."""
+        db = int(node.connection_pool.connection_kwargs.get("db", 0) or 0)
+        sub: redis.client.PubSub = node.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        sub.subscribe(f"__keyevent@{db}__:expired")
+        return sub
+
+
+def _text_or_none(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
 def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
@@ -726,7 +859,7 @@ def _find_in_chain(exc: BaseException, kind: type[BaseException]) -> BaseExcepti
 def connect(
     url: str | None = None,
     namespace: str | None = None,
-    room_ttl: float = 900.0,
+    room_ttl: float = ROOM_TTL,
     *,
     cluster: bool | None = None,
     options: Options | None = None,

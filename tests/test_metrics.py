@@ -19,6 +19,7 @@ from kvstate.ops.audit import Auditor
 from kvstate.ops.ledger import Monitor
 from kvstate.ops.metrics import Metrics, MetricsPortError, read_transfer_totals
 from kvstate.poll import KVPoll
+from kvstate.stats import STATS_TTL_S
 
 ADDR = "10.0.0.1:8998"
 
@@ -53,7 +54,7 @@ def test_recorder_publishes_totals_another_process_reads(redis_url: str) -> None
     a TTL, and throttled (observe() alone writes at most once per flush interval)."""
     script = (
         "import sys, kvstate\n"
-        "from kvstate.ops.metrics import TransferRecorder\n"
+        "from kvstate.stats import TransferRecorder\n"
         "store = kvstate.connect(sys.argv[1], 'm')\n"
         "rec = TransferRecorder(store, 'prefill-x', flush_interval=3600)\n"
         "for i in range(5): rec.observe(1 << 20, 0.004)\n"
@@ -65,7 +66,7 @@ def test_recorder_publishes_totals_another_process_reads(redis_url: str) -> None
     assert set(totals) == {"prefill-x"}
     assert (totals["prefill-x"].bytes, totals["prefill-x"].count) == (5 << 20, 5)
     key = store.keys.transfer_stats("prefill-x")
-    assert 0 < store.client.pttl(key) <= metrics_mod.STATS_TTL_S * 1000
+    assert 0 < store.client.pttl(key) <= STATS_TTL_S * 1000
     assert store.client.hget(key, "le:0.005") == b"5"  # readable with redis-cli
     m = Metrics()
     m.load_transfers(store)

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
 from kvstate.errors import KVStateError, PeerNotFoundError
 from kvstate.integrations.sglang_plugin import check_version
 from kvstate.poll import KVPoll
@@ -67,7 +68,7 @@ class Settings:
     namespace: str | None = None
     host: str | None = None
     max_rooms: int = 65536
-    lease: float = 10.0
+    lease: float = LEASE
     memory: str | None = None
     step_cache_s: float = 0.5  # a cached poll older than this is asked again
     store_grace_s: float = 30.0  # Redis unreachable this long: rooms fail locally
@@ -80,7 +81,7 @@ class Settings:
             namespace=env.get("KVSTATE_NAMESPACE") or None,
             host=env.get("KVSTATE_SGLANG_HOST") or None,
             max_rooms=int(env.get("KVSTATE_SGLANG_MAX_ROOMS", "65536")),
-            lease=float(env.get("KVSTATE_SGLANG_LEASE", "10")),
+            lease=float(env.get("KVSTATE_SGLANG_LEASE", str(LEASE))),
             memory=env.get("KVSTATE_SGLANG_MEMORY") or None,
         )
 
@@ -404,8 +405,11 @@ class KVStateKVManager(_BaseManager):
         self.spaces: Transport | None = None
         if not mirror:
             self.spaces = transport if transport is not None else Spaces(args, memory)
-        waiting = float(os.environ.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "300"))
-        bootstrap = float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "300"))
+        env = os.environ
+        waiting = float(env.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", str(WAITING_TIMEOUT)))
+        bootstrap = float(
+            env.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", str(BOOTSTRAP_TIMEOUT))
+        )
         self.kv = KVManager(
             self.store,
             self.role,

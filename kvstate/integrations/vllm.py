@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvstate.defaults import LEASE
 from kvstate.errors import KVStateError
 from kvstate.keys import MAX_ROOM
 from kvstate.poll import KVPoll
@@ -93,7 +94,7 @@ class KVStateConnector(KVConnectorBase_V1):
         self.producer = cfg.kv_role == "kv_producer"
         self._url = extra.get("redis_url") or os.environ.get("KVSTATE_REDIS_URL")
         self._namespace = extra.get("namespace") or os.environ.get("KVSTATE_NAMESPACE")
-        self._lease = float(extra.get("lease", 10.0))
+        self._lease = float(extra.get("lease", LEASE))
         self._store: Store | None = None
         # scheduler side
         self._recv: dict[str, tuple[int, str, list[int]]] = {}

@@ -38,15 +38,19 @@ from typing import Any
 import redis
 from redis.exceptions import NoPermissionError
 
+from kvstate import schema
+from kvstate.defaults import AUDIT_GRACE
 from kvstate.errors import KVStateError, StateConnectionError
-from kvstate.keys import SIDES
-from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger, config_value
+from kvstate.keys import RoomKey
+from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger
 from kvstate.ops.metrics import FINDING_KINDS
 from kvstate.ops.views import BATCH, Participant, fmt_ms, read_participants
 from kvstate.poll import KVPoll
+from kvstate.registry import Registry
+from kvstate.schema import Side
 from kvstate.store import Status, Store
 
-DEFAULT_GRACE = 60.0
+DEFAULT_GRACE = AUDIT_GRACE
 
 
 @dataclass
@@ -67,6 +71,14 @@ class Finding:
     left: str = ""
     resolved: str = ""
     target: tuple[str, ...] = ()  # what a fix acts on (tracker member; peer, incarnation)
+
+    @property
+    def part(self) -> tuple[Side, str]:
+        """(side, engine) of the participant the finding is about, for its repair."""
+        side = schema.side_of(self.side)
+        if side is None:
+            raise KVStateError(f"{self.kind} finding on {self.key} names no participant")
+        return side, self.engine
 
     @property
     def ident(self) -> tuple[str, str, tuple[str, ...]]:
@@ -94,6 +106,14 @@ def acl_refused(exc: BaseException) -> bool:
     return isinstance(exc, NoPermissionError) or (
         isinstance(exc, StateConnectionError) and "under its ACL" in str(exc)
     )
+
+
+def _locate(f: Finding, parsed: RoomKey | None) -> None:
+    """Fill in the room (and participant) a finding's key names."""
+    if parsed is not None:
+        f.room = parsed.room
+        if parsed.side is not None:
+            f.side, f.engine = parsed.side, parsed.rest
 
 
 def _about(kind: str, p: Participant, detail: str) -> Finding:
@@ -188,9 +208,9 @@ class Auditor:
         }
         for key in all_keys:
             parsed = k.parse_room_key(key)
-            if parsed is not None and parsed[1] in SIDES:
+            if parsed is not None and parsed.side is not None:
                 groups["participant"].append(key)
-            elif parsed is not None and parsed[1] == "xfer":
+            elif parsed is not None and parsed.kind == "xfer":
                 groups["xfer"].append(key)
             elif key.startswith(addr_prefix):
                 groups["addr"].append(key)
@@ -232,7 +252,7 @@ class Auditor:
         """CONFIG GET; ACL refusals reach the caller as NoPermissionError, connection
         trouble as StateConnectionError."""
         try:
-            return config_value(client, name)
+            return self.store.node_config(client, name)
         except (NoPermissionError, redis.ResponseError):
             raise
         except redis.RedisError:
@@ -244,15 +264,11 @@ class Auditor:
         s = self.store
         for start in range(0, len(all_keys), BATCH):
             chunk = all_keys[start : start + BATCH]
-            ttls = s.execute([s.command("PTTL", key) for key in chunk])
+            ttls = s.execute([s.key_ttl(key) for key in chunk])
             for key, ttl in zip(chunk, ttls, strict=True):
                 if int(ttl) == -1:
                     f = Finding("no_ttl", key, "key has no TTL: nothing will ever reap it")
-                    parsed = self.keys.parse_room_key(key)
-                    if parsed is not None:
-                        f.room = parsed[0]
-                        if parsed[1] in SIDES:
-                            f.side, f.engine = parsed[1], parsed[2]
+                    _locate(f, self.keys.parse_room_key(key))
                     report.findings.append(f)
 
     def _participants(self, parts: list[Participant], now: int, report: Report) -> None:
@@ -262,7 +278,7 @@ class Auditor:
                     _about(
                         "corrupt",
                         p,
-                        f"status {p.status!r} / since_ms {p.fields.get('since_ms')!r} do not "
+                        f"status {p.status!r} / since_ms {p.fields.get(schema.SINCE_MS)!r} do not "
                         f"parse; inspect with redis-cli HGETALL, fail the room with "
                         f"kvstate abort {p.room}",
                     )
@@ -301,11 +317,7 @@ class Auditor:
         engines = sorted({e for p in live for e in p.bindings} | {p.engine for p in live})
         if not engines:
             return
-        s = self.store
-        raw = s.execute(
-            [s.command("HGET", self.keys.engine(e), args=["incarnation"]) for e in engines]
-        )
-        alive = {e: None if r is None else r.decode() for e, r in zip(engines, raw, strict=True)}
+        alive = Registry(self.store).incarnations(engines)
         for p in live:
             f = None
             for engine, inc in sorted(p.bindings.items()) if p.side == "rx" else []:
@@ -320,7 +332,7 @@ class Auditor:
                 f = _about(
                     "dead_engine", p, f"bound to peer {engine} (incarnation {inc}), which {why}"
                 )
-                f.target = (engine, inc, p.fields.get("peer_addr", ""))
+                f.target = (engine, inc, p.fields.get(schema.PEER_ADDR, ""))
                 break
             if f is None and alive.get(p.engine) is None:
                 f = _about(
@@ -343,14 +355,7 @@ class Auditor:
             # reading the participant and its index must not read as "unindexed"
             calls = []
             for p in chunk:
-                calls += [
-                    s.command("EXISTS", p.key),
-                    s.command(
-                        "HEXISTS",
-                        k.parts(p.room),
-                        args=[k.part_member(p.side, p.engine)],  # type: ignore[arg-type]
-                    ),
-                ]
+                calls += [s.key_exists(p.key), s.is_member(p.room, p.side, p.engine)]
             raw = s.execute(calls, transaction=True)
             for i, p in enumerate(chunk):
                 if int(raw[2 * i]) and not int(raw[2 * i + 1]):
@@ -368,11 +373,11 @@ class Auditor:
         s = self.store
         if not trackers:
             return
-        members_raw = s.execute([s.command("ZRANGE", t, args=[0, -1]) for t in trackers])
+        members_raw = s.execute([s.tracked(t) for t in trackers])
         pairs = [(t, m.decode()) for t, ms in zip(trackers, members_raw, strict=True) for m in ms]
         for start in range(0, len(pairs), BATCH):
             chunk = pairs[start : start + BATCH]
-            exists = s.execute([s.command("EXISTS", m) for _, m in chunk])
+            exists = s.execute([s.key_exists(m) for _, m in chunk])
             for (tracker, member), n in zip(chunk, exists, strict=True):
                 if int(n):
                     continue
@@ -382,49 +387,43 @@ class Auditor:
                     f"member {member} names a participant that is gone "
                     "(a clear interrupted between the room and the tracker)",
                 )
-                parsed = self.keys.parse_room_key(member)
-                if parsed is not None:
-                    f.room, f.side, f.engine = parsed
+                _locate(f, self.keys.parse_room_key(member))
                 f.target = (member,)
                 report.findings.append(f)
 
     def _xfers(self, xfers: Sequence[str], report: Report) -> None:
-        k = self.keys
         for start in range(0, len(xfers), BATCH):
-            chunk = [x for x in xfers[start : start + BATCH] if k.parse_room_key(x)]
+            chunk = [p for x in xfers[start : start + BATCH] if (p := self.keys.parse_room_key(x))]
             raw = self._xfer_reads(chunk, report)
             for x, (exists, member, idle_s) in zip(chunk, raw, strict=True):
                 if exists or member or idle_s is None:
                     continue
                 if idle_s * 1000 < self.grace_ms:
                     continue  # a receiver may publish before its sender exists
-                room, _, sender = k.parse_room_key(x)  # type: ignore[misc]
                 report.findings.append(
                     Finding(
                         "unclaimed_xfer",
-                        x,
-                        f"transfer infos for sender {sender}, which does not exist and is not in "
-                        f"the room; untouched for {fmt_ms(idle_s * 1000)}",
-                        room=room,
-                        engine=sender,
+                        x.key,
+                        f"transfer infos for sender {x.rest}, which does not exist and is not "
+                        f"in the room; untouched for {fmt_ms(idle_s * 1000)}",
+                        room=x.room,
+                        engine=x.rest,
                     )
                 )
 
     def _xfer_reads(
-        self, chunk: Sequence[str], report: Report
+        self, chunk: Sequence[RoomKey], report: Report
     ) -> list[tuple[bool, bool, int | None]]:
         """(sender exists, sender in parts, idle seconds) per xfer key. OBJECT IDLETIME
         comes first and nothing here reads the xfer hash itself: a read would reset the
         idle time the next audit measures. Idle is None where an LFU policy hides it."""
         s = self.store
-        k = self.keys
         calls = []
         for x in chunk:
-            room, _, sender = k.parse_room_key(x)  # type: ignore[misc]
             calls += [
-                s.command("OBJECT IDLETIME", x),
-                s.command("EXISTS", k.participant(room, "tx", sender)),
-                s.command("HEXISTS", k.parts(room), args=[k.part_member("tx", sender)]),
+                s.key_idle_s(x.key),
+                s.key_exists(self.keys.participant(x.room, "tx", x.rest)),
+                s.is_member(x.room, "tx", x.rest),
             ]
         try:
             raw = s.execute(calls)
@@ -489,11 +488,8 @@ class Auditor:
         s = self.store
         k = self.keys
         keys = [k.parts(room), *also]
-        for member in s.members(room):
-            side, _, engine = member.partition(":")
-            if side in SIDES:
-                keys.append(k.participant(room, side, engine))  # type: ignore[arg-type]
-        ttls = [int(t) for t in s.execute([s.command("PTTL", key) for key in keys])]
+        keys += [k.participant(room, *p) for m in s.members(room) if (p := schema.parse_member(m))]
+        ttls = [int(t) for t in s.execute([s.key_ttl(key) for key in keys])]
         return max((t for t in ttls if t > 0), default=s.ttl_ms)
 
     def _store_for(self, room: int | None, also: Sequence[str] = ()) -> Store:
@@ -513,37 +509,37 @@ class Auditor:
                 ttl = self._room_ttl_ms(f.room)
             else:
                 ttl = s.ttl_ms
-            now = int(s.execute([s.command("PTTL", f.key)])[0])
+            now = int(s.execute([s.key_ttl(f.key)])[0])
             if now != -1:  # only keys that still have no TTL
                 f.resolved = (
                     "it is gone" if now == -2 else f"it got a TTL meanwhile ({fmt_ms(now)} left)"
                 )
                 return
-            s.execute([s.command("PEXPIRE", f.key, args=[ttl])])
+            s.execute([s.set_ttl(f.key, ttl)])
             f.fixed = f"set a TTL of {fmt_ms(ttl)}" + (
                 " (the room's remaining TTL)" if f.room is not None else ""
             )
         elif f.kind == "stuck":
             assert f.room is not None
-            st: Status = s.execute([self._store_for(f.room).poll(f.room, f.side, f.engine)])[0]  # type: ignore[arg-type]
+            st: Status = s.execute([self._store_for(f.room).poll(f.room, *f.part)])[0]
             if st.status == KVPoll.Failed:
                 f.fixed = f"failed it: {st.reason}"
             else:
                 f.resolved = f"it moved on ({st.status.name if st.status else 'gone'})"
         elif f.kind == "orphan_tracker":
             (member,) = f.target
-            n = s.execute([s.command("ZREM", f.key, args=[member])])[0]
+            n = s.execute([s.untrack(f.key, member)])[0]
             if int(n):
                 f.fixed = f"removed {member} from the tracker"
             else:
                 f.resolved = "the member was removed meanwhile"
         elif f.kind == "unclaimed_xfer":
             assert f.room is not None
-            exists = s.execute([s.command("EXISTS", s.keys.participant(f.room, "tx", f.engine))])
+            exists = s.execute([s.key_exists(s.keys.participant(f.room, "tx", f.engine))])
             if int(exists[0]):
                 f.resolved = "its sender appeared meanwhile"
             else:
-                s.execute([s.command("DEL", f.key)])
+                s.execute([s.delete(f.key)])
                 f.fixed = "deleted the unclaimed transfer infos"
         elif f.kind == "dead_engine":
             engine, inc, addr = f.target
@@ -561,7 +557,7 @@ class Auditor:
             assert f.room is not None
             reason = f"engine {f.engine} lost its lease; failed by kvstate audit"
             view = self._store_for(f.room)
-            call = view.update(f.room, f.side, f.engine, KVPoll.Failed, reason)  # type: ignore[arg-type]
+            call = view.update(f.room, *f.part, KVPoll.Failed, reason)
             st2: Status = s.execute([call])[0]
             if st2.status == KVPoll.Failed and st2.reason == reason:
                 f.fixed = f"failed it: {reason}"
@@ -569,17 +565,17 @@ class Auditor:
                 f.resolved = f"it moved on ({st2.status.name if st2.status else 'gone'})"
         elif f.kind == "unindexed":
             assert f.room is not None
-            k = self.keys
-            member = k.part_member(f.side, f.engine)  # type: ignore[arg-type]
-            exists = s.execute([s.command("EXISTS", f.key)])[0]
+            side, engine = f.part
+            member = schema.member(side, engine)
+            exists = s.execute([s.key_exists(f.key)])[0]
             if not int(exists):
                 f.resolved = "it was cleared meanwhile"
                 return
             ttl = self._room_ttl_ms(f.room, also=[f.key])
             s.execute(
                 [
-                    s.command("HSET", k.parts(f.room), args=[member, f.target[0]]),
-                    s.command("PEXPIRE", k.parts(f.room), args=[ttl]),
+                    s.index_member(f.room, side, engine, f.target[0]),
+                    s.set_ttl(self.keys.parts(f.room), ttl),
                 ],
                 transaction=True,
             )

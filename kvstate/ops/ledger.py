@@ -44,8 +44,8 @@ from typing import Any
 
 import redis
 
+from kvstate import schema
 from kvstate.errors import KVStateError
-from kvstate.keys import SIDES
 from kvstate.ops.metrics import Metrics
 from kvstate.ops.views import Census, Participant, scan_participants
 from kvstate.store import Store
@@ -53,7 +53,7 @@ from kvstate.store import Store
 log = logging.getLogger(__name__)
 LEDGER_MAXLEN = 10_000
 LEDGER_TTL_MS = 7 * 24 * 3600 * 1000
-ENTRY_FIELDS = ("event", "room", "side", "engine", "status", "age_ms", "key", "detail")
+ENTRY_FIELDS = schema.LEDGER_FIELDS  # the stream's fields: Entry's attributes of those names
 
 
 @dataclass(frozen=True)
@@ -112,20 +112,11 @@ class Ledger:
 
     def append(self, entries: Sequence[Entry]) -> None:
         """XADD each entry (capped) and refresh the stream's TTL, in one transaction."""
-        if not entries:
-            return
-        s = self.store
-        calls = [
-            s.command("XADD", self.key, args=["MAXLEN", "~", LEDGER_MAXLEN, "*", *e.flat()])
-            for e in entries
-        ]
-        calls.append(s.command("PEXPIRE", self.key, args=[LEDGER_TTL_MS]))
-        s.execute(calls, transaction=True)
+        self.store.ledger_append([e.flat() for e in entries], LEDGER_MAXLEN, LEDGER_TTL_MS)
 
     def recent(self, count: int = 10) -> list[Entry]:
         """The newest ``count`` entries, newest first."""
-        s = self.store
-        raw = s.execute([s.command("XREVRANGE", self.key, args=["+", "-", "COUNT", count])])[0]
+        raw = self.store.execute([self.store.ledger_recent(count)])[0]
         return [Entry.parse(i, h) for i, h in raw]
 
 
@@ -147,13 +138,8 @@ class Seen:
 
 
 def config_value(client: redis.Redis, name: str) -> str:
-    """CONFIG GET of one setting as text ('' when unset); raises what redis-py raises
-    (NoPermissionError under a restrictive ACL)."""
-    raw: dict[Any, Any] = client.config_get(name)
-    for k, v in raw.items():
-        if (k.decode() if isinstance(k, bytes) else k) == name:
-            return v.decode() if isinstance(v, bytes) else str(v)
-    return ""
+    """``Store.node_config``, kept under this name for the CLI's imports."""
+    return Store.node_config(client, name)
 
 
 class _Events:
@@ -174,10 +160,7 @@ class _Events:
                 if not self._ensure_flags(name, client):
                     self.close()
                     return False
-                db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
-                sub = client.pubsub(ignore_subscribe_messages=True)
-                sub.subscribe(f"__keyevent@{db}__:expired")
-                self.subs.append(sub)
+                self.subs.append(self.store.expiry_events(client))
         except (redis.RedisError, OSError, KVStateError) as exc:
             self.note = f"expiry notifications unavailable ({type(exc).__name__}: {exc})"
             self.close()
@@ -188,7 +171,7 @@ class _Events:
 
     def _ensure_flags(self, name: str, client: redis.Redis) -> bool:
         try:
-            flags = config_value(client, "notify-keyspace-events")
+            flags = self.store.node_config(client, "notify-keyspace-events")
         except redis.RedisError as exc:
             self.note = f"cannot read notify-keyspace-events on {name} ({exc})"
             return False
@@ -199,7 +182,7 @@ class _Events:
             return False
         wanted = "".join(sorted(set(flags) | {"E", "x"}))
         try:
-            client.config_set("notify-keyspace-events", wanted)
+            self.store.set_node_config(client, "notify-keyspace-events", wanted)
         except redis.RedisError as exc:
             self.note = f"cannot enable notify-keyspace-events Ex on {name} ({exc})"
             return False
@@ -276,18 +259,7 @@ class Monitor:
         expired |= self.events.drain()
         now = self.store.server_time_ms()
         covered = covered and self.events.healthy
-        entries: list[Entry] = []
-        for key in sorted(expired):
-            parsed = self.store.keys.parse_room_key(key)
-            if parsed is None or parsed[1] not in SIDES:
-                continue
-            seen = self.known.pop(key, None) or self._gone.pop(key, None)
-            if seen is None and key in current:  # expired right after the SCAN read it
-                seen = Seen.of(current.pop(key))
-            if seen is None:
-                room, side, engine = parsed
-                seen = Seen(room, side, engine, "unknown", None, None)
-            entries.append(self._entry(key, seen, now, "expiry event"))
+        entries = self._expired(expired, current, now)
         # Keys held in _gone a sweep ago and still without an event were cleared.
         self._gone = {}
         for key, seen in self.known.items():
@@ -308,6 +280,23 @@ class Monitor:
                 self.on_entry(e)
         return entries
 
+    def _expired(self, expired: set[str], current: dict[str, Participant], now: int) -> list[Entry]:
+        """Entries for the participants whose expiry event arrived; forgets them (from
+        ``current`` too: one that expired right after the SCAN read it)."""
+        entries: list[Entry] = []
+        for key in sorted(expired):
+            parsed = self.store.keys.parse_room_key(key)
+            part = None if parsed is None else parsed.participant
+            if parsed is None or part is None:
+                continue
+            seen = self.known.pop(key, None) or self._gone.pop(key, None)
+            if seen is None and key in current:
+                seen = Seen.of(current.pop(key))
+            if seen is None:
+                seen = Seen(parsed.room, *part, "unknown", None, None)
+            entries.append(self._entry(key, seen, now, "expiry event"))
+        return entries
+
     def _entry(self, key: str, seen: Seen, now: int, how: str) -> Entry:
         age = None if seen.created_ms is None else max(0, now - seen.created_ms)
         return Entry("expired", seen.room, seen.side, seen.engine, seen.status, age, key, how)
@@ -320,13 +309,12 @@ class Monitor:
         m.load_transfers(self.store)
         roles: dict[str, int] = {}
         s = self.store
-        engine_keys = list(s.scan(s.keys.engine_pattern))
-        if engine_keys:
-            raw = s.execute([s.command("HGET", k, args=["role"]) for k in engine_keys])
-            for role in raw:
+        prefix = s.keys.engine("")
+        engines = [k[len(prefix) :] for k in s.scan(s.keys.engine_pattern)]
+        if engines:
+            for role in s.execute([s.engine_field(e, schema.ROLE) for e in engines]):
                 if role is not None:
-                    r = role.decode("utf-8", "replace")
-                    roles[r] = roles.get(r, 0) + 1
+                    roles[role] = roles.get(role, 0) + 1
         m.set_engines(roles)
         m.sweeps.inc()
 

@@ -18,14 +18,11 @@ or other secret is ever a label.
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -35,6 +32,7 @@ from prometheus_client.exposition import start_http_server
 from kvstate.errors import KVStateError
 from kvstate.keys import SIDES
 from kvstate.ops.views import AGE_BUCKETS, STATUSES, Census
+from kvstate.stats import LATENCY_BUCKETS, TransferTotals
 from kvstate.store import Store
 
 log = logging.getLogger(__name__)
@@ -51,8 +49,6 @@ FINDING_KINDS: tuple[str, ...] = (
     "corrupt",
     "server_setting",
 )
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-STATS_TTL_S = 24 * 3600  # an engine's counters outlive it by a day, then expire
 LOCAL_ENGINE = "this-process"  # the label of transfers observed in the exporting process
 _REAPED_MEMORY = 100_000  # rooms remembered so a room is counted once, not per participant
 
@@ -61,107 +57,13 @@ class MetricsPortError(KVStateError):
     """The metrics port cannot be bound (taken, or not allowed)."""
 
 
-@dataclass
-class TransferTotals:
-    """One engine's transfers since it started: bytes, count, seconds, and the latency
-    histogram (count per bucket, not cumulative; the last slot is +Inf)."""
-
-    bytes: int = 0
-    count: int = 0
-    seconds: float = 0.0
-    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        seconds = max(0.0, float(seconds))
-        self.bytes += max(0, int(nbytes))
-        self.count += 1
-        self.seconds += seconds
-        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-
-    def fields(self) -> dict[str, Any]:
-        """The hash fields (readable with redis-cli: ``le:<bound>`` = transfers that took
-        at most that many seconds and more than the previous bound)."""
-        out: dict[str, Any] = {
-            "bytes": self.bytes,
-            "count": self.count,
-            "seconds": repr(self.seconds),
-        }
-        for bound, n in zip((*LATENCY_BUCKETS, "+Inf"), self.buckets, strict=True):
-            out[f"le:{bound}"] = n
-        return out
-
-    @classmethod
-    def parse(cls, raw: dict[Any, Any]) -> TransferTotals:
-        h = {k.decode(): v.decode() for k, v in raw.items()}
-        try:
-            t = cls(int(h.get("bytes", 0)), int(h.get("count", 0)), float(h.get("seconds", 0)))
-            for i, bound in enumerate((*LATENCY_BUCKETS, "+Inf")):
-                t.buckets[i] = int(h.get(f"le:{bound}", 0))
-        except ValueError:  # written by something else: export nothing rather than lie
-            return cls()
-        return t
-
-
-class TransferRecorder:
-    """An engine's transfer counters, published to Redis for the monitor.
-
-    ``observe()`` is cheap (memory only) and writes at most once per ``flush_interval``;
-    ``close()`` writes the final figures. A failed write is logged and retried with
-    the next one: metrics never break a transfer."""
-
-    def __init__(
-        self, store: Store, engine: str, flush_interval: float = 1.0, ttl: float = STATS_TTL_S
-    ) -> None:
-        self.store, self.engine = store, engine
-        self.key = store.keys.transfer_stats(engine)
-        self.flush_interval, self.ttl_ms = flush_interval, int(ttl * 1000)
-        self.totals = TransferTotals()
-        self._lock = threading.Lock()
-        self._flushed = 0.0
-        self._dirty = False
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self.totals.add(nbytes, seconds)
-            self._dirty = True
-            due = time.monotonic() - self._flushed >= self.flush_interval
-        if due:
-            self.flush()
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._dirty:
-                return
-            flat: list[Any] = []
-            for name, value in self.totals.fields().items():
-                flat += [name, value]
-            self._dirty = False
-            self._flushed = time.monotonic()
-        s = self.store
-        try:
-            s.execute(
-                [
-                    s.command("HSET", self.key, args=flat),
-                    s.command("PEXPIRE", self.key, args=[self.ttl_ms]),
-                ],
-                transaction=True,
-            )
-        except KVStateError as exc:
-            log.warning("transfer counters of %s not published: %s", self.engine, exc)
-            with self._lock:
-                self._dirty = True
-
-    def close(self) -> None:
-        self.flush()
-
-
 def read_transfer_totals(store: Store) -> dict[str, TransferTotals]:
     """Every engine's published transfer counters in the namespace (SCAN + HGETALLs)."""
     prefix = store.keys.transfer_stats("")
     keys = sorted(store.scan(store.keys.transfer_stats_pattern))
     if not keys:
         return {}
-    raw = store.execute([store.command("HGETALL", k) for k in keys])
+    raw = store.execute([store.read_hash(k) for k in keys])
     return {k[len(prefix) :]: TransferTotals.parse(h) for k, h in zip(keys, raw, strict=True) if h}
 
 
@@ -239,7 +141,7 @@ class Metrics:
         )
         self._transfers = _TransferCollector()
         self._local = TransferTotals()
-        r.register(self._transfers)  # type: ignore[arg-type]
+        r.register(self._transfers)
         self.sweeps = Counter("kvstate_monitor_sweeps", "Monitor sweeps done", registry=r)
         self._reaped_rooms: OrderedDict[int, None] = OrderedDict()
 

@@ -11,10 +11,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstate import schema
 from kvstate.codec import TransferInfo
 from kvstate.errors import CorruptStateError
-from kvstate.keys import ROOT, SIDES, namespace_of
+from kvstate.keys import ROOT, namespace_of
 from kvstate.poll import KVPoll
+from kvstate.schema import Side
 from kvstate.store import Call, Store
 
 BATCH = 500
@@ -48,15 +50,20 @@ class Participant:
 
     key: str
     room: int
-    side: str
+    side: Side
     engine: str
     fields: dict[str, str]
     pttl_ms: int
     now_ms: int
 
     @property
+    def member(self) -> str:
+        """Its member in the room's parts index."""
+        return schema.member(self.side, self.engine)
+
+    @property
     def status(self) -> str:
-        return self.fields.get("status", "")
+        return self.fields.get(schema.STATUS, "")
 
     @property
     def valid(self) -> bool:
@@ -73,15 +80,15 @@ class Participant:
 
     @property
     def reason(self) -> str:
-        return self.fields.get("reason", "")
+        return self.fields.get(schema.REASON, "")
 
     @property
     def created_ms(self) -> int | None:
-        return _int(self.fields.get("created_ms"))
+        return _int(self.fields.get(schema.CREATED_MS))
 
     @property
     def since_ms(self) -> int | None:
-        return _int(self.fields.get("since_ms"))
+        return _int(self.fields.get(schema.SINCE_MS))
 
     @property
     def age_ms(self) -> int | None:
@@ -96,14 +103,15 @@ class Participant:
     @property
     def bindings(self) -> dict[str, str]:
         """Peer engine -> incarnation this receiver is bound to."""
-        return {k[5:]: v for k, v in self.fields.items() if k.startswith("peer:")}
+        return schema.bindings(self.fields)
 
     def timeout_ms(self) -> tuple[str, int] | None:
         """(name, limit) of the timeout that applies in the current status, if any."""
-        name = {"Bootstrapping": "bootstrap", "WaitingForInput": "waiting"}.get(self.status)
-        if name is None:
+        timeout = schema.STATUS_TIMEOUTS.get(self.status)
+        if timeout is None:
             return None
-        limit = _int(self.fields.get(f"{name}_timeout_ms"))
+        name, field_name = timeout
+        limit = _int(self.fields.get(field_name))
         return None if not limit or limit <= 0 else (name, limit)
 
     def to_json(self) -> dict[str, Any]:
@@ -117,9 +125,9 @@ class Participant:
             "age_ms": self.age_ms,
             "in_status_ms": self.in_status_ms,
             "ttl_ms": self.pttl_ms,
-            "addr": self.fields.get("addr", ""),
-            "peer_addr": self.fields.get("peer_addr", ""),
-            "peers": _int(self.fields.get("peers")),
+            "addr": self.fields.get(schema.ADDR, ""),
+            "peer_addr": self.fields.get(schema.PEER_ADDR, ""),
+            "peers": _int(self.fields.get(schema.PEERS)),
             "bindings": self.bindings,
             "fields": self.fields,
         }
@@ -143,20 +151,21 @@ def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[Pa
                 try:
                     raw += store.execute(_reads(store, key))
                 except CorruptStateError:
-                    pttl = store.execute([store.command("PTTL", key)])[0]
-                    raw += [{b"status": b"<wrong Redis type>"}, pttl]
+                    pttl = store.execute([store.key_ttl(key)])[0]
+                    raw += [{schema.STATUS.encode(): b"<wrong Redis type>"}, pttl]
         for i, key in enumerate(chunk):
             h, pttl = raw[2 * i], raw[2 * i + 1]
             parsed = store.keys.parse_room_key(key)
-            if not h or parsed is None or parsed[1] not in SIDES:
+            part = None if parsed is None else parsed.participant
+            if not h or parsed is None or part is None:
                 continue
-            room, side, engine = parsed
-            out.append(Participant(key, room, side, engine, _text(h), int(pttl), now_ms))
+            side, engine = part
+            out.append(Participant(key, parsed.room, side, engine, _text(h), int(pttl), now_ms))
     return out
 
 
 def _reads(store: Store, key: str) -> list[Call]:
-    return [store.command("HGETALL", key), store.command("PTTL", key)]
+    return [store.read_hash(key), store.key_ttl(key)]
 
 
 def scan_participants(store: Store) -> Iterator[Participant]:
@@ -224,16 +233,12 @@ class RoomView:
     @property
     def unindexed(self) -> list[str]:
         """Participants the room's parts index does not list (abort cannot reach them)."""
-        return [
-            f"{p.side}:{p.engine}"
-            for p in self.participants
-            if f"{p.side}:{p.engine}" not in self.members
-        ]
+        return [p.member for p in self.participants if p.member not in self.members]
 
     @property
     def missing_members(self) -> list[str]:
         """Parts members whose participant hash is gone (a clear half done)."""
-        present = {f"{p.side}:{p.engine}" for p in self.participants}
+        present = {p.member for p in self.participants}
         return [m for m in self.members if m not in present]
 
     def to_json(self) -> dict[str, Any]:
@@ -284,42 +289,23 @@ def room_view(store: Store, room: int) -> RoomView:
     k = store.keys
     now = store.server_time_ms()
     members = store.members(room)
-    keys = []
-    for m in members:
-        side, _, engine = m.partition(":")
-        if side in SIDES:
-            keys.append(k.participant(room, side, engine))  # type: ignore[arg-type]
-    if not keys:  # no index (expired before its participants?): look for them the slow way
-        keys = [
-            key
-            for key in store.scan(k.room_prefix(room) + "*")
-            if (parsed := k.parse_room_key(key)) is not None and parsed[1] in SIDES
-        ]
-    parts = read_participants(store, keys, now)
+    parts = read_participants(store, _participant_keys(store, room, members), now)
     senders = {p.engine for p in parts if p.side == "tx"}
     receivers = {p.engine for p in parts if p.side == "rx"}
     for p in parts:
         senders.update(p.bindings)
     sender_list, receiver_list = sorted(senders), sorted(receivers)
-    calls = [store.command("HGETALL", k.xfer(room, s)) for s in sender_list]
-    calls += [store.command("SMEMBERS", k.acks(room, r)) for r in receiver_list]
-    calls += [store.command("GET", k.aborted(room)), store.command("PTTL", k.aborted(room))]
+    calls = [store.read_hash(k.xfer(room, s)) for s in sender_list]
+    calls += [store.acks_of(room, r) for r in receiver_list]
+    calls += store.abort_mark(room)
     raw = store.execute(calls)
     mark, mark_ttl = raw[-2:]
     raw = raw[:-2]
-    infos: dict[str, dict[str, TransferInfo | str]] = {}
-    for s, h in zip(sender_list, raw[: len(sender_list)], strict=True):
-        if not h:
-            continue
-        key = k.xfer(room, s)
-        per: dict[str, TransferInfo | str] = {}
-        for f, v in h.items():
-            receiver = f.decode("utf-8", "replace")
-            try:
-                per[receiver] = TransferInfo.decode(receiver, v, key)
-            except CorruptStateError as exc:
-                per[receiver] = str(exc)
-        infos[s] = per
+    infos = {
+        s: _decode_infos(k.xfer(room, s), h)
+        for s, h in zip(sender_list, raw[: len(sender_list)], strict=True)
+        if h
+    }
     acks = {
         r: sorted(m.decode() for m in a)
         for r, a in zip(receiver_list, raw[len(sender_list) :], strict=True)
@@ -330,6 +316,32 @@ def room_view(store: Store, room: int) -> RoomView:
     return RoomView(
         room, now, members, parts, infos, acks, aborted, None if mark is None else int(mark_ttl)
     )
+
+
+def _participant_keys(store: Store, room: int, members: list[str]) -> list[str]:
+    """The room's participant keys: from its parts index, else (the index expired
+    before its participants?) the slow way, by SCAN."""
+    k = store.keys
+    keys = [k.participant(room, *part) for m in members if (part := schema.parse_member(m))]
+    if keys:
+        return keys
+    return [
+        key
+        for key in store.scan(k.room_prefix(room) + "*")
+        if (parsed := k.parse_room_key(key)) is not None and parsed.side is not None
+    ]
+
+
+def _decode_infos(key: str, raw: dict[bytes, bytes]) -> dict[str, TransferInfo | str]:
+    """One sender's xfer hash: receiver -> its transfer info, or why it does not decode."""
+    per: dict[str, TransferInfo | str] = {}
+    for f, v in raw.items():
+        receiver = f.decode("utf-8", "replace")
+        try:
+            per[receiver] = TransferInfo.decode(receiver, v, key)
+        except CorruptStateError as exc:
+            per[receiver] = str(exc)
+    return per
 
 
 def holds_keys(store: Store) -> bool:
