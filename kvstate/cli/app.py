@@ -1285,7 +1285,3 @@ try:  # written by the demo's owner; the command appears once it exists
     main.add_command(_demo)
 except ImportError:  # pragma: no cover - until kvstate/demo.py lands
     pass
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
