@@ -1,7 +1,22 @@
-"""The ``kvstate`` command (entry point ``kvstate.cli:main``)."""
+"""The ``kvstate`` command (entry point ``kvstate.cli:main``), one module per concept.
+
+``app``: the click group, its context, exit codes and error plumbing; ``output``: how
+things print; ``rooms`` (show, ls, abort), ``engines``, ``top``, ``audit``, ``monitor``
+and ``doctor``: the commands. Importing a command module registers its command.
+"""
 
 from __future__ import annotations
 
-from kvstate.cli.app import OPERATOR_ACL, main
+from kvstate.cli import audit, doctor, engines, monitor, rooms, top
+from kvstate.cli.app import main
+from kvstate.cli.doctor import OPERATOR_ACL
 
 __all__ = ["OPERATOR_ACL", "main"]
+_COMMANDS = (audit, doctor, engines, monitor, rooms, top)
+
+try:  # written by the demo's owner; the command appears once it exists
+    from kvstate.demo import demo as _demo
+
+    main.add_command(_demo)
+except ImportError:  # pragma: no cover - until kvstate/demo.py lands
+    pass
