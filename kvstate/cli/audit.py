@@ -22,6 +22,7 @@ from kvstate.cli.output import console, emit_json, styled
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor, acl_refused
+from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import Entry, Ledger
 from kvstate.ops.views import fmt_ms
 from kvstate.store import Store
@@ -76,7 +77,7 @@ def audit(obj: Ctx, fix: bool, grace: float, room_ttl: float, ledger_n: int, as_
         for name in ("kind", "key", "detail", "action" if fix else "fix"):
             t.add_column(name, overflow="fold")
         for f in report.findings:
-            action = f.fixed or f.resolved or f.left or ("" if fix else _fix_hint(f.kind))
+            action = f.fixed or f.resolved or f.left or ("" if fix else finding_kind(f.kind).hint)
             t.add_row(
                 styled(f.kind, "red" if f in report.remaining else "green"), f.key, f.detail, action
             )
@@ -112,21 +113,6 @@ def _recent_ledger(store: Store, n: int, notes: list[str]) -> list[Entry]:
             "README's operator ACL line allows it)"
         )
         return []
-
-
-def _fix_hint(kind: str) -> str:
-    return {
-        "no_ttl": "--fix sets a TTL",
-        "stuck": "--fix fails it",
-        "orphan_tracker": "--fix ZREMs",
-        "unclaimed_xfer": "--fix deletes",
-        "dead_engine": "--fix fails it",
-        "dead_owner": "--fix fails it",
-        "unindexed": "--fix re-indexes it",
-        "terminal_uncleared": "TTL reaps it; fix the owner's clear()",
-        "corrupt": "inspect; kvstate abort",
-        "server_setting": "CONFIG SET by an operator",
-    }.get(kind, "")
 
 
 def _ledger_table(entries: list[Entry]) -> Table:

@@ -34,23 +34,12 @@ from prometheus_client.exposition import start_http_server
 
 from kvstate.errors import KVStateError
 from kvstate.keys import SIDES
+from kvstate.ops.findings import NAMES as FINDING_KINDS
 from kvstate.ops.views import AGE_BUCKETS, STATUSES, Census
 from kvstate.store import Store
 
 log = logging.getLogger(__name__)
 
-FINDING_KINDS: tuple[str, ...] = (
-    "no_ttl",
-    "terminal_uncleared",
-    "stuck",
-    "orphan_tracker",
-    "unclaimed_xfer",
-    "dead_engine",
-    "dead_owner",
-    "unindexed",
-    "corrupt",
-    "server_setting",
-)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 STATS_TTL_S = 24 * 3600  # an engine's counters outlive it by a day, then expire
 LOCAL_ENGINE = "this-process"  # the label of transfers observed in the exporting process
