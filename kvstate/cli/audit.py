@@ -21,7 +21,7 @@ from kvstate.cli.app import (
 from kvstate.cli.output import console, emit_json, styled
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError
-from kvstate.ops.audit import DEFAULT_GRACE, Auditor, acl_refused
+from kvstate.ops.audit import DEFAULT_GRACE, Auditor, Report, acl_refused
 from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import Entry, Ledger
 from kvstate.ops.views import fmt_ms
@@ -73,30 +73,37 @@ def audit(obj: Ctx, fix: bool, grace: float, room_ttl: float, ledger_n: int, as_
     for note in report.notes:
         out.print(styled("note:", "yellow"), note)
     if report.findings:
-        t = Table(box=None, header_style="bold")
-        for name in ("kind", "key", "detail", "action" if fix else "fix"):
-            t.add_column(name, overflow="fold")
-        for f in report.findings:
-            action = f.fixed or f.resolved or f.left or ("" if fix else finding_kind(f.kind).hint)
-            t.add_row(
-                styled(f.kind, "red" if f in report.remaining else "green"), f.key, f.detail, action
-            )
-        out.print(t)
-    fixed = sum(1 for f in report.findings if f.fixed)
-    resolved = sum(1 for f in report.findings if f.resolved)
-    if empty:
-        out.print(empty)
-    elif not report.findings:
-        out.print(f"clean: {report.scanned} key(s) checked in namespace {store.namespace}")
-    else:
-        out.print(
-            f"{len(report.findings)} finding(s), {fixed} fixed, "
-            + (f"{resolved} resolved meanwhile, " if resolved else "")
-            + f"{len(report.remaining)} left ({report.scanned} key(s) checked)"
-        )
+        out.print(_findings_table(report, fix))
+    out.print(empty or _summary(report, store.namespace))
     if recent:
         out.print(_ledger_table(recent))
     sys.exit(code)
+
+
+def _findings_table(report: Report, fix: bool) -> Table:
+    """One row per finding: red while left, green once fixed or resolved; without
+    --fix the last column hints at what --fix would do."""
+    t = Table(box=None, header_style="bold")
+    for name in ("kind", "key", "detail", "action" if fix else "fix"):
+        t.add_column(name, overflow="fold")
+    for f in report.findings:
+        action = f.fixed or f.resolved or f.left or ("" if fix else finding_kind(f.kind).hint)
+        t.add_row(
+            styled(f.kind, "red" if f in report.remaining else "green"), f.key, f.detail, action
+        )
+    return t
+
+
+def _summary(report: Report, namespace: str) -> str:
+    if not report.findings:
+        return f"clean: {report.scanned} key(s) checked in namespace {namespace}"
+    fixed = sum(1 for f in report.findings if f.fixed)
+    resolved = sum(1 for f in report.findings if f.resolved)
+    return (
+        f"{len(report.findings)} finding(s), {fixed} fixed, "
+        + (f"{resolved} resolved meanwhile, " if resolved else "")
+        + f"{len(report.remaining)} left ({report.scanned} key(s) checked)"
+    )
 
 
 def _recent_ledger(store: Store, n: int, notes: list[str]) -> list[Entry]:

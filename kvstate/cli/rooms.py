@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import click
 from rich.table import Table
@@ -162,6 +163,24 @@ def _status_names(values: tuple[str, ...]) -> set[str]:
     return names
 
 
+@dataclass
+class _Filter:
+    """What ``ls`` shows: every given criterion must hold."""
+
+    statuses: set[str]
+    side: str | None
+    engine: str | None
+    min_age_ms: int | None
+
+    def matches(self, p: Participant) -> bool:
+        return (
+            (not self.statuses or p.status in self.statuses)
+            and (self.side is None or p.side == self.side)
+            and (self.engine is None or p.engine == self.engine)
+            and (self.min_age_ms is None or (p.age_ms or 0) >= self.min_age_ms)
+        )
+
+
 @main.command(name="ls")
 @common
 @click.option(
@@ -193,17 +212,14 @@ def ls(
 ) -> None:
     """List participants (SCAN, never KEYS), oldest first. Exit status 1 when the
     namespace holds no kvstate key at all (a mistyped -n), 0 when none matches."""
-    wanted = _status_names(statuses)
-    min_age = None if older_than is None else int(older_than * 1000)
+    wanted = _Filter(
+        _status_names(statuses),
+        side,
+        engine,
+        None if older_than is None else int(older_than * 1000),
+    )
     with opened(obj) as store:
-        found = [
-            p
-            for p in scan_participants(store)
-            if (not wanted or p.status in wanted)
-            and (side is None or p.side == side)
-            and (engine is None or p.engine == engine)
-            and (min_age is None or (p.age_ms or 0) >= min_age)
-        ]
+        found = [p for p in scan_participants(store) if wanted.matches(p)]
         note = None if found else empty_namespace_note(store)
         doc_empty = empty_json(store, note) if note and as_json else {}
     found.sort(key=lambda p: (-(p.age_ms or 0), p.room, p.side, p.engine))
