@@ -12,11 +12,11 @@ from kvstate.cli.app import main
 from kvstate.cli.doctor import OPERATOR_ACL
 
 __all__ = ["OPERATOR_ACL", "main"]
-_COMMANDS = (audit, doctor, engines, monitor, rooms, top)
+_COMMANDS = (audit, doctor, engines, monitor, rooms, top)  # imported to register them
 
-try:  # written by the demo's owner; the command appears once it exists
+try:  # the demo's own dependencies missing must not take the operator commands down
     from kvstate.demo import demo as _demo
 
     main.add_command(_demo)
-except ImportError:  # pragma: no cover - until kvstate/demo.py lands
+except ImportError:  # pragma: no cover - an install without the demo's dependencies
     pass
