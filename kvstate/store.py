@@ -814,6 +814,43 @@ class Store:
         sub.subscribe(f"__keyevent@{db}__:expired")
         return sub
 
+    # -- operations for the CLI (cli helper) ----------------------------------------
+    # Server-level reads for `kvstate doctor`. They pass redis-py's errors on as they
+    # are: there a NoPermissionError is a check that degrades, not a failure.
+    def primaries(self) -> list[str]:
+        """The name of every primary (the redacted URL of a standalone server)."""
+        return [name for name, _ in self.nodes()]
+
+    def _primary(self, node: str | None) -> redis.Redis:
+        """The client of the primary named ``node`` (the first one when None)."""
+        nodes = self.nodes()
+        if node is None:
+            return nodes[0][1]
+        for name, client in nodes:
+            if name == node:
+                return client
+        raise InvalidArgumentError(
+            f"{node} is not a primary of {self.url}; take a name from primaries()"
+        )
+
+    def server_info(self, node: str | None = None, section: str = "server") -> dict[str, Any]:
+        """INFO ``section`` of one primary (the first one when ``node`` is None)."""
+        info: dict[str, Any] = self._primary(node).info(section)
+        return info
+
+    def config_get(self, name: str, node: str | None = None) -> str:
+        """CONFIG GET of one setting on one primary, as text ('' when unset)."""
+        return self.node_config(self._primary(node), name)
+
+    def whoami(self) -> str | None:
+        """The ACL user this store runs as; None when the server does not say (ACL
+        WHOAMI refused, or a server without ACLs)."""
+        try:
+            raw = self._primary(None).acl_whoami()
+        except redis.RedisError:
+            return None
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
 
 def _text_or_none(raw: Any) -> str | None:
     if raw is None:

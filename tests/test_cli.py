@@ -207,6 +207,24 @@ def test_doctor(redis_url: str) -> None:
     assert "gpus" in checks or any(n.startswith("gpu") for n in checks)
 
 
+def test_doctor_checks_every_primary(state_url: str) -> None:
+    """Version and settings once per primary: "server" standalone, host:port on a
+    Cluster (the Store names them)."""
+    doc = run_json("--url", state_url, "doctor", "--json", "--no-ucx")
+    assert doc["ok"] is True, doc
+    store = kvstate.connect(state_url)
+    try:
+        primaries = store.primaries()
+        names = {c["name"] for c in doc["checks"]}
+        for node in primaries if store.cluster else ["server"]:
+            assert {f"version {node}", f"maxmemory-policy {node}"} <= names, names
+        assert store.config_get("maxmemory-policy", primaries[-1]) == "noeviction"
+        assert store.server_info(primaries[-1])["redis_version"]
+        assert store.whoami() == "default"
+    finally:
+        store.close()
+
+
 def test_doctor_without_url_uses_an_embedded_server() -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
     proc = subprocess.run(

@@ -390,9 +390,18 @@ def test_top_waits_for_redis_across_a_restart(
         text=True,
         env=env,
     )
+    probe = redis.Redis.from_url(server.tcp_url)
+
+    def censuses() -> int:  # each census reads the server clock once (TIME)
+        stats = probe.info("commandstats")
+        return int(stats.get("cmdstat_time", {}).get("calls", 0))
+
     try:
-        time.sleep(1.0)
-        assert proc.poll() is None
+        # a second census means the first one is done and top is in its refresh loop
+        # (its start-up takes seconds on a loaded machine: a fixed wait raced it)
+        assert wait_for(lambda: proc.poll() is not None or censuses() >= 2, 60)
+        assert proc.poll() is None, Path(err.name).read_text()
+        probe.close()
         server.kill()
         assert wait_for(lambda: "waiting for it" in Path(err.name).read_text(), 30)
         time.sleep(0.5)

@@ -1,22 +1,9 @@
 """The audit: find, name and (where safe) repair every kind of leaked room state.
 
 One SCAN of ``kvstate:<ns>:*`` on every primary, then batched reads. Ages use the
-server clock. ``fix=True`` repairs only what cannot hurt a live request:
-
-============================  ================================================
-finding                       fix
-============================  ================================================
-no_ttl (PTTL -1)              PEXPIRE with the room's remaining TTL (ledger: 7 d)
-terminal_uncleared            none: the owner may still read it; TTL reaps it
-stuck (past its timeout)      the poll script fails it with the timeout reason
-orphan_tracker                ZREM the member whose participant is gone
-unclaimed_xfer (idle>=grace)  DEL the transfer infos no sender will read
-dead_engine                   fail the receiver bound to the dead peer
-dead_owner                    fail the participant whose own engine is gone
-unindexed (not in parts)      add it back to the room's parts index
-corrupt                       none: inspect it, ``kvstate abort`` the room
-server_setting                none: an operator changes server config
-============================  ================================================
+server clock. ``fix=True`` repairs only what cannot hurt a live request. The kinds
+of finding, what each means and what ``fix`` does about it are one table,
+:mod:`kvstate.ops.findings`, which the metrics, the CLI and the README use too.
 
 A live participant is never deleted. Every repair is appended to the ledger.
 
@@ -42,8 +29,9 @@ from kvstate import schema
 from kvstate.defaults import AUDIT_GRACE
 from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.keys import RoomKey
+from kvstate.ops.findings import NAMES as FINDING_KINDS
+from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger
-from kvstate.ops.metrics import FINDING_KINDS
 from kvstate.ops.views import BATCH, Participant, fmt_ms, read_participants
 from kvstate.poll import KVPoll
 from kvstate.registry import Registry
@@ -71,6 +59,9 @@ class Finding:
     left: str = ""
     resolved: str = ""
     target: tuple[str, ...] = ()  # what a fix acts on (tracker member; peer, incarnation)
+
+    def __post_init__(self) -> None:
+        finding_kind(self.kind)  # every kind is in the table
 
     @property
     def part(self) -> tuple[Side, str]:
@@ -580,9 +571,5 @@ class Auditor:
                 transaction=True,
             )
             f.fixed = f"added {member} back to the room's index (TTL {fmt_ms(ttl)})"
-        elif f.kind == "terminal_uncleared":
-            f.left = "left for its TTL: the owner may still read the status"
-        elif f.kind == "corrupt":
-            f.left = f"inspect it, then kvstate abort {f.room}"
-        else:
-            f.left = "needs an operator (server configuration)"
+        else:  # reported only: terminal_uncleared, corrupt, server_setting
+            f.left = finding_kind(f.kind).left_for(f.room)

@@ -137,11 +137,6 @@ class Seen:
         return cls(p.room, p.side, p.engine, p.status or "unknown", p.created_ms, deadline)
 
 
-def config_value(client: redis.Redis, name: str) -> str:
-    """``Store.node_config``, kept under this name for the CLI's imports."""
-    return Store.node_config(client, name)
-
-
 class _Events:
     """Expiry notifications from every primary; ``healthy`` turns False when a
     subscription breaks, so the monitor knows its attribution has a gap."""

@@ -31,24 +31,13 @@ from prometheus_client.exposition import start_http_server
 
 from kvstate.errors import KVStateError
 from kvstate.keys import SIDES
+from kvstate.ops.findings import NAMES as FINDING_KINDS
 from kvstate.ops.views import AGE_BUCKETS, STATUSES, Census
 from kvstate.stats import LATENCY_BUCKETS, TransferTotals
 from kvstate.store import Store
 
 log = logging.getLogger(__name__)
 
-FINDING_KINDS: tuple[str, ...] = (
-    "no_ttl",
-    "terminal_uncleared",
-    "stuck",
-    "orphan_tracker",
-    "unclaimed_xfer",
-    "dead_engine",
-    "dead_owner",
-    "unindexed",
-    "corrupt",
-    "server_setting",
-)
 LOCAL_ENGINE = "this-process"  # the label of transfers observed in the exporting process
 _REAPED_MEMORY = 100_000  # rooms remembered so a room is counted once, not per participant
 

@@ -1,0 +1,22 @@
+"""The ``kvstate`` command (entry point ``kvstate.cli:main``), one module per concept.
+
+``app``: the click group, its context, exit codes and error plumbing; ``output``: how
+things print; ``rooms`` (show, ls, abort), ``engines``, ``top``, ``audit``, ``monitor``
+and ``doctor``: the commands. Importing a command module registers its command.
+"""
+
+from __future__ import annotations
+
+from kvstate.cli import audit, doctor, engines, monitor, rooms, top
+from kvstate.cli.app import main
+from kvstate.cli.doctor import OPERATOR_ACL
+
+__all__ = ["OPERATOR_ACL", "main"]
+_COMMANDS = (audit, doctor, engines, monitor, rooms, top)  # imported to register them
+
+try:  # the demo's own dependencies missing must not take the operator commands down
+    from kvstate.demo import demo as _demo
+
+    main.add_command(_demo)
+except ImportError:  # pragma: no cover - an install without the demo's dependencies
+    pass

@@ -1,0 +1,280 @@
+"""``kvstate doctor``: probe Redis (reachable, version, settings, ACL rights), UCX, GPUs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import click
+import redis
+from redis.exceptions import NoPermissionError
+from rich.table import Table
+
+from kvstate.cli.app import EXIT_FINDINGS, EXIT_OK, Ctx, common, describe, main, opened, scrub
+from kvstate.cli.output import console, emit_json, styled
+from kvstate.connection import ENV_URL
+from kvstate.errors import KVStateError
+from kvstate.ops.audit import acl_refused
+from kvstate.ops.ledger import Ledger
+from kvstate.redis_server import RedisServerError
+from kvstate.store import Store
+
+
+@dataclass
+class Check:
+    name: str
+    state: str  # ok | warn | fail | info
+    detail: str
+
+
+def _redis_checks(store: Store, checks: list[Check]) -> None:
+    t0 = time.perf_counter()
+    store.ping()
+    checks.append(
+        Check(
+            "redis",
+            "ok",
+            f"{store.url} answers PING in "
+            f"{(time.perf_counter() - t0) * 1000:.1f} ms "
+            f"({'cluster' if store.cluster else 'standalone'})",
+        )
+    )
+    for node in store.primaries():
+        name = node if store.cluster else "server"
+        checks.append(_version_check(store, node, name))
+        checks += _setting_checks(store, node, name)
+    checks.append(_acl_check(store))
+
+
+def _version_check(store: Store, node: str, name: str) -> Check:
+    try:
+        info = store.server_info(node)
+    except NoPermissionError:
+        return Check(f"version {name}", "warn", "INFO not allowed for this user")
+    version = str(info.get("redis_version", "?"))
+    major = int(version.split(".")[0]) if version[0].isdigit() else 0
+    return Check(
+        f"version {name}",
+        "ok" if major >= 6 else "warn",
+        f"Redis {version}" + ("" if major >= 7 else " (6.2 works; 7+ recommended)"),
+    )
+
+
+def _setting_checks(store: Store, node: str, name: str) -> list[Check]:
+    """The server settings kvstate depends on: eviction policy, expiry events."""
+    checks = []
+    for setting, good, why in (
+        ("maxmemory-policy", "noeviction", "anything else may evict room state"),
+        ("notify-keyspace-events", None, "`monitor` needs Ex (it sets it if allowed)"),
+    ):
+        try:
+            value = store.config_get(setting, node)
+        except NoPermissionError:
+            checks.append(
+                Check(
+                    f"{setting} {name}",
+                    "warn",
+                    "CONFIG GET not allowed: audit and monitor degrade",
+                )
+            )
+            continue
+        if good is not None:
+            ok = value == good
+            checks.append(
+                Check(
+                    f"{setting} {name}",
+                    "ok" if ok else "warn",
+                    value + ("" if ok else f": set {good}; {why}"),
+                )
+            )
+        else:
+            has = "E" in value and ("x" in value or "A" in value)
+            checks.append(
+                Check(
+                    f"{setting} {name}",
+                    "ok" if has else "info",
+                    (value or "(off)") + ("" if has else f"; {why}"),
+                )
+            )
+    return checks
+
+
+# What `audit`, `monitor` and `doctor` need on top of the engine user's rights (README,
+# Security): INFO and CONFIG (server checks; CONFIG SET only to enable expiry events),
+# OBJECT IDLETIME (unclaimed transfer infos), the ledger stream, expiry notifications,
+# SMEMBERS (acks in `show`) and ACL WHOAMI.
+OPERATOR_ACL = (
+    "ACL SETUSER kvstate-operator reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
+    "&__keyevent@*__:expired -@all +ping +client|setname +time +scan +evalsha +eval "
+    "+script|load +multi +exec +del +exists +pexpire +pttl +get +set +hget +hmget +hgetall "
+    "+hset +hdel +hkeys +hlen +hexists +sadd +scard +smembers +zadd +zrange +zrem "
+    "+zremrangebyscore +info +config|get +config|set +object|idletime +xadd +xrevrange "
+    "+subscribe +unsubscribe +acl|whoami"
+)
+
+
+def _acl_check(store: Store) -> Check:
+    """Probe what kvstate does. Engines need SCAN and scripts (a poll of a missing room
+    writes nothing): a refusal fails the check. The operator tools also read the
+    ledger stream, idle times and server settings: a refusal there is a warning that
+    says what degrades and gives the operator user's ACL line."""
+    s = store
+    engine_probes: list[tuple[str, Callable[[], object]]] = [
+        ("SCAN", lambda: next(iter(s.scan(s.keys.all_pattern, count=10)), None)),
+        ("EVALSHA", lambda: s.execute([s.poll(0, "tx", "kvstate-doctor")])),
+    ]
+    operator_probes: list[tuple[str, Callable[[], object]]] = [
+        ("XREVRANGE", lambda: Ledger(s).recent(1)),
+        ("OBJECT IDLETIME", lambda: s.execute([s.key_idle_s(s.keys.ledger)])),
+        ("CONFIG GET", lambda: s.config_get("maxmemory-policy")),
+        ("INFO", lambda: s.server_info()),
+    ]
+
+    def denied(probes: list[tuple[str, Callable[[], object]]]) -> list[str]:
+        out = []
+        for name, probe in probes:
+            try:
+                probe()
+            except (KVStateError, NoPermissionError) as exc:
+                if not acl_refused(exc):
+                    raise
+                out.append(name)
+        return out
+
+    engine_denied, operator_denied = denied(engine_probes), denied(operator_probes)
+    user = s.whoami() or urlsplit(s.url).username or "default"
+    if engine_denied:
+        return Check(
+            "acl",
+            "fail",
+            f"user {user}: denied {', '.join(engine_denied)}, which "
+            "engines need; see the README's engine ACL line",
+        )
+    if operator_denied:
+        return Check(
+            "acl",
+            "warn",
+            f"user {user}: enough for engines; denied "
+            f"{', '.join(operator_denied)}, so audit and monitor degrade (no ledger, "
+            f"idle or server checks). For them use an operator user: {OPERATOR_ACL}",
+        )
+    return Check(
+        "acl", "ok", f"user {user}: SCAN, EVALSHA, stream, idle-time and CONFIG reads allowed"
+    )
+
+
+def _ucx_checks(checks: list[Check]) -> None:
+    try:
+        import ucxx
+
+        version = ".".join(str(v) for v in ucxx.get_ucx_version())
+        checks.append(
+            Check("ucx", "ok", f"ucxx {getattr(ucxx, '__version__', '?')}, UCX {version}")
+        )
+    except Exception as exc:  # a broken native library raises anything
+        checks.append(
+            Check(
+                "ucx",
+                "fail",
+                f"ucxx not importable ({type(exc).__name__}: {exc}); install ucxx-cu12",
+            )
+        )
+        return
+    spec = importlib.util.find_spec("libucx")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    info = next(
+        (Path(r) / "bin" / "ucx_info" for r in roots if (Path(r) / "bin" / "ucx_info").exists()),
+        None,
+    )
+    if info is None:
+        checks.append(Check("ucx transports", "info", "ucx_info not found; not listed"))
+        return
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = f"{info.parent.parent / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}"
+    try:
+        proc = subprocess.run(
+            [str(info), "-d"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env=env,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        checks.append(Check("ucx transports", "info", f"ucx_info -d failed ({exc})"))
+        return
+    tls = sorted(set(re.findall(r"Transport:\s*(\S+)", proc.stdout)))
+    rdma = any(t.startswith(("rc", "ud", "dc")) for t in tls)
+    checks.append(
+        Check(
+            "ucx transports",
+            "ok" if tls else "warn",
+            (", ".join(tls) or "none found") + ("" if rdma else " (no RDMA transport seen)"),
+        )
+    )
+
+
+def _gpu_checks(checks: list[Check]) -> None:
+    from kvstate.gpu import gpu_facts
+
+    gpus = gpu_facts()
+    if not gpus:
+        checks.append(Check("gpus", "info", "NVML sees no GPU (host memory transfers only)"))
+    for g in gpus:
+        checks.append(
+            Check(
+                f"gpu {g['index']}",
+                "ok",
+                f"{g['name']} {g['memory_total'] / 2**30:.0f} GiB, "
+                f"{g['pci_bus_id']}, NVLinks up {g['nvlinks_up']}",
+            )
+        )
+
+
+@main.command()
+@common
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--no-ucx", is_flag=True, help="Skip the UCX checks.")
+@click.pass_obj
+def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
+    """Check Redis (reachable, version, eviction policy, ACL rights), UCX and GPUs.
+    Exit status 1 when a check fails. Without a URL it tries the embedded server."""
+    checks: list[Check] = []
+    if not obj.url:
+        checks.append(
+            Check(
+                "url",
+                "info",
+                f"no --url / {ENV_URL}: using an embedded redis-server, as `demo` would",
+            )
+        )
+    try:
+        with opened(obj, need_url=False) as store:
+            _redis_checks(store, checks)
+    except (KVStateError, redis.RedisError, RedisServerError) as exc:
+        checks.append(Check("redis", "fail", scrub(describe(exc), obj.secrets)))
+    if not no_ucx:
+        _ucx_checks(checks)
+    _gpu_checks(checks)
+    failed = any(c.state == "fail" for c in checks)
+    if as_json:
+        emit_json({"ok": not failed, "checks": [c.__dict__ for c in checks]})
+    else:
+        out = console()
+        t = Table(box=None, header_style="bold")
+        for name in ("check", "state", "detail"):
+            t.add_column(name)
+        style = {"ok": "green", "warn": "yellow", "fail": "red", "info": "blue"}
+        for c in checks:
+            t.add_row(c.name, styled(c.state, style[c.state]), c.detail)
+        out.print(t)
+    sys.exit(EXIT_FINDINGS if failed else EXIT_OK)

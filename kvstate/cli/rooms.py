@@ -1,0 +1,304 @@
+"""Commands about rooms: ``show`` one, ``ls`` participants, ``abort`` one."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import click
+from rich.table import Table
+from rich.text import Text
+
+from kvstate.cli.app import (
+    DURATION,
+    EXIT_FINDINGS,
+    EXIT_OK,
+    Ctx,
+    Failure,
+    common,
+    empty_json,
+    empty_namespace_note,
+    main,
+    opened,
+)
+from kvstate.cli.output import console, emit_json, name_width, status_style, styled
+from kvstate.codec import TransferInfo
+from kvstate.keys import parse_room_text
+from kvstate.ops.views import Participant, fmt_ms, info_json, room_view, scan_participants
+from kvstate.poll import KVPoll
+
+
+def _participants_table(parts: list[Participant], with_room: bool) -> Table:
+    t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    if with_room:
+        t.add_column("room", justify="right")
+    for name in ("side", "engine", "status", "age", "in status", "ttl", "reason / peers"):
+        # names are never cut: "...tp0" and "...tp1" must not look the same at 80 columns
+        t.add_column(
+            name,
+            overflow="fold" if name == "engine" else "ellipsis",
+            min_width=name_width(p.engine for p in parts) if name == "engine" else None,
+        )
+    for p in parts:
+        extra = p.reason or ""
+        if not extra and p.side == "rx":
+            extra = f"peer {p.fields.get('peer_addr', '?')}: " + ", ".join(
+                f"{e}@{inc}" for e, inc in sorted(p.bindings.items())
+            )
+        status = styled(p.status or "?", status_style(p.status))
+        row: list[str | Text] = [
+            p.side,
+            p.engine,
+            status,
+            fmt_ms(p.age_ms),
+            fmt_ms(p.in_status_ms),
+            fmt_ms(p.pttl_ms),
+            extra,
+        ]
+        t.add_row(*([str(p.room)] if with_room else []), *row)
+    return t
+
+
+def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
+    """Decoded transfer infos, one row per (sender, receiver); undecodable ones in red."""
+    t = Table(title="transfer infos", title_justify="left", box=None, header_style="bold")
+    for name in (
+        "sender",
+        "receiver",
+        "pages",
+        "runs",
+        "first..last",
+        "aux",
+        "prefix",
+        "dummy",
+        "incarnation",
+    ):
+        t.add_column(name, overflow="fold" if name in ("sender", "receiver") else "ellipsis")
+    for sender, per in sorted(infos.items()):
+        for receiver, info in sorted(per.items()):
+            if isinstance(info, str):
+                t.add_row(sender, receiver, styled(info, "red"))
+                continue
+            j = info_json(info)
+            t.add_row(
+                sender,
+                receiver,
+                str(j["pages"]),
+                str(j["runs"]),
+                f"{j['first_page']}..{j['last_page']}",
+                str(j["aux_index"]),
+                str(j["prefix_len"]),
+                str(j["dummy"]),
+                j["incarnation"] or "-",
+            )
+    return t
+
+
+@main.command()
+@common
+@click.argument("room")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def show(obj: Ctx, room: str, as_json: bool) -> None:
+    """Every participant of ROOM, its status, age, TTL, decoded transfer infos and abort
+    mark. Exit status 1 when nothing is stored for the room."""
+    r = parse_room_text(room)
+    with opened(obj) as store:
+        view = room_view(store, r)
+    if as_json:
+        emit_json(view.to_json())
+        sys.exit(EXIT_FINDINGS if view.empty else EXIT_OK)
+    out = console()
+    if view.empty:
+        out.print(
+            f"room {r}: nothing stored (cleared, reaped by TTL, or never created) in "
+            f"namespace {store.namespace}"
+        )
+        sys.exit(EXIT_FINDINGS)
+    out.print(styled(f"room {r}", "bold"), f" namespace {store.namespace}  {store.url}")
+    if view.aborted is not None:
+        out.print(
+            styled(
+                f"aborted: {view.aborted} (mark expires in "
+                f"{fmt_ms(view.aborted_ttl_ms)}; a participant joining before "
+                "then starts Failed)",
+                "red",
+            )
+        )
+    if view.participants:
+        out.print(_participants_table(view.participants, with_room=False))
+    elif view.aborted is not None:
+        out.print("no participants")
+    for member in view.missing_members:
+        out.print(styled(f"parts lists {member} but its participant hash is gone", "red"))
+    for member in view.unindexed:
+        out.print(
+            styled(
+                f"{member} is missing from the room's parts index: `kvstate abort` "
+                "cannot reach it; `kvstate audit --fix` re-indexes it",
+                "red",
+            )
+        )
+    if view.infos:
+        out.print(_infos_table(view.infos))
+    for receiver, senders in sorted(view.acks.items()):
+        out.print(f"acks for {receiver}: {', '.join(senders)}")
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def _status_names(values: tuple[str, ...]) -> set[str]:
+    """Status names from --status values: names in any case, or numbers."""
+    by_lower = {name.lower(): name for name in KVPoll.__members__}
+    names = set()
+    for v in values:
+        for part in (p.strip() for p in v.split(",")):
+            if not part:
+                continue
+            if part.isascii() and part.isdigit():
+                names.add(KVPoll.parse(int(part)).name)
+            else:
+                names.add(by_lower.get(part.lower()) or KVPoll.parse(part).name)
+    return names
+
+
+@dataclass
+class _Filter:
+    """What ``ls`` shows: every given criterion must hold."""
+
+    statuses: set[str]
+    side: str | None
+    engine: str | None
+    min_age_ms: int | None
+
+    def matches(self, p: Participant) -> bool:
+        return (
+            (not self.statuses or p.status in self.statuses)
+            and (self.side is None or p.side == self.side)
+            and (self.engine is None or p.engine == self.engine)
+            and (self.min_age_ms is None or (p.age_ms or 0) >= self.min_age_ms)
+        )
+
+
+@main.command(name="ls")
+@common
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    metavar="S",
+    help="Only this status (name or number; repeat or comma-separate).",
+)
+@click.option("--side", type=click.Choice(["tx", "rx"]), help="Only senders or receivers.")
+@click.option(
+    "--older-than",
+    type=DURATION,
+    metavar="AGE",
+    help="Only participants created at least AGE ago (30s, 5m...).",
+)
+@click.option("--engine", metavar="ENGINE", help="Only this engine's participants.")
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def ls(
+    obj: Ctx,
+    statuses: tuple[str, ...],
+    side: str | None,
+    older_than: float | None,
+    engine: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List participants (SCAN, never KEYS), oldest first. Exit status 1 when the
+    namespace holds no kvstate key at all (a mistyped -n), 0 when none matches."""
+    wanted = _Filter(
+        _status_names(statuses),
+        side,
+        engine,
+        None if older_than is None else int(older_than * 1000),
+    )
+    with opened(obj) as store:
+        found = [p for p in scan_participants(store) if wanted.matches(p)]
+        note = None if found else empty_namespace_note(store)
+        doc_empty = empty_json(store, note) if note and as_json else {}
+    found.sort(key=lambda p: (-(p.age_ms or 0), p.room, p.side, p.engine))
+    shown = found[:limit]
+    if as_json:
+        emit_json({"count": len(found), "participants": [p.to_json() for p in shown], **doc_empty})
+        sys.exit(EXIT_FINDINGS if note else EXIT_OK)
+    out = console()
+    if not found:
+        out.print(note or "no participants match")
+        sys.exit(EXIT_FINDINGS if note else EXIT_OK)
+    out.print(_participants_table(shown, with_room=True))
+    more = f" (showing {limit})" if len(found) > limit else ""
+    out.print(f"{len(found)} participant(s){more}")
+
+
+# --------------------------------------------------------------------------- abort
+
+
+@main.command()
+@common
+@click.argument("room")
+@click.option(
+    "--reason",
+    default="aborted by operator (kvstate abort)",
+    show_default=True,
+    help="Failure reason both sides will see.",
+)
+@click.option(
+    "--pre-emptive",
+    "pre_emptive",
+    is_flag=True,
+    help="Mark a room that has no participant yet (a router cancelling a request "
+    "before either side joined): whoever joins within the room TTL starts "
+    "Failed. Without it, aborting an empty room is refused (exit 1).",
+)
+@click.pass_obj
+def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool) -> None:
+    """Fail every participant of ROOM; each side sees Failed with REASON on its next
+    poll, and a participant created later (within the room TTL) starts Failed. A room
+    already aborted keeps its first reason. Exit status 1 when there is nothing to
+    abort (finished and cleared, mistyped, or another namespace)."""
+    r = parse_room_text(room)
+    with opened(obj) as store:
+        view = room_view(store, r)
+        if view.aborted is not None:
+            click.echo(
+                f"room {r}: already aborted ({view.aborted}); left as is, mark "
+                f"expires in {fmt_ms(view.aborted_ttl_ms)}"
+            )
+            return
+        if not view.members and view.participants:
+            raise Failure(
+                f"room {r} has participants its parts index does not list; "
+                "run `kvstate audit --fix` to re-index them, then abort again"
+            )
+        if not view.members and not pre_emptive:
+            click.echo(
+                f"room {r}: nothing to abort in namespace {store.namespace} (no "
+                "participant: finished and cleared, reaped, mistyped, or another "
+                "namespace); nothing written. To fail whoever joins later, pass "
+                "--pre-emptive",
+                err=True,
+            )
+            sys.exit(EXIT_FINDINGS)
+        n = store.abort(r, reason)
+    if not view.members:
+        click.echo(
+            f"room {r}: no participants yet; marked aborted, so either side that "
+            f"joins within the room TTL starts Failed; reason: {reason}"
+        )
+        return
+    if not n:
+        click.echo(
+            f"room {r}: its {len(view.members)} participant(s) had already failed "
+            f"({', '.join(view.members)}); marked aborted; reason: {reason}"
+        )
+        return
+    click.echo(
+        f"room {r}: failed {n} of {len(view.members)} participant(s) "
+        f"({', '.join(view.members)}); reason: {reason}"
+    )

@@ -1,0 +1,127 @@
+"""The kinds of audit finding, in one table: the audit reports them, the metrics label
+them, the CLI hints at their fix and the README lists them (a test keeps it exact).
+
+A kind's ``name`` is what every reader sees: the audit's JSON and table, the ledger's
+``audit:<name>`` events, the ``kind`` label of ``kvstate_audit_findings``, the
+README's table. Renaming one breaks dashboards and scripts: add a kind rather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FindingKind:
+    """One kind of leak or risk: what the audit checks, what ``audit --fix`` does about
+    it (``fix``; empty when it is reported only, and ``left`` says why), and the short
+    hint the CLI prints next to a finding when run without ``--fix``."""
+
+    name: str
+    check: str
+    hint: str
+    fix: str = ""
+    left: str = ""  # may name the finding's {room}
+
+    @property
+    def fixable(self) -> bool:
+        return bool(self.fix)
+
+    def left_for(self, room: int | None) -> str:
+        """Why ``--fix`` left a finding of this kind, as the audit reports it."""
+        return self.left.format(room=room)
+
+    def readme_row(self) -> str:
+        """This kind's row of the README's findings table."""
+        fix = self.fix or f"none; {self.left.format(room='ROOM')}"
+        return f"| `{self.name}` | {self.check} | {fix} |"
+
+
+KINDS: tuple[FindingKind, ...] = (
+    FindingKind(
+        "no_ttl",
+        check="a kvstate key has no TTL (PTTL -1): nothing will ever reap it",
+        hint="--fix sets a TTL",
+        fix="sets the room's remaining TTL (the ledger: 7 days; `--room-ttl` when no key "
+        "of the room has one), only if the key still has none",
+    ),
+    FindingKind(
+        "terminal_uncleared",
+        check="a participant has been Success or Failed for longer than the grace "
+        "period and its owner never called `clear()`",
+        hint="TTL reaps it; fix the owner's clear()",
+        left="left for its TTL: the owner may still read the status",
+    ),
+    FindingKind(
+        "stuck",
+        check="a participant is past its bootstrap or waiting timeout and nobody polled it since",
+        hint="--fix fails it",
+        fix="fails it with the timeout reason (the poll script)",
+    ),
+    FindingKind(
+        "orphan_tracker",
+        check="an address tracker lists a participant that is gone (a clear "
+        "interrupted between the room and the tracker)",
+        hint="--fix ZREMs",
+        fix="ZREMs the member",
+    ),
+    FindingKind(
+        "unclaimed_xfer",
+        check="transfer infos for a sender that does not exist and is not in the room, "
+        "untouched for the grace period",
+        hint="--fix deletes",
+        fix="deletes them, unless the sender appeared meanwhile",
+    ),
+    FindingKind(
+        "dead_engine",
+        check="a receiver bound to a peer whose lease is gone or whose incarnation changed",
+        hint="--fix fails it",
+        fix="fails the receiver, naming the peer",
+    ),
+    FindingKind(
+        "dead_owner",
+        check="a live participant whose own engine holds no lease: nobody will move it again",
+        hint="--fix fails it",
+        fix="fails it",
+    ),
+    FindingKind(
+        "unindexed",
+        check="a participant missing from its room's `parts` index (the index expired "
+        "first, or a clear was cut short): `abort` and `show` cannot reach it",
+        hint="--fix re-indexes it",
+        fix="adds it back to the index, with the room's remaining TTL",
+    ),
+    FindingKind(
+        "corrupt",
+        check="a participant whose `status` or `since_ms` does not parse",
+        hint="inspect; kvstate abort",
+        left="inspect it, then kvstate abort {room}",
+    ),
+    FindingKind(
+        "server_setting",
+        check="`maxmemory-policy` other than `noeviction`: every kvstate key has a TTL, "
+        "so `volatile-*` policies evict live rooms first",
+        hint="CONFIG SET by an operator",
+        left="needs an operator (server configuration)",
+    ),
+)
+NAMES: tuple[str, ...] = tuple(k.name for k in KINDS)
+_BY_NAME = {k.name: k for k in KINDS}
+
+
+def kind(name: str) -> FindingKind:
+    """The kind called ``name``; a KeyError names the known ones (a new check must add
+    its kind to KINDS first)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(
+            f"no finding kind {name!r}; add it to kvstate.ops.findings.KINDS (known: "
+            f"{', '.join(NAMES)})"
+        ) from None
+
+
+def readme_table() -> str:
+    """The README's findings table, as the README must show it."""
+    head = "| kind | found when | `--fix` |\n| --- | --- | --- |\n"
+    return head + "\n".join(k.readme_row() for k in KINDS) + "\n"
