@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvstate.demo import _Track, demo, expected_pages
+from kvstate.demo import demo, expected_pages
+from kvstate.demo.router import Track
 
 SMALL = ["--page-bytes", "4k", "--pool-pages", "256", "--pages-per-request", "1-32"]
 PAGE_BYTES, LAYERS = 4096, 2
@@ -212,9 +213,9 @@ def test_bad_options_are_refused_before_anything_starts(args: list[str], text: s
 
 def test_cuda_without_a_device_is_a_clear_error() -> None:
     try:
-        from kvstate.demo import _cuda_backend
+        from kvstate.demo.pattern import cuda_backend
 
-        _cuda_backend()
+        cuda_backend()
     except Exception:
         pass
     else:
@@ -230,7 +231,7 @@ def test_outcome_classification() -> None:
     job = Job(1, 4, "prefill-0", "a:1")
 
     def track(rx: Result | None, tx: Result | None, abort: str = "", dead: bool = False) -> str:
-        t = _Track(job, "decode-0", 0.0, abort, prefill_dead=dead)
+        t = Track(job, "decode-0", 0.0, abort, prefill_dead=dead)
         for r in (rx, tx):
             if r is not None:
                 t.results[r.role] = r
