@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstate.demo import demo, expected_pages
-from kvstate.demo.router import Track
+from kvstate.demo.outcome import Track
 
 SMALL = ["--page-bytes", "4k", "--pool-pages", "256", "--pages-per-request", "1-32"]
 PAGE_BYTES, LAYERS = 4096, 2
@@ -223,6 +223,30 @@ def test_cuda_without_a_device_is_a_clear_error() -> None:
     result = CliRunner().invoke(demo, ["--device", "cuda"], env={"KVSTATE_REDIS_URL": None})
     assert result.exit_code == 2
     assert "--device cuda needs a CUDA device" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--requests", "1"], ["--worker", "prefill", "--engine", "prefill-0", "--router", "h:1"]],
+)
+def test_without_ucx_the_demo_says_which_extra_to_install(args: list[str]) -> None:
+    """UCX is the ``kvstate[ucx]`` extra: without ucxx the demo exits 2 with one line
+    naming it, before any server or worker starts (as if ucxx were not installed)."""
+    script = (
+        "import sys; sys.modules['ucxx'] = None\n"
+        "from kvstate.demo.command import demo\n"
+        "demo(sys.argv[1:])\n"
+    )
+    env = _env(KVSTATE_DEMO_AUTHKEY=AUTHKEY)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "kvstate demo: error: the demo's workers move KV pages with UCX and ucxx is not "
+        "installed here: pip install 'kvstate[ucx]'"
+    ]
+    assert "redis" not in proc.stderr.lower()
 
 
 def test_outcome_classification() -> None:

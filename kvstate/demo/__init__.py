@@ -23,18 +23,18 @@ Modules, one concept each, in the order a run uses them:
 * ``messages``: what the router and the workers say to each other (frozen dataclasses);
 * ``pattern``: the bytes a room must carry, and the KV pools they live in;
 * ``queues``: how messages travel (spawn queues and pipes, or TCP with ``--listen``);
-* ``workers``: the prefill and decode processes;
-* ``router``: dispatching rooms, fault injection, collecting results;
-* ``summary``: what was measured and the printed summary;
+* ``workers``: the loop every worker runs; ``engines``: what prefill and decode do in it;
+* ``router``: starting workers, dispatching rooms, fault injection, collecting results;
+* ``outcome``: how a room ended; ``summary``: what was measured, the printed summary;
 * ``run``: one run start to finish; ``command``: the click command.
 
 UCX is an extra (``kvstate[ucx]``): nothing here imports it until a worker starts.
 """
 
 from kvstate.demo.command import demo
+from kvstate.demo.engines import decode_worker, prefill_worker
 from kvstate.demo.messages import Job, Result, WorkerConfig
 from kvstate.demo.pattern import expected_pages
-from kvstate.demo.workers import decode_worker, prefill_worker
 
 __all__ = [
     "Job",

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue as SpawnQueue
@@ -26,8 +26,8 @@ from typing import Any
 
 import click
 
+from kvstate.demo.engines import WORKERS
 from kvstate.demo.messages import (
-    INTERRUPTED,
     Abort,
     Bye,
     Die,
@@ -40,14 +40,12 @@ from kvstate.demo.messages import (
     WorkerConfig,
     WorkerFailed,
 )
+from kvstate.demo.outcome import ABORT_KINDS, Track
 from kvstate.demo.queues import Inbox, PipeOut, RemoteQueues
-from kvstate.demo.workers import WORKERS
 from kvstate.errors import KVStateError
 from kvstate.store import Store
 
-__all__ = ["ABORT_KINDS", "Interrupted", "Options", "Router", "Signals", "Track"]
-
-ABORT_KINDS = ("prefill", "decode", "router")
+__all__ = ["Interrupted", "Options", "Router", "Signals"]
 
 
 @dataclass
@@ -64,39 +62,6 @@ class Options:
     kill_prefill_after: int | None = None
     seed: int | None = None
     listen: str | None = None
-
-
-@dataclass
-class Track:
-    """The router's view of one room: what it dispatched and what each side reported."""
-
-    job: Job
-    decode: str
-    sent_at: float
-    abort: str = ""
-    results: dict[str, Result] = field(default_factory=dict)
-    prefill_dead: bool = False
-    done_at: float = 0.0
-
-    @property
-    def complete(self) -> bool:
-        return "decode" in self.results and ("prefill" in self.results or self.prefill_dead)
-
-    def outcome(self, killed: str | None) -> str:
-        rx, tx = self.results.get("decode"), self.results.get("prefill")
-        if rx is not None and rx.status == "Success" and not rx.verified:
-            return "corrupt"
-        cut = not self.complete or any(r.reason == INTERRUPTED for r in (rx, tx) if r)
-        if cut and not (rx is not None and rx.status == "Success" and tx is not None):
-            return "interrupted"
-        failed = [r for r in (rx, tx) if r is not None and r.status == "Failed"]
-        if not failed and (tx is not None or self.prefill_dead):
-            return "done" if rx is not None and rx.verified else "failed"
-        if self.abort and any("abort" in r.reason for r in failed):
-            return "aborted"
-        if killed is not None and self.job.prefill == killed:
-            return "killed"
-        return "failed"
 
 
 class Interrupted(Exception):
@@ -243,12 +208,7 @@ class Router:
             if engine != self.killed:
                 inbox.put(Abort() if self.interrupted else Stop())
         deadline = time.monotonic() + (20 if self.interrupted else 60)
-        # Interrupted before every worker attached: wait only for those that exist.
-        expected = {
-            e
-            for e in self.inboxes
-            if e != self.killed and (not self.interrupted or e in self.addrs or e in self.procs)
-        }
+        expected = self._saying_bye()
         while expected - set(self.stats):
             try:
                 msg = self._get(deadline, interruptible=False)
@@ -266,6 +226,15 @@ class Router:
             if isinstance(inbox, SpawnQueue):  # free its semaphores now
                 inbox.close()
                 inbox.join_thread()
+
+    def _saying_bye(self) -> set[str]:
+        """The workers a Bye is awaited from: all but the killed one; once interrupted,
+        only those that exist (the run may stop before every worker attached)."""
+        return {
+            e
+            for e in self.inboxes
+            if e != self.killed and (not self.interrupted or e in self.addrs or e in self.procs)
+        }
 
     def terminate(self) -> None:
         """On error or Ctrl-C: no worker outlives the router."""
@@ -380,19 +349,8 @@ class Router:
             raise KVStateError("--kill-prefill-after needs at least 2 prefill workers")
         self.killed = victim
         self.alive_prefills.remove(victim)
-        proc = self.procs.get(victim)
-        if proc is not None:
-            conn = next(c for c, e in self.readers.items() if e == victim)
-            while conn.poll():  # whole messages already sent are still results
-                self.buffer.append(conn.recv())
-            assert proc.pid is not None
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
-            # A write cut short by the kill would block a read forever: stop reading it.
-            del self.readers[conn]
-            inbox = self.inboxes[victim]
-            if isinstance(inbox, SpawnQueue):
-                inbox.cancel_join_thread()
+        if victim in self.procs:
+            self._kill_child(victim)
         else:  # a remote worker: it kills itself
             self.inboxes[victim].put(Die())
             time.sleep(1)
@@ -400,3 +358,18 @@ class Router:
             if track.job.prefill == victim:
                 track.prefill_dead = True
                 self._after_result(track, live, tick)
+
+    def _kill_child(self, victim: str) -> None:
+        """SIGKILL a spawned worker, keeping the results it sent before it died."""
+        proc = self.procs[victim]
+        conn = next(c for c, e in self.readers.items() if e == victim)
+        while conn.poll():  # whole messages already sent are still results
+            self.buffer.append(conn.recv())
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        # A write cut short by the kill would block a read forever: stop reading it.
+        del self.readers[conn]
+        inbox = self.inboxes[victim]
+        if isinstance(inbox, SpawnQueue):
+            inbox.cancel_join_thread()

@@ -19,9 +19,11 @@ import click
 import kvstate
 from kvstate import embedded
 from kvstate.connection import ENV_URL
+from kvstate.demo.engines import WORKERS
 from kvstate.demo.messages import WorkerConfig
+from kvstate.demo.outcome import Track
 from kvstate.demo.queues import attach
-from kvstate.demo.router import Interrupted, Options, Router, Signals, Track
+from kvstate.demo.router import Interrupted, Options, Router, Signals
 from kvstate.demo.summary import (
     console,
     print_summary,
@@ -30,7 +32,6 @@ from kvstate.demo.summary import (
     take_transfer_counters,
     wait_for_no_keys,
 )
-from kvstate.demo.workers import WORKERS
 from kvstate.store import Store
 
 __all__ = ["EXIT_CHECK_FAILED", "discovery_path", "run_router", "run_worker"]

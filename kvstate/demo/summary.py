@@ -14,7 +14,8 @@ import numpy as np
 
 from kvstate.connection import redact
 from kvstate.demo.messages import WorkerConfig
-from kvstate.demo.router import ABORT_KINDS, Options, Router
+from kvstate.demo.outcome import ABORT_KINDS, OUTCOMES
+from kvstate.demo.router import Options, Router
 from kvstate.ops.metrics import read_transfer_totals
 from kvstate.store import Store
 
@@ -96,9 +97,7 @@ class _Rooms:
 
     def __init__(self, rtr: Router) -> None:
         self.rooms: list[dict[str, Any]] = []
-        self.outcomes: dict[str, int] = dict.fromkeys(
-            ("done", "failed", "aborted", "killed", "corrupt", "interrupted"), 0
-        )
+        self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.latencies: list[float] = []
         self.nbytes = 0
         self.send_s = self.write_s = self.verify_s = 0.0

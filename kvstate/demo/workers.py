@@ -1,8 +1,7 @@
-"""The worker processes: one engine each (prefill or decode), with its own KV pool
-registered with a UCX transport and its own :class:`KVManager`. They take jobs from the
-router, drive each room through Redis, move and verify the bytes, and report results.
-
-Entry points are module-level functions so the ``spawn`` start method can import them."""
+"""The loop every worker process runs, whatever its role: one engine with its own KV
+pool registered with a UCX transport and its own :class:`KVManager`. It takes jobs from
+the router, polls every live room in one round trip, lets its role act on what changed
+(``engines``), and reports results."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ import time
 import traceback
 import zlib
 from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -41,14 +39,13 @@ from kvstate.demo.pattern import Pool
 from kvstate.demo.queues import Inbox, Outbox
 from kvstate.errors import KVStateError
 from kvstate.ops.metrics import TransferRecorder
-from kvstate.poll import KVPoll
 from kvstate.roles import KVReceiver, KVSender
 from kvstate.store import Store
 
 if TYPE_CHECKING:
     from transports.ucx import UCXTransport
 
-__all__ = ["WORKERS", "bootstrap_addr", "decode_worker", "prefill_worker"]
+__all__ = ["Room", "Worker", "bootstrap_addr", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +73,9 @@ def _count_round_trips(store: Store) -> list[int]:
 
 
 @dataclass
-class _Room(Generic[P]):
+class Room(Generic[P]):
+    """One room a worker holds: its job, its sender or receiver, its pages."""
+
     job: Job
     part: P
     pages: np.ndarray | None = None
@@ -84,7 +83,7 @@ class _Room(Generic[P]):
     ready_at: float | None = None  # prefill: when WaitingForInput was first seen (--hold)
 
 
-class _Worker(Generic[P]):
+class Worker(Generic[P]):
     """The loop both roles share: take jobs from the inbox, poll every live room in one
     round trip, act on what changed, report results to the router."""
 
@@ -112,7 +111,7 @@ class _Worker(Generic[P]):
             transfer_timeout=cfg.timeout,
         )
         self.recorder = TransferRecorder(self.store, engine)
-        self.active: dict[int, _Room[P]] = {}
+        self.active: dict[int, Room[P]] = {}
         self.waiting: deque[Job] = deque()
         self.stopping = False
         self.abandon = False  # set by the router's Abort or by SIGTERM: clear and leave
@@ -199,7 +198,7 @@ class _Worker(Generic[P]):
         )
         self.outbox.put(Result(job.room, self.role, self.engine, status, reason, **extra))
 
-    def _fail(self, room: _Room[P]) -> None:
+    def _fail(self, room: Room[P]) -> None:
         exc = room.part.failure_exception()  # reads the reason and clears
         self.active.pop(room.job.room, None)
         self._settle_failed(room)
@@ -212,161 +211,15 @@ class _Worker(Generic[P]):
     def _step(self) -> bool:
         raise NotImplementedError
 
-    def _settle_failed(self, room: _Room[P]) -> None:
+    def _settle_failed(self, room: Room[P]) -> None:
         pass
 
     def _release(self, room: int) -> None:
         pass
 
 
-class _Prefill(_Worker[KVSender]):
-    """Creates a sender per job; once the receiver published its pages, 'computes' the
-    KV (writes the pattern into source pages), sends and clears."""
-
-    role = "prefill"
-
-    def _start_waiting(self) -> None:
-        while self.waiting:
-            job = self.waiting.popleft()
-            snd = self.mgr.sender(job.room, required_receivers=1)
-            snd.init(job.pages)
-            self.active[job.room] = _Room(job, snd)
-
-    def _step(self) -> bool:
-        progressed = False
-        for room_id, status in self.mgr.poll_many(list(self.active)).items():
-            room = self.active[room_id]
-            if status == KVPoll.Failed:
-                self._fail(room)
-                progressed = True
-            elif status >= KVPoll.WaitingForInput:
-                if self.cfg.hold and self._holding(room):
-                    continue
-                if room.job.abort == "prefill":
-                    room.part.abort("demo fault: prefill aborted the room mid-way")
-                    self._fail(room)
-                else:
-                    self._send(room)
-                progressed = True
-        return progressed
-
-    def _holding(self, room: _Room[KVSender]) -> bool:
-        """--hold: keep the room in WaitingForInput (both sides published, nothing moved)
-        for that long, so ``kvstate show`` / ``ls`` can catch it."""
-        if room.ready_at is None:
-            room.ready_at = time.monotonic()
-        return time.monotonic() - room.ready_at < self.cfg.hold
-
-    def _send(self, room: _Room[KVSender]) -> None:
-        from transports.base import TransportError
-
-        pages = self.pool.alloc(room.job.pages)
-        if pages is None:  # pages come back as soon as each send returns
-            raise KVStateError(
-                f"{self.engine}: pool of {self.cfg.pool_pages} pages cannot hold "
-                f"a {room.job.pages}-page request"
-            )
-        try:
-            self.pool.fill(room.job.room, pages)
-            t0 = time.perf_counter()
-            writes = self.transport.stats.transfers
-            try:
-                status = room.part.send(pages, last=True)
-            except (KVStateError, TransportError) as exc:
-                status = room.part.fail(f"send failed: {exc}")
-            busy = time.perf_counter() - t0
-            stats = self.transport.stats
-            write = stats.last_latency_s if stats.transfers > writes else 0.0
-        finally:
-            self.pool.release(pages)  # send() returns once the bytes are at the receiver
-        if status == KVPoll.Success:
-            room.part.clear()
-            del self.active[room.job.room]
-            nbytes = room.job.pages * self.cfg.page_bytes * self.cfg.layers
-            if write:
-                self.recorder.observe(nbytes, write)
-            self._report(room.job, "Success", nbytes=nbytes, busy_s=busy, write_s=write)
-        else:
-            self._fail(room)
-
-
-class _Decode(_Worker[KVReceiver]):
-    """Allocates destination pages per job, publishes them, waits for Success, verifies
-    every byte, clears. Pages of a failed room stay out of the free list until the router
-    says the sender can no longer write into them (a one-sided put cannot be refused)."""
-
-    role = "decode"
-
-    def __init__(self, cfg: WorkerConfig, engine: str, inbox: Inbox, outbox: Outbox) -> None:
-        super().__init__(cfg, engine, inbox, outbox)
-        self.quarantine: dict[int, np.ndarray] = {}
-
-    def _start_waiting(self) -> None:
-        while self.waiting:
-            job = self.waiting[0]
-            pages = self.pool.alloc(job.pages)
-            if pages is None:
-                return  # wait for pages of finished rooms
-            self.waiting.popleft()
-            # never raises for a prefill that is gone: the room fails with a reason
-            rcv = self.mgr.receiver(job.room, job.prefill_addr)
-            room = _Room(job, rcv, pages)
-            self.active[job.room] = room
-            if rcv.init(pages) == KVPoll.Failed:
-                self._fail(room)
-
-    def _step(self) -> bool:
-        progressed = False
-        for room_id, status in self.mgr.poll_many(list(self.active)).items():
-            room = self.active[room_id]
-            if status == KVPoll.Success:
-                self._verify(room)
-                progressed = True
-            elif status == KVPoll.Failed:
-                self._fail(room)
-                progressed = True
-            elif room.job.abort == "decode" and not room.aborted and self._sender_joined(room):
-                room.aborted = True
-                room.part.abort("demo fault: decode aborted the room mid-way")
-                progressed = True
-        return progressed
-
-    def _sender_joined(self, room: _Room[KVReceiver]) -> bool:
-        """Abort only once the sender exists, so the abort reaches both sides."""
-        return any(m.startswith("tx:") for m in self.store.members(room.job.room))
-
-    def _verify(self, room: _Room[KVReceiver]) -> None:
-        assert room.pages is not None
-        t0 = time.perf_counter()
-        bad = self.pool.verify(room.job.room, room.pages)
-        busy = time.perf_counter() - t0
-        room.part.clear()
-        del self.active[room.job.room]
-        self.pool.release(room.pages)
-        nbytes = room.job.pages * self.cfg.page_bytes * self.cfg.layers
-        reason = f"{bad} page(s) differ from the pattern" if bad else ""
-        self._report(
-            room.job,
-            "Success",
-            reason,
-            verified=bad == 0,
-            bad_pages=bad,
-            nbytes=nbytes,
-            busy_s=busy,
-        )
-
-    def _settle_failed(self, room: _Room[KVReceiver]) -> None:
-        if room.pages is not None:
-            self.quarantine[room.job.room] = room.pages
-
-    def _release(self, room: int) -> None:
-        pages = self.quarantine.pop(room, None)
-        if pages is not None:
-            self.pool.release(pages)
-
-
-def _serve(
-    cls: type[_Worker[Any]], cfg: WorkerConfig, engine: str, inbox: Inbox, outbox: Outbox
+def serve(
+    cls: type[Worker[Any]], cfg: WorkerConfig, engine: str, inbox: Inbox, outbox: Outbox
 ) -> int:
     """Run one worker; returns the signal that stopped it (0 if none).
 
@@ -374,7 +227,7 @@ def _serve(
     the whole process group and the router alone decides the order of the shutdown. A
     worker started on its own (``--worker``) takes SIGINT like SIGTERM: it clears its
     rooms in flight, drops its lease and exits."""
-    worker: _Worker[Any] | None = None
+    worker: Worker[Any] | None = None
     got = 0
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -401,19 +254,3 @@ def _serve(
             with contextlib.suppress(Exception):
                 worker.close()
     return got
-
-
-def prefill_worker(cfg: WorkerConfig, engine: str, inbox: Inbox, outbox: Outbox) -> int:
-    """Entry point of a prefill worker process (importable for ``spawn``)."""
-    return _serve(_Prefill, cfg, engine, inbox, outbox)
-
-
-def decode_worker(cfg: WorkerConfig, engine: str, inbox: Inbox, outbox: Outbox) -> int:
-    """Entry point of a decode worker process (importable for ``spawn``)."""
-    return _serve(_Decode, cfg, engine, inbox, outbox)
-
-
-WORKERS: dict[str, Callable[[WorkerConfig, str, Inbox, Outbox], int]] = {
-    "prefill": prefill_worker,
-    "decode": decode_worker,
-}
