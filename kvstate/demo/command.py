@@ -15,7 +15,7 @@ import click
 
 from kvstate.connection import ENV_NAMESPACE, ENV_URL, redact
 from kvstate.defaults import LEASE
-from kvstate.demo.messages import ROOM_TTL, WorkerConfig
+from kvstate.demo.messages import DEMO_ROOM_TTL, WorkerConfig
 from kvstate.demo.pattern import cuda_backend
 from kvstate.demo.queues import ENV_AUTHKEY, authkey
 from kvstate.demo.router import Options
@@ -171,7 +171,7 @@ def _require_ucx() -> None:
     "--room-ttl",
     type=click.FloatRange(min=1.0),
     help="Room key TTL in seconds "
-    f"[default: {KILL_ROOM_TTL:g} with --kill-prefill-after, else {ROOM_TTL:g}; "
+    f"[default: {KILL_ROOM_TTL:g} with --kill-prefill-after, else {DEMO_ROOM_TTL:g}; "
     "at least --hold + 60].",
 )
 @click.option(
@@ -259,7 +259,7 @@ def demo(
         _require_ucx()
     killing = kill_prefill_after is not None
     lease = lease if lease is not None else (KILL_LEASE if killing else LEASE)
-    room_ttl = room_ttl if room_ttl is not None else (KILL_ROOM_TTL if killing else ROOM_TTL)
+    room_ttl = room_ttl if room_ttl is not None else (KILL_ROOM_TTL if killing else DEMO_ROOM_TTL)
     if hold:
         timeout = max(timeout, hold + 30.0)
         room_ttl = max(room_ttl, hold + 60.0)

@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 INTERRUPTED = "demo interrupted: the room was cleared in flight"
-ROOM_TTL = 60.0  # s: the demo's rooms live ~50 ms; a short TTL shows a leak within the run
+DEMO_ROOM_TTL = 60.0  # s: the demo's rooms live ~50 ms; a short TTL shows a leak within the run
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class WorkerConfig:
     layers: int = 2
     device: str = "cpu"
     lease: float = LEASE
-    room_ttl: float = ROOM_TTL
+    room_ttl: float = DEMO_ROOM_TTL
     timeout: float = 30.0  # bootstrap, waiting and transfer timeouts
     parent_pid: int = 0  # exit when the router is gone (0: do not watch)
     hold: float = 0.0  # seconds a room waits in WaitingForInput before its transfer
