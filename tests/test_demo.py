@@ -305,3 +305,28 @@ def test_demo_load_two_by_two_with_every_fault() -> None:
     assert doc["keys_left"] == 0
     ok = [r for r in doc["rooms"] if r["decode_status"] == "Success"]
     assert ok and all(r["verified"] for r in ok)
+
+
+def test_the_store_operations_the_demo_uses(redis_url: str) -> None:
+    """What the demo asks of the Store: the mark an abort of a finished room leaves is
+    taken back, published transfer counters are dropped once read, and the command
+    counts grow by the commands run."""
+    import kvstate
+    from kvstate.ops.metrics import TransferRecorder
+
+    store = kvstate.connect(redis_url, "demo-store")
+    try:
+        assert store.abort(7, "both sides had finished") == 0  # failed nobody, left its mark
+        mark = store.keys.aborted(7)
+        assert list(store.scan(mark)) == [mark]
+        recorder = TransferRecorder(store, "prefill-0")
+        recorder.observe(4096, 0.001)
+        recorder.close()
+        stats = store.keys.transfer_stats("prefill-0")
+        assert list(store.scan(stats)) == [stats]
+        before = store.command_counts()
+        store.execute([store.unmark_aborted(7), store.drop_transfer_stats("prefill-0")])
+        assert store.command_counts().get("del", 0) == before.get("del", 0) + 2
+        assert list(store.scan(store.keys.all_pattern)) == []
+    finally:
+        store.close()
