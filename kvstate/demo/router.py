@@ -146,7 +146,7 @@ class Router:
         ctx = multiprocessing.get_context("spawn")
         cfg = WorkerConfig(**{**asdict(self.cfg), "parent_pid": os.getpid()})
         # Children start with SIGINT ignored (inherited through exec) so a Ctrl-C during
-        # their imports cannot print a traceback; they keep it ignored (see workers._serve).
+        # their imports cannot print a traceback; they keep it ignored (see workers.serve).
         previous = (
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             if threading.current_thread() is threading.main_thread()
