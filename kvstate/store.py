@@ -851,6 +851,30 @@ class Store:
             return None
         return raw.decode() if isinstance(raw, bytes) else str(raw)
 
+    # -- operations for the demo (demo helper) ---------------------------------------
+    def unmark_aborted(self, room: int) -> Call:
+        """Delete a room's abort mark. For an abort that failed nobody because both sides
+        had already finished: no side of that room will be created again, so the mark
+        would only be a key left behind."""
+        return self.command("DEL", self.keys.aborted(room))
+
+    def drop_transfer_stats(self, engine: str) -> Call:
+        """Delete the transfer counters an engine published, once they have been read:
+        a run that reports them itself leaves no key behind."""
+        return self.command("DEL", self.keys.transfer_stats(engine))
+
+    def command_counts(self) -> dict[str, int]:
+        """Calls per command since each server started (INFO commandstats), summed over
+        every primary: two readings bracket what a run cost Redis."""
+        out: dict[str, int] = {}
+        with self.bounded():
+            for _, node in self.nodes():
+                stats: dict[str, dict[str, Any]] = node.info("commandstats")
+                for name, stat in stats.items():
+                    cmd = name.removeprefix("cmdstat_")
+                    out[cmd] = out.get(cmd, 0) + int(stat["calls"])
+        return out
+
 
 def _text_or_none(raw: Any) -> str | None:
     if raw is None:

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvstate.demo import _Track, demo, expected_pages
+from kvstate.demo import demo, expected_pages
+from kvstate.demo.outcome import Track
 
 SMALL = ["--page-bytes", "4k", "--pool-pages", "256", "--pages-per-request", "1-32"]
 PAGE_BYTES, LAYERS = 4096, 2
@@ -212,9 +213,9 @@ def test_bad_options_are_refused_before_anything_starts(args: list[str], text: s
 
 def test_cuda_without_a_device_is_a_clear_error() -> None:
     try:
-        from kvstate.demo import _cuda_backend
+        from kvstate.demo.pattern import cuda_backend
 
-        _cuda_backend()
+        cuda_backend()
     except Exception:
         pass
     else:
@@ -224,13 +225,37 @@ def test_cuda_without_a_device_is_a_clear_error() -> None:
     assert "--device cuda needs a CUDA device" in result.output
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["--requests", "1"], ["--worker", "prefill", "--engine", "prefill-0", "--router", "h:1"]],
+)
+def test_without_ucx_the_demo_says_which_extra_to_install(args: list[str]) -> None:
+    """UCX is the ``kvstate[ucx]`` extra: without ucxx the demo exits 2 with one line
+    naming it, before any server or worker starts (as if ucxx were not installed)."""
+    script = (
+        "import sys; sys.modules['ucxx'] = None\n"
+        "from kvstate.demo.command import demo\n"
+        "demo(sys.argv[1:])\n"
+    )
+    env = _env(KVSTATE_DEMO_AUTHKEY=AUTHKEY)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "kvstate demo: error: the demo's workers move KV pages with UCX and ucxx is not "
+        "installed here: pip install 'kvstate[ucx]'"
+    ]
+    assert "redis" not in proc.stderr.lower()
+
+
 def test_outcome_classification() -> None:
     from kvstate.demo import Job, Result
 
     job = Job(1, 4, "prefill-0", "a:1")
 
     def track(rx: Result | None, tx: Result | None, abort: str = "", dead: bool = False) -> str:
-        t = _Track(job, "decode-0", 0.0, abort, prefill_dead=dead)
+        t = Track(job, "decode-0", 0.0, abort, prefill_dead=dead)
         for r in (rx, tx):
             if r is not None:
                 t.results[r.role] = r
@@ -280,3 +305,28 @@ def test_demo_load_two_by_two_with_every_fault() -> None:
     assert doc["keys_left"] == 0
     ok = [r for r in doc["rooms"] if r["decode_status"] == "Success"]
     assert ok and all(r["verified"] for r in ok)
+
+
+def test_the_store_operations_the_demo_uses(redis_url: str) -> None:
+    """What the demo asks of the Store: the mark an abort of a finished room leaves is
+    taken back, published transfer counters are dropped once read, and the command
+    counts grow by the commands run."""
+    import kvstate
+    from kvstate.ops.metrics import TransferRecorder
+
+    store = kvstate.connect(redis_url, "demo-store")
+    try:
+        assert store.abort(7, "both sides had finished") == 0  # failed nobody, left its mark
+        mark = store.keys.aborted(7)
+        assert list(store.scan(mark)) == [mark]
+        recorder = TransferRecorder(store, "prefill-0")
+        recorder.observe(4096, 0.001)
+        recorder.close()
+        stats = store.keys.transfer_stats("prefill-0")
+        assert list(store.scan(stats)) == [stats]
+        before = store.command_counts()
+        store.execute([store.unmark_aborted(7), store.drop_transfer_stats("prefill-0")])
+        assert store.command_counts().get("del", 0) == before.get("del", 0) + 2
+        assert list(store.scan(store.keys.all_pattern)) == []
+    finally:
+        store.close()

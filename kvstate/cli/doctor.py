@@ -184,7 +184,7 @@ def _ucx_checks(checks: list[Check]) -> None:
             Check(
                 "ucx",
                 "fail",
-                f"ucxx not importable ({type(exc).__name__}: {exc}); install ucxx-cu12",
+                f"ucxx not importable ({type(exc).__name__}: {exc}); pip install 'kvstate[ucx]'",
             )
         )
         return
