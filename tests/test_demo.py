@@ -312,7 +312,7 @@ def test_the_store_operations_the_demo_uses(redis_url: str) -> None:
     taken back, published transfer counters are dropped once read, and the command
     counts grow by the commands run."""
     import kvstate
-    from kvstate.ops.metrics import TransferRecorder
+    from kvstate.stats import TransferRecorder
 
     store = kvstate.connect(redis_url, "demo-store")
     try:
