@@ -492,84 +492,101 @@ class Auditor:
         return view
 
     def _fix_one(self, f: Finding) -> None:
+        """Repair one finding by its kind (``_fix_<kind>``); the findings table says which
+        kinds have a repair, and tests/test_findings.py keeps the two in step."""
+        kind = finding_kind(f.kind)
+        if kind.fixable:
+            getattr(self, f"_fix_{kind.name}")(f)
+        else:
+            f.left = kind.left_for(f.room)
+
+    def _fix_no_ttl(self, f: Finding) -> None:
         s = self.store
-        if f.kind == "no_ttl":
-            if f.key == self.keys.ledger:
-                ttl = LEDGER_TTL_MS
-            elif f.room is not None:
-                ttl = self._room_ttl_ms(f.room)
-            else:
-                ttl = s.ttl_ms
-            now = int(s.execute([s.key_ttl(f.key)])[0])
-            if now != -1:  # only keys that still have no TTL
-                f.resolved = (
-                    "it is gone" if now == -2 else f"it got a TTL meanwhile ({fmt_ms(now)} left)"
-                )
-                return
-            s.execute([s.set_ttl(f.key, ttl)])
-            f.fixed = f"set a TTL of {fmt_ms(ttl)}" + (
-                " (the room's remaining TTL)" if f.room is not None else ""
+        if f.key == self.keys.ledger:
+            ttl = LEDGER_TTL_MS
+        elif f.room is not None:
+            ttl = self._room_ttl_ms(f.room)
+        else:
+            ttl = s.ttl_ms
+        now = int(s.execute([s.key_ttl(f.key)])[0])
+        if now != -1:  # only keys that still have no TTL
+            f.resolved = (
+                "it is gone" if now == -2 else f"it got a TTL meanwhile ({fmt_ms(now)} left)"
             )
-        elif f.kind == "stuck":
-            assert f.room is not None
-            st: Status = s.execute([self._store_for(f.room).poll(f.room, *f.part)])[0]
-            if st.status == KVPoll.Failed:
-                f.fixed = f"failed it: {st.reason}"
-            else:
-                f.resolved = f"it moved on ({st.status.name if st.status else 'gone'})"
-        elif f.kind == "orphan_tracker":
-            (member,) = f.target
-            n = s.execute([s.untrack(f.key, member)])[0]
-            if int(n):
-                f.fixed = f"removed {member} from the tracker"
-            else:
-                f.resolved = "the member was removed meanwhile"
-        elif f.kind == "unclaimed_xfer":
-            assert f.room is not None
-            exists = s.execute([s.key_exists(s.keys.participant(f.room, "tx", f.engine))])
-            if int(exists[0]):
-                f.resolved = "its sender appeared meanwhile"
-            else:
-                s.execute([s.delete(f.key)])
-                f.fixed = "deleted the unclaimed transfer infos"
-        elif f.kind == "dead_engine":
-            engine, inc, addr = f.target
-            reason = (
-                f"peer {engine} at {addr or '?'} is gone (incarnation {inc}); "
-                "failed by kvstate audit"
-            )
-            view = self._store_for(f.room)
-            n = s.execute([view.fail_receiver(f.key, engine, inc, reason)])[0]
-            if int(n):
-                f.fixed = f"failed it: {reason}"
-            else:
-                f.resolved = "it reached a terminal status or was cleared meanwhile"
-        elif f.kind == "dead_owner":
-            assert f.room is not None
-            reason = f"engine {f.engine} lost its lease; failed by kvstate audit"
-            view = self._store_for(f.room)
-            call = view.update(f.room, *f.part, KVPoll.Failed, reason)
-            st2: Status = s.execute([call])[0]
-            if st2.status == KVPoll.Failed and st2.reason == reason:
-                f.fixed = f"failed it: {reason}"
-            else:
-                f.resolved = f"it moved on ({st2.status.name if st2.status else 'gone'})"
-        elif f.kind == "unindexed":
-            assert f.room is not None
-            side, engine = f.part
-            member = schema.member(side, engine)
-            exists = s.execute([s.key_exists(f.key)])[0]
-            if not int(exists):
-                f.resolved = "it was cleared meanwhile"
-                return
-            ttl = self._room_ttl_ms(f.room, also=[f.key])
-            s.execute(
-                [
-                    s.index_member(f.room, side, engine, f.target[0]),
-                    s.set_ttl(self.keys.parts(f.room), ttl),
-                ],
-                transaction=True,
-            )
-            f.fixed = f"added {member} back to the room's index (TTL {fmt_ms(ttl)})"
-        else:  # reported only: terminal_uncleared, corrupt, server_setting
-            f.left = finding_kind(f.kind).left_for(f.room)
+            return
+        s.execute([s.set_ttl(f.key, ttl)])
+        f.fixed = f"set a TTL of {fmt_ms(ttl)}" + (
+            " (the room's remaining TTL)" if f.room is not None else ""
+        )
+
+    def _fix_stuck(self, f: Finding) -> None:
+        s = self.store
+        assert f.room is not None
+        st: Status = s.execute([self._store_for(f.room).poll(f.room, *f.part)])[0]
+        if st.status == KVPoll.Failed:
+            f.fixed = f"failed it: {st.reason}"
+        else:
+            f.resolved = f"it moved on ({st.status.name if st.status else 'gone'})"
+
+    def _fix_orphan_tracker(self, f: Finding) -> None:
+        s = self.store
+        (member,) = f.target
+        n = s.execute([s.untrack(f.key, member)])[0]
+        if int(n):
+            f.fixed = f"removed {member} from the tracker"
+        else:
+            f.resolved = "the member was removed meanwhile"
+
+    def _fix_unclaimed_xfer(self, f: Finding) -> None:
+        s = self.store
+        assert f.room is not None
+        exists = s.execute([s.key_exists(s.keys.participant(f.room, "tx", f.engine))])
+        if int(exists[0]):
+            f.resolved = "its sender appeared meanwhile"
+        else:
+            s.execute([s.delete(f.key)])
+            f.fixed = "deleted the unclaimed transfer infos"
+
+    def _fix_dead_engine(self, f: Finding) -> None:
+        s = self.store
+        engine, inc, addr = f.target
+        reason = (
+            f"peer {engine} at {addr or '?'} is gone (incarnation {inc}); failed by kvstate audit"
+        )
+        view = self._store_for(f.room)
+        n = s.execute([view.fail_receiver(f.key, engine, inc, reason)])[0]
+        if int(n):
+            f.fixed = f"failed it: {reason}"
+        else:
+            f.resolved = "it reached a terminal status or was cleared meanwhile"
+
+    def _fix_dead_owner(self, f: Finding) -> None:
+        s = self.store
+        assert f.room is not None
+        reason = f"engine {f.engine} lost its lease; failed by kvstate audit"
+        view = self._store_for(f.room)
+        call = view.update(f.room, *f.part, KVPoll.Failed, reason)
+        st2: Status = s.execute([call])[0]
+        if st2.status == KVPoll.Failed and st2.reason == reason:
+            f.fixed = f"failed it: {reason}"
+        else:
+            f.resolved = f"it moved on ({st2.status.name if st2.status else 'gone'})"
+
+    def _fix_unindexed(self, f: Finding) -> None:
+        s = self.store
+        assert f.room is not None
+        side, engine = f.part
+        member = schema.member(side, engine)
+        exists = s.execute([s.key_exists(f.key)])[0]
+        if not int(exists):
+            f.resolved = "it was cleared meanwhile"
+            return
+        ttl = self._room_ttl_ms(f.room, also=[f.key])
+        s.execute(
+            [
+                s.index_member(f.room, side, engine, f.target[0]),
+                s.set_ttl(self.keys.parts(f.room), ttl),
+            ],
+            transaction=True,
+        )
+        f.fixed = f"added {member} back to the room's index (TTL {fmt_ms(ttl)})"
