@@ -42,7 +42,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from kvstate import embedded
+from kvstate import embedded, wire
 from kvstate.connection import (
     ENV_NAMESPACE,
     ENV_URL,
@@ -84,6 +84,8 @@ _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
 _SCRIPT_WRAPPER = re.compile(r"^Error running script \(call to f_[0-9a-f]+\): (@\w+:? ?\d+: )*-?")
 _REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
 _NODE_TROUBLE = (*_REDIRECTS, redis.ConnectionError, redis.TimeoutError)
+_MULTI = wire.pack(("MULTI",))
+_EXEC = wire.pack(("EXEC",))
 
 
 def _load_scripts() -> dict[str, str]:
@@ -198,9 +200,8 @@ class Store:
         pool: for a heartbeat that the workload's pool must not starve."""
         client: Client
         if self.cluster:
-            cluster = self.client
-            assert not isinstance(cluster, redis.Redis)
-            nodes = [ClusterNode(n.host, n.port) for n in cluster.get_primaries()]
+            cluster: Any = self.client  # redis-py's Cluster API is untyped
+            nodes = [ClusterNode(n.host, n.port) for n in cluster.get_primaries()]  # type: ignore[no-untyped-call]
             with self.errors():  # a Cluster client asks a node for the slot map when made
                 client = RedisCluster(
                     startup_nodes=nodes, **cluster.nodes_manager.connection_kwargs
@@ -319,68 +320,104 @@ class Store:
         ]
 
     def _execute_on(self, conn: redis.Redis, calls: list[Call], transaction: bool) -> list[Any]:
-        if len(calls) == 1 and not transaction:
-            return [self._execute_one(conn, calls[0])]
+        """One round trip to one server (kvstate.wire): the batch packed into one write,
+        the replies read in one loop. ``transaction``: the calls in MULTI/EXEC, one
+        block per hash slot on a Cluster (so a node's slots still share the trip).
+        NOSCRIPT (restart, failover, SCRIPT FLUSH) sends the batch again with EVAL of
+        the sources, which cannot meet NOSCRIPT: every batch is safe to send twice."""
+        blocks = self._blocks(calls) if transaction else None
         for attempt in range(2):
-            pipe = conn.pipeline(transaction=transaction)
-            for call in calls:
-                if call.script is None:
-                    pipe.execute_command(call.command, *call.keys, *call.args)
-                elif attempt:  # after NOSCRIPT: send the source, see _execute_one
-                    pipe.eval(_SOURCES[call.script], len(call.keys), *call.keys, *call.args)
-                else:
-                    pipe.evalsha(_SHAS[call.script], len(call.keys), *call.keys, *call.args)
-            try:
-                replies = pipe.execute(raise_on_error=False)
-            except NoScriptError:  # raised whole when the pipeline is a transaction
-                replies = [NoScriptError()]
-            except ResponseError as exc:  # a transaction refused whole (EXECABORT): OOM...
-                raise self._translate(calls[0], exc) from None
+            packed = [self._pack(call, attempt > 0) for call in calls]
+            if blocks is None:
+                raw = wire.roundtrip(conn, b"".join(packed), len(packed))
+                replies = raw
+            else:
+                out: list[bytes] = []
+                for block in blocks:
+                    out.append(_MULTI)
+                    out += [packed[i] for i in block]
+                    out.append(_EXEC)
+                raw = wire.roundtrip(conn, b"".join(out), len(out))
+                replies = [None] * len(calls)
+                at = 0
+                for block in blocks:
+                    self._unblock(calls, block, raw[at : at + len(block) + 2], replies, attempt)
+                    at += len(block) + 2
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
                 continue
-            for call, reply in zip(calls, replies, strict=True):
+            callbacks: Any = conn.response_callbacks
+            for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
                 if isinstance(reply, Exception):
                     raise self._translate(call, reply)
-            return list(replies)
+                if call.command is not None:
+                    callback = callbacks.get(call.command)
+                    if callback is not None:
+                        replies[i] = callback(reply)
+            return replies
         raise AssertionError("unreachable")
 
-    def _execute_one(self, conn: redis.Redis, call: Call) -> Any:
-        """A lone call skips the pipeline machinery: it is the hot path of poll()."""
-        for attempt in range(2):
-            try:
-                if call.script is None:
-                    return conn.execute_command(call.command, *call.keys, *call.args)
-                if attempt:
-                    # After NOSCRIPT, EVAL the source (which caches it again) rather than
-                    # SCRIPT LOAD then EVALSHA: another SCRIPT FLUSH (or a failover) can
-                    # land between those two, and EVAL cannot meet NOSCRIPT.
-                    return conn.eval(_SOURCES[call.script], len(call.keys), *call.keys, *call.args)
-                return conn.evalsha(_SHAS[call.script], len(call.keys), *call.keys, *call.args)
-            except NoScriptError:
-                if attempt:
-                    raise
-            except ResponseError as exc:
-                raise self._translate(call, exc) from None
-        raise AssertionError("unreachable")
+    def _blocks(self, calls: list[Call]) -> list[list[int]]:
+        """Indices of ``calls`` per MULTI/EXEC block: one block on a standalone server,
+        one per hash slot (in order of first appearance) on a Cluster."""
+        if not self.cluster:
+            return [list(range(len(calls)))]
+        keyslot = self.client.keyslot  # type: ignore[union-attr]
+        slots: dict[int, list[int]] = {}
+        for i, call in enumerate(calls):
+            slots.setdefault(keyslot(call.keys[0]), []).append(i)
+        return list(slots.values())
+
+    def _unblock(
+        self, calls: list[Call], block: list[int], raw: list[Any], replies: list[Any], attempt: int
+    ) -> None:
+        """The replies of one MULTI/EXEC block into ``replies``, as redis-py's pipeline
+        reads them: a command refused when queued (OOM, NOPERM...) aborts the block,
+        which raises that error for the block's first call."""
+        queued = [r for r in raw[:-1] if isinstance(r, Exception)]
+        result = raw[-1]
+        if isinstance(result, Exception) or result is None:
+            exc = queued[0] if queued else result
+            if exc is None:
+                exc = ResponseError("EXEC answered nil: the transaction was discarded")
+            if isinstance(exc, NoScriptError) and attempt == 0:
+                replies[block[0]] = exc  # sent again with EVAL
+                return
+            raise self._translate(calls[block[0]], exc) from None
+        if len(result) != len(block):
+            raise ResponseError("wrong number of replies in a transaction")
+        for i, reply in zip(block, result, strict=True):
+            replies[i] = reply
+
+    @staticmethod
+    def _pack(call: Call, source: bool) -> bytes:
+        if call.script is None:
+            name = call.command or ""
+            head = name.split() if " " in name else (name,)
+            return wire.pack((*head, *call.keys, *call.args))
+        if source:
+            # After NOSCRIPT, EVAL the source (which caches it again) rather than
+            # SCRIPT LOAD then EVALSHA: another SCRIPT FLUSH (or a failover) can land
+            # between those two, and EVAL cannot meet NOSCRIPT.
+            script: tuple[Any, ...] = ("EVAL", _SOURCES[call.script])
+        else:
+            script = ("EVALSHA", _SHAS[call.script])
+        return wire.pack((*script, len(call.keys), *call.keys, *call.args))
 
     def _execute_cluster(
         self, calls: Sequence[Call], transaction: bool, partial: bool
     ) -> list[Any]:
-        """One pipeline per node (per slot for transactions), the nodes at once; calls
-        that met a redirect or an unreachable node are retried after a topology refresh,
-        ``options.retries`` times within the call's deadline."""
+        """One round trip per node (a transaction: one MULTI/EXEC per slot in it), the
+        nodes at once; calls that met a redirect or an unreachable node are retried
+        after a topology refresh, ``options.retries`` times within the call's deadline."""
         replies: list[Any] = [None] * len(calls)
         pending = list(range(len(calls)))
-        cluster = self.client
-        assert not isinstance(cluster, redis.Redis)
+        cluster: Any = self.client  # a RedisCluster (its API is untyped)
         trouble: dict[int, tuple[str, BaseException]] = {}  # call -> (node, last error)
         for attempt in range(self.options.retries + 1):
-            groups: dict[tuple[str, int], list[int]] = {}
+            groups: dict[tuple[str, int], list[int]] = {}  # per node; slots: _blocks()
             for i in pending:
-                key = calls[i].keys[0]
-                node = cluster.get_node_from_key(key)
-                group = (node.name, cluster.keyslot(key) if transaction else 0)
-                groups.setdefault(group, []).append(i)
+                node = cluster.get_node_from_key(calls[i].keys[0])
+                groups.setdefault((node.name, 0), []).append(i)
             outcomes = self._run_groups(
                 [
                     (cluster.get_node(node_name=name).redis_connection, [calls[i] for i in idxs])
@@ -566,16 +603,15 @@ class Store:
     def track(self, bootstrap_addr: str, member: str) -> Call:
         return self.script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
 
-    def clear(
+    def clear_calls(
         self,
         room: int,
         side: Side,
         engine: str,
         senders: Iterable[str] = (),
         peer_addr: str | None = None,
-    ) -> None:
-        """Delete everything one participant created: one MULTI/EXEC on a standalone
-        server; on a Cluster the room's slot in one MULTI/EXEC, then the tracker."""
+    ) -> list[Call]:
+        """What deletes everything one participant created (see ``clear_many``)."""
         k = self.keys
         me = k.participant(room, side, engine)
         calls = [
@@ -588,22 +624,52 @@ class Store:
             self.command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
         ]
         calls += [self.command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
-        tracker = []
         if peer_addr is not None:
-            tracker = [self.command("ZREM", k.addr(peer_addr), args=[me])]
+            calls.append(self.command("ZREM", k.addr(peer_addr), args=[me]))
+        return calls
+
+    def clear(
+        self,
+        room: int,
+        side: Side,
+        engine: str,
+        senders: Iterable[str] = (),
+        peer_addr: str | None = None,
+    ) -> None:
+        """Delete everything one participant created: one MULTI/EXEC on a standalone
+        server; on a Cluster one round trip per node, a MULTI/EXEC per slot (the
+        room's, the tracker's)."""
+        self.clear_many([self.clear_calls(room, side, engine, senders, peer_addr)], False)
+
+    def clear_many(
+        self, participants: Sequence[Sequence[Call]], partial: bool = True
+    ) -> list[StateConnectionError | None]:
+        """Clear many participants (each given by ``clear_calls``) in one round trip
+        per node. With ``partial`` (Cluster), a participant whose node could not be
+        reached gets its StateConnectionError in the answer (clear it again later: a
+        clear can be repeated) while the others are cleared; None means cleared."""
+        calls = [c for group in participants for c in group]
+        if not calls:
+            return [None] * len(participants)
+        partial = partial and self.cluster
         with self.bounded():
             try:
-                if self.cluster:
-                    self.execute(calls, transaction=True)
-                    self.execute(tracker)
-                else:
-                    self.execute(calls + tracker, transaction=True)
+                replies = self.execute(calls, transaction=True, partial=partial)
             except StateOutOfMemoryError:
                 # At maxmemory Redis refuses every command queued in a MULTI, even DEL;
                 # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
                 # transaction a cut connection can leave part of the participant behind:
                 # those keys have TTLs, and a clear can be repeated.
-                self.execute(calls + tracker)
+                replies = self.execute(calls, partial=partial)
+        out: list[StateConnectionError | None] = []
+        at = 0
+        for group in participants:
+            failed = [
+                r for r in replies[at : at + len(group)] if isinstance(r, StateConnectionError)
+            ]
+            out.append(failed[0] if failed else None)
+            at += len(group)
+        return out
 
     # -- room-wide ---------------------------------------------------------------
     def members(self, room: int) -> list[str]:
@@ -680,11 +746,12 @@ class Store:
         )
 
     def server_time_ms(self) -> int:
+        client: Any = self.client
         with self.bounded():
             if self.cluster:
-                secs, micros = self.client.time(target_nodes="random")  # type: ignore[call-arg]
+                secs, micros = client.time(target_nodes="random")
             else:
-                secs, micros = self.client.time()  # type: ignore[misc]
+                secs, micros = client.time()
         return int(secs) * 1000 + int(micros) // 1000
 
 
