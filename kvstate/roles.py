@@ -255,6 +255,16 @@ class KVSender(_Participant):
             raise InvalidIndicesError(f"num_kv_indices must be an int >= 0, got {num_kv_indices!r}")
         self._num_pages = num_kv_indices
 
+    def _step_call(self, op: str) -> Call:
+        """begin or finish for a batch (KVManager.begin_many / finish_many), with the
+        receivers of the last poll; a poll while none has published yet."""
+        if not self._infos:
+            return self._poll_call()
+        receivers = list(self._infos)
+        if op == "begin":
+            return self.store.begin(self.room, self.engine, receivers)
+        return self.store.finish(self.room, self.engine, receivers)
+
     def begin_transfer(self) -> KVPoll:
         """-> Transferring, for callers that move the bytes themselves; Failed instead
         (write nothing then) if a receiver failed or vanished meanwhile, or its engine
@@ -673,6 +683,56 @@ class KVManager:
         answered; their participants keep their last status. Raises
         StateConnectionError when no node answered.
         """
+        return self._many(rooms, "poll")
+
+    def begin_many(self, rooms: Iterable[object]) -> PollResults:
+        """``begin_transfer()`` of many senders of this (prefill) manager in one round
+        trip per Redis node: a scheduler step's worth. Each room is Transferring, or
+        Failed (write nothing to it) as ``begin_transfer`` says; a sender that has seen
+        no receiver's infos yet is polled instead (it cannot begin before they
+        published). Answers and partial results (``.errors``) as ``poll_many``; a room
+        with no live sender of this manager is refused (KVStateError) before anything
+        is sent."""
+        return self._many(rooms, "begin")
+
+    def finish_many(self, rooms: Iterable[object]) -> PollResults:
+        """``finish_transfer()`` of many senders of this manager in one round trip per
+        Redis node: each becomes Success and acks its receivers. As ``begin_many``."""
+        return self._many(rooms, "finish")
+
+    def clear_many(self, rooms: Iterable[object]) -> dict[int, KVStateError]:
+        """``clear()`` of this manager's participants of many rooms in one round trip
+        per Redis node. Returns the rooms not cleared, each with its node's
+        StateConnectionError (Cluster, node unreachable): they stay live here and can be
+        cleared again; rooms without a live participant here are skipped (a clear is
+        idempotent). Raises StateConnectionError when no node answered."""
+        self._check_usable()
+        todo: list[_Participant] = []
+        for room in rooms:
+            r = check_room(room)
+            with self._lock:
+                p = self._live.get(r)
+            if p is not None and not p._cleared:
+                todo.append(p)
+        sent = [p for p in todo if p._create_sent]
+        errors = self.store.clear_many(
+            [self.store.clear_calls(p.room, p.side, p.engine, **p._clear_args()) for p in sent]
+        )
+        failed = {p.room: e for p, e in zip(sent, errors, strict=True) if e is not None}
+        for p in todo:
+            if p.room not in failed:
+                p._cleared = True
+                p._release()
+                self._forget(p)
+        return dict(failed)
+
+    def _many(self, rooms: Iterable[object], op: str) -> PollResults:
+        """One batch of ``op`` (poll, begin, finish) over many rooms: creates and
+        bindings still due go first in the same batch, one registry read per address."""
+        if op != "poll" and self.side != "tx":
+            raise KVStateError(
+                f"{op}_many is for a prefill manager's senders; {self.engine} is {self.role}"
+            )
         plan: list[tuple[int, _Participant | None, int]] = []
         calls: list[Call] = []
         lookups: _Lookups = {}  # receivers still binding: one registry read per address
@@ -682,9 +742,16 @@ class KVManager:
                 p = self._live.get(r)
             if p is not None and p._cleared:
                 p = None
+            if p is None and op != "poll":
+                raise KVStateError(
+                    f"room {r}: {self.engine} has no live sender for it; {op}_many takes the "
+                    "rooms of this manager's senders (made by sender(), not cleared)"
+                )
             if p is not None:
                 calls += p._create_calls(lookups)
-                calls.append(p._poll_call())
+                calls.append(
+                    p._step_call(op) if isinstance(p, KVSender) and op != "poll" else p._poll_call()
+                )
             else:
                 calls.append(self.store.poll(r, self.side, self.engine))
             plan.append((r, p, len(calls) - 1))
