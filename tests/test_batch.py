@@ -1,4 +1,5 @@
-"""Batched per-step calls (KVManager.poll_many / begin_many / finish_many / clear_many)
+"""Batched per-step calls (KVManager poll_many / init_many / begin_many / finish_many /
+clear_many)
 on real Redis, standalone and a 3-primary Cluster: one round trip per node, the same
 answers as the one-room calls, partial results when a node is unreachable, no key left."""
 
@@ -37,9 +38,14 @@ def test_step_batches_one_round_trip_per_node(store: Store) -> None:
     with p, d:
         senders = {r: p.sender(r) for r in rooms}
         receivers = {r: d.receiver(r, PREFILL_ADDR) for r in rooms}
-        for r, rcv in receivers.items():
-            assert rcv.init(np.arange(r, r + 8)) == KVPoll.WaitingForInput
         with RoundTrips.installed() as rt:
+            before = rt.count
+            pages = {r: np.arange(r, r + 8) for r in rooms}
+            inited = d.init_many(pages)  # creates, tracks, binds and publishes
+            # + 2: the registry read (the address's index, then its engines), once
+            assert rt.count - before <= _nodes(store) + 2
+            assert inited == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+            assert all(r.senders == [p.engine] for r in receivers.values())
             before = rt.count
             polled = p.poll_many(rooms)  # creates every sender in the same trip
             assert rt.count - before <= _nodes(store)
@@ -84,8 +90,10 @@ def test_begin_many_refuses_where_a_single_begin_would(store: Store) -> None:
         assert out[1] == KVPoll.Transferring
         assert out[2] == KVPoll.Failed and "decode ran out of pages" in snd[2]._reason
         assert out[3] == KVPoll.Bootstrapping  # no receiver published: only polled
-        with pytest.raises(KVStateError, match="no live sender"):
+        with pytest.raises(KVStateError, match="no live participant"):
             p.begin_many([99])
+        with pytest.raises(KVStateError, match="decode manager"):
+            p.init_many({1: [1]})
         with pytest.raises(KVStateError, match="prefill manager"):
             d.finish_many([1])
         assert p.finish_many([1]) == {1: KVPoll.Success}

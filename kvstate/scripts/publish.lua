@@ -23,7 +23,6 @@ local rx = KEYS[1]
 local ttl = ARGV[1]
 local cur = read_status(rx)
 if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
-local now = now_ms()
 local n = (#KEYS - 2) / 2
 -- (HEXISTS/HGET + HSET rather than HSETNX/HINCRBY: the engine ACL in the README lists
 -- the commands kvstate needs, and the script is atomic anyway)
@@ -31,45 +30,45 @@ local function bump(key, field)
   redis.call('HSET', key, field, (tonumber(redis.call('HGET', key, field)) or 0) + 1)
 end
 for i = 1, n do
-  local field = 'peer:' .. ARGV[3 + 2 * i]
+  local field = F_PEER_PREFIX .. ARGV[3 + 2 * i]
   if redis.call('HEXISTS', rx, field) == 0 then
     redis.call('HSET', rx, field, ARGV[4 + 2 * i])
-    bump(rx, 'bound')
+    bump(rx, F_BOUND)
   end
 end
 local required = tonumber(ARGV[4])
-if required > 0 and number_of(rx, 'peers', redis.call('HGET', rx, 'peers')) < 1 then
-  redis.call('HSET', rx, 'peers', required)
+if required > 0 and number_of(rx, F_PEERS, redis.call('HGET', rx, F_PEERS)) < 1 then
+  redis.call('HSET', rx, F_PEERS, required)
 end
 redis.call('PEXPIRE', rx, ttl)
 touch(KEYS[2], ttl)
 for i = 1, n do
-  local t = redis.call('HMGET', KEYS[2 * i + 1], 'status', 'reason')
+  local t = redis.call('HMGET', KEYS[2 * i + 1], F_STATUS, F_REASON)
   if t[1] == 'Failed' then
     local reason = t[2] or 'sender failed'
-    set_status(rx, 'Failed', now, ttl, reason)
+    set_status(rx, 'Failed', now_ms(), ttl, reason)
     return {'Failed', reason}
   end
 end
 if ARGV[3] == '' then return cur end
 for i = 1, n do
   local tx, xfer = KEYS[2 * i + 1], KEYS[2 * i + 2]
-  if redis.call('HGET', rx, 'peer:' .. ARGV[3 + 2 * i]) == ARGV[4 + 2 * i] then
+  if redis.call('HGET', rx, F_PEER_PREFIX .. ARGV[3 + 2 * i]) == ARGV[4 + 2 * i] then
     redis.call('HSET', xfer, ARGV[2], ARGV[3])
     redis.call('PEXPIRE', xfer, ttl)
-    local t = redis.call('HMGET', tx, 'status', 'peers')
+    local t = redis.call('HMGET', tx, F_STATUS, F_PEERS)
     if t[1] then
-      bump(tx, 'infos_v')
-      if rank_of(tx, t[1]) == 1 and redis.call('HLEN', xfer) >= number_of(tx, 'peers', t[2]) then
-        set_status(tx, 'WaitingForInput', now, ttl, nil)
+      bump(tx, F_INFOS_V)
+      if rank_of(tx, t[1]) == 1 and redis.call('HLEN', xfer) >= number_of(tx, F_PEERS, t[2]) then
+        set_status(tx, 'WaitingForInput', now_ms(), ttl, nil)
       end
     end
   end
 end
-local h = redis.call('HMGET', rx, 'bound', 'peers')
-local bound, peers = tonumber(h[1]) or 0, number_of(rx, 'peers', h[2])
+local h = redis.call('HMGET', rx, F_BOUND, F_PEERS)
+local bound, peers = tonumber(h[1]) or 0, number_of(rx, F_PEERS, h[2])
 if RANK[cur[1]] < 2 and peers >= 1 and bound >= peers then
-  set_status(rx, 'WaitingForInput', now, ttl, nil)
+  set_status(rx, 'WaitingForInput', now_ms(), ttl, nil)
   return {'WaitingForInput', cur[2]}
 end
 return cur

@@ -1,0 +1,51 @@
+"""The stored field names in Lua (constants at the top of kvstate/scripts/_lib.lua) are
+kvstate.schema's: a field renamed on one side only would make the scripts and the
+Python code read different fields without any error."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+from kvstate import schema
+
+_CONST = re.compile(r"^local F_(\w+) = '([^']*)'$", re.M)
+
+
+def _lua_constants() -> dict[str, str]:
+    lib = (resources.files("kvstate") / "scripts" / "_lib.lua").read_text()
+    found = _CONST.findall(lib)
+    assert len(found) == len(dict(found)), "a constant is defined twice in _lib.lua"
+    return dict(found)
+
+
+def _schema_constants() -> dict[str, str]:
+    return {k: v for k, v in vars(schema).items() if k.isupper() and isinstance(v, str)}
+
+
+def test_every_lua_constant_equals_the_schema() -> None:
+    lua, py = _lua_constants(), _schema_constants()
+    assert lua, "no F_ constants found in _lib.lua"
+    for name, value in lua.items():
+        assert name in py, f"F_{name} in _lib.lua has no kvstate.schema.{name}"
+        assert value == py[name], f"F_{name} = {value!r} in Lua, {py[name]!r} in kvstate.schema"
+
+
+def test_every_schema_field_is_mirrored_in_lua() -> None:
+    missing = sorted(set(_schema_constants()) - set(_lua_constants()))
+    assert not missing, f"kvstate.schema fields without an F_ constant in _lib.lua: {missing}"
+
+
+def test_scripts_spell_no_schema_field_as_a_literal() -> None:
+    """Outside _lib.lua's constants and comments, a field is named by its constant."""
+    values = set(_schema_constants().values())
+    folder = resources.files("kvstate") / "scripts"
+    for entry in folder.iterdir():
+        if not entry.name.endswith(".lua"):
+            continue
+        for n, line in enumerate(entry.read_text().splitlines(), 1):
+            code = line.split("--", 1)[0]
+            if _CONST.match(line):
+                continue
+            for literal in re.findall(r"'([^']*)'", code):
+                assert literal not in values, f"{entry.name}:{n} spells {literal!r}: use F_"
