@@ -277,18 +277,23 @@ class KVSender(_Participant):
             return self.store.begin(self.room, self.engine, receivers)
         return self.store.finish(self.room, self.engine, receivers)
 
+    def _receivers(self) -> list[str]:
+        """The receivers that published to this sender (polling once if none has yet):
+        their names only, without decoding the infos' page indices (send() does)."""
+        if not self._infos and not self._cleared:
+            self.poll()
+        return list(self._infos)
+
     def begin_transfer(self) -> KVPoll:
         """-> Transferring, for callers that move the bytes themselves; Failed instead
         (write nothing then) if a receiver failed or vanished meanwhile, or its engine
         lost its lease or restarted (the heartbeat failed this sender)."""
-        receivers = list(self.transfer_infos())
-        self._run(self.store.begin(self.room, self.engine, receivers))
+        self._run(self.store.begin(self.room, self.engine, self._receivers()))
         return self._status
 
     def finish_transfer(self) -> KVPoll:
         """-> Success; acks every receiver, which see Success on their next poll."""
-        receivers = list(self.transfer_infos())
-        self._run(self.store.finish(self.room, self.engine, receivers))
+        self._run(self.store.finish(self.room, self.engine, self._receivers()))
         return self._status
 
     def send(self, kv_indices: object, last: bool = True) -> KVPoll:
