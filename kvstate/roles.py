@@ -15,7 +15,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, unpack
 from kvstate.errors import (
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 # (bootstrap addr, named senders or None) -> the prefill engines found there
 _Lookups = dict[tuple[str, tuple[str, ...] | None], list[EngineInfo]]
+_P = TypeVar("_P", bound="_Participant")
 STATE_LOST = (
     "state lost: the participant's keys are gone (expired, cleared elsewhere, or Redis restarted)"
 )
@@ -661,7 +662,7 @@ class KVManager:
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
         return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
 
-    def _keep(self, p: Any) -> Any:
+    def _keep(self, p: _P) -> _P:
         with self._lock:
             self._live[p.room] = p
         return p

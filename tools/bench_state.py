@@ -60,7 +60,7 @@ class RoundTrips:
 
         def counting(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
             cls.count += 1
-            original(self, command, check_health)
+            original(self, command, check_health)  # type: ignore[no-untyped-call]
 
         AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
         try:
@@ -158,14 +158,14 @@ class RedisCost:
 def script_costs(nodes: list[redis.Redis], run: Any) -> dict[str, float]:
     """Median us per call of each script (and MULTI/EXEC...) while ``run()`` runs, from
     SLOWLOG at threshold 0 (its own pass: the slowlog costs Redis time itself)."""
-    saved = [c.config_get("slowlog-*") for c in nodes]
+    saved: list[Any] = [c.config_get("slowlog-*") for c in nodes]
     for c in nodes:
         c.config_set("slowlog-log-slower-than", 0)
         c.config_set("slowlog-max-len", 100_000)
         c.slowlog_reset()
     try:
         run()
-        entries = [e for c in nodes for e in c.execute_command("SLOWLOG", "GET", -1)]
+        entries = [e for c in nodes for e in c.execute_command("SLOWLOG", "GET", -1)]  # type: ignore[no-untyped-call]
     finally:
         for c, conf in zip(nodes, saved, strict=True):
             for k, v in conf.items():
@@ -248,13 +248,12 @@ def measure(url: str, server: RedisProcess | RedisCluster, n: int, batch: int) -
         out["batched_busiest_primary_cpu_us_per_lifecycle"] = round(
             max(cost.cpu_us) / (nb * batch), 1
         )
-        out["script_us_per_call"] = script_costs(
-            nodes,
-            lambda: [
+
+        def traced() -> None:
+            for b in range(max(nb // 4, 2)):
                 batch_lifecycles(p, d, range(400_000 + b * batch, 400_000 + (b + 1) * batch), pages)
-                for b in range(max(nb // 4, 2))
-            ],
-        )
+
+        out["script_us_per_call"] = script_costs(nodes, traced)
         out["room_memory_bytes"], out["room_keys"] = room_memory(store, p, d, pages)
     out["single_lifecycles_per_s"] = round(single_rate, 1)
     out["batched_lifecycles_per_s"] = round(batch_rate, 1)
