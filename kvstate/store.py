@@ -1,9 +1,10 @@
 """Every Redis call about room state, and the Lua scripts that make them atomic.
 
 Roles describe what they want as ``Call`` objects and hand a batch of them to
-``Store.execute``: on a standalone server a batch is one pipeline (one round
-trip); on a Cluster it is one pipeline per node (or per slot, for
-transactions), sent straight to the node that owns the keys. Scripts run by
+``Store.execute``: on a standalone server a batch is one round trip; on a Cluster
+it is one round trip per node (a transaction: one MULTI/EXEC per slot in it), sent
+straight to the node that owns the keys. Every round trip takes the lean path of
+``kvstate.wire`` (one packed write, one hiredis read loop). Scripts run by
 EVALSHA and are reloaded after NOSCRIPT (server restart, failover, SCRIPT
 FLUSH), so a batch must be safe to send twice: every script here is idempotent.
 """
