@@ -89,10 +89,37 @@ _MULTI = wire.pack(("MULTI",))
 _EXEC = wire.pack(("EXEC",))
 
 
+_LUA_FUNCTION = re.compile(r"^local function (\w+)\(.*?^end$\n?", re.M | re.S)
+
+
+def _with_lib(lib: str, body: str) -> str:
+    """``body`` after ``_lib.lua``'s preamble and only the helpers it uses (directly or
+    through another helper): Redis runs the whole source on every call, and each helper
+    defined is a closure made per call (~0.3 us each on Redis 7.0)."""
+    helpers: list[tuple[str, str]] = []  # (name, source with the comments above it)
+    preamble, at = "", 0
+    for match in _LUA_FUNCTION.finditer(lib):
+        if not helpers:
+            preamble = lib[: lib.rfind("\n\n", 0, match.start()) + 1]
+            at = len(preamble)
+        helpers.append((match[1], lib[at : match.end()]))
+        at = match.end()
+    if not helpers:
+        return lib + "\n" + body
+    used: set[str] = set()
+    text = body
+    for name, source in reversed(helpers):  # a helper uses only those defined above it
+        if re.search(rf"\b{name}\b", text):
+            used.add(name)
+            text += source
+    kept = "".join(source for name, source in helpers if name in used)
+    return preamble + kept + lib[at:] + "\n" + body
+
+
 def _load_scripts() -> dict[str, str]:
     folder = resources.files("kvstate") / "scripts"
     lib = (folder / "_lib.lua").read_text()
-    return {name: lib + "\n" + (folder / f"{name}.lua").read_text() for name in SCRIPT_NAMES}
+    return {name: _with_lib(lib, (folder / f"{name}.lua").read_text()) for name in SCRIPT_NAMES}
 
 
 _SOURCES = _load_scripts()

@@ -49,3 +49,23 @@ def test_scripts_spell_no_schema_field_as_a_literal() -> None:
                 continue
             for literal in re.findall(r"'([^']*)'", code):
                 assert literal not in values, f"{entry.name}:{n} spells {literal!r}: use F_"
+
+
+def test_each_script_carries_only_the_helpers_it_uses() -> None:
+    """Redis runs a script's whole source per call: _lib.lua's helpers go only into the
+    scripts that call them (directly or through another helper), and every helper a
+    script calls is there."""
+    from kvstate.store import _SOURCES
+
+    lib = (resources.files("kvstate") / "scripts" / "_lib.lua").read_text()
+    all_helpers = re.findall(r"^local function (\w+)\(", lib, re.M)
+    for name, source in _SOURCES.items():
+        defined = re.findall(r"^local function (\w+)\(", source, re.M)
+        for helper in defined:
+            if helper not in all_helpers:
+                continue  # the script's own
+            uses = len(re.findall(rf"\b{helper}\b", source))
+            assert uses > 1, f"{name}.lua carries {helper}() without calling it"
+        for helper in all_helpers:
+            if re.search(rf"\b{helper}\(", source):
+                assert helper in defined, f"{name}.lua calls {helper}() but lacks it"
