@@ -631,31 +631,6 @@ class Store:
     def track(self, bootstrap_addr: str, member: str) -> Call:
         return self.script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
 
-    def clear_calls(
-        self,
-        room: int,
-        side: Side,
-        engine: str,
-        senders: Iterable[str] = (),
-        peer_addr: str | None = None,
-    ) -> list[Call]:
-        """What deletes everything one participant created (see ``clear_many``)."""
-        k = self.keys
-        me = k.participant(room, side, engine)
-        calls = [
-            self.command(
-                "DEL",
-                me,
-                k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
-                k.aborted(room),
-            ),
-            self.command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
-        ]
-        calls += [self.command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
-        if peer_addr is not None:
-            calls.append(self.command("ZREM", k.addr(peer_addr), args=[me]))
-        return calls
-
     def clear(
         self,
         room: int,
@@ -668,36 +643,6 @@ class Store:
         server; on a Cluster one round trip per node, a MULTI/EXEC per slot (the
         room's, the tracker's)."""
         self.clear_many([self.clear_calls(room, side, engine, senders, peer_addr)], False)
-
-    def clear_many(
-        self, participants: Sequence[Sequence[Call]], partial: bool = True
-    ) -> list[StateConnectionError | None]:
-        """Clear many participants (each given by ``clear_calls``) in one round trip
-        per node. With ``partial`` (Cluster), a participant whose node could not be
-        reached gets its StateConnectionError in the answer (clear it again later: a
-        clear can be repeated) while the others are cleared; None means cleared."""
-        calls = [c for group in participants for c in group]
-        if not calls:
-            return [None] * len(participants)
-        partial = partial and self.cluster
-        with self.bounded():
-            try:
-                replies = self.execute(calls, transaction=True, partial=partial)
-            except StateOutOfMemoryError:
-                # At maxmemory Redis refuses every command queued in a MULTI, even DEL;
-                # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
-                # transaction a cut connection can leave part of the participant behind:
-                # those keys have TTLs, and a clear can be repeated.
-                replies = self.execute(calls, partial=partial)
-        out: list[StateConnectionError | None] = []
-        at = 0
-        for group in participants:
-            failed = [
-                r for r in replies[at : at + len(group)] if isinstance(r, StateConnectionError)
-            ]
-            out.append(failed[0] if failed else None)
-            at += len(group)
-        return out
 
     # -- room-wide ---------------------------------------------------------------
     def members(self, room: int) -> list[str]:
@@ -781,6 +726,62 @@ class Store:
             else:
                 secs, micros = client.time()
         return int(secs) * 1000 + int(micros) // 1000
+
+    # -- perf (issue 12): batched clears -------------------------------------------
+    def clear_calls(
+        self,
+        room: int,
+        side: Side,
+        engine: str,
+        senders: Iterable[str] = (),
+        peer_addr: str | None = None,
+    ) -> list[Call]:
+        """What deletes everything one participant created (see ``clear_many``)."""
+        k = self.keys
+        me = k.participant(room, side, engine)
+        calls = [
+            self.command(
+                "DEL",
+                me,
+                k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
+                k.aborted(room),
+            ),
+            self.command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
+        ]
+        calls += [self.command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
+        if peer_addr is not None:
+            calls.append(self.command("ZREM", k.addr(peer_addr), args=[me]))
+        return calls
+
+    def clear_many(
+        self, participants: Sequence[Sequence[Call]], partial: bool = True
+    ) -> list[StateConnectionError | None]:
+        """Clear many participants (each given by ``clear_calls``) in one round trip
+        per node. With ``partial`` (Cluster), a participant whose node could not be
+        reached gets its StateConnectionError in the answer (clear it again later: a
+        clear can be repeated) while the others are cleared; None means cleared."""
+        calls = [c for group in participants for c in group]
+        if not calls:
+            return [None] * len(participants)
+        partial = partial and self.cluster
+        with self.bounded():
+            try:
+                replies = self.execute(calls, transaction=True, partial=partial)
+            except StateOutOfMemoryError:
+                # At maxmemory Redis refuses every command queued in a MULTI, even DEL;
+                # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
+                # transaction a cut connection can leave part of the participant behind:
+                # those keys have TTLs, and a clear can be repeated.
+                replies = self.execute(calls, partial=partial)
+        out: list[StateConnectionError | None] = []
+        at = 0
+        for group in participants:
+            failed = [
+                r for r in replies[at : at + len(group)] if isinstance(r, StateConnectionError)
+            ]
+            out.append(failed[0] if failed else None)
+            at += len(group)
+        return out
 
 
 def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
