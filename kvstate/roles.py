@@ -36,10 +36,10 @@ from kvstate.store import Call, Status, Store
 from transports.base import Target, Transport, TransportError
 
 log = logging.getLogger(__name__)
+_P = TypeVar("_P", bound="_Participant")
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 # (bootstrap addr, named senders or None) -> the prefill engines found there
 _Lookups = dict[tuple[str, tuple[str, ...] | None], list[EngineInfo]]
-_P = TypeVar("_P", bound="_Participant")
 STATE_LOST = (
     "state lost: the participant's keys are gone (expired, cleared elsewhere, or Redis restarted)"
 )
