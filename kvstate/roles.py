@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from kvstate import schema
@@ -120,13 +120,25 @@ class _Participant:
     def _poll_call(self) -> Call:
         return self.store.poll(self.room, self.side, self.engine)
 
+    def _batch(self, call: Call, lookups: _Lookups | None = None) -> tuple[list[Call], int]:
+        """The calls of one operation (the create and bindings still due first) and the
+        index of the one whose reply is the participant's status. A first poll is the
+        create alone: create.lua answers it (with a sender's infos), one script less."""
+        first = not self._create_sent
+        calls = self._create_calls(lookups)
+        if not (first and calls and call.script == "poll"):
+            calls.append(call)
+        at = max(i for i, c in enumerate(calls) if c.parse == Status.parse)
+        return calls, at
+
     def _run(self, call: Call) -> Status:
         """Run one operation, creating the participant first if this is its first."""
         if self._cleared:
             return Status(self._status, self._reason)
-        replies = self.store.execute([*self._create_calls(), call])
+        calls, at = self._batch(call)
+        replies = self.store.execute(calls)
         self._created = True
-        return self._absorb(replies[-1])
+        return self._absorb(replies[at])
 
     def _absorb(self, st: Status) -> Status:
         if st.status is None:
@@ -258,18 +270,33 @@ class KVSender(_Participant):
             raise InvalidIndicesError(f"num_kv_indices must be an int >= 0, got {num_kv_indices!r}")
         self._num_pages = num_kv_indices
 
+    def _step_call(self, op: str) -> Call:
+        """begin or finish for a batch (KVManager.begin_many / finish_many), with the
+        receivers of the last poll; a poll while none has published yet."""
+        if not self._infos:
+            return self._poll_call()
+        receivers = list(self._infos)
+        if op == "begin":
+            return self.store.begin(self.room, self.engine, receivers)
+        return self.store.finish(self.room, self.engine, receivers)
+
+    def _receivers(self) -> list[str]:
+        """The receivers that published to this sender (polling once if none has yet):
+        their names only, without decoding the infos' page indices (send() does)."""
+        if not self._infos and not self._cleared:
+            self.poll()
+        return list(self._infos)
+
     def begin_transfer(self) -> KVPoll:
         """-> Transferring, for callers that move the bytes themselves; Failed instead
         (write nothing then) if a receiver failed or vanished meanwhile, or its engine
         lost its lease or restarted (the heartbeat failed this sender)."""
-        receivers = list(self.transfer_infos())
-        self._run(self.store.begin(self.room, self.engine, receivers))
+        self._run(self.store.begin(self.room, self.engine, self._receivers()))
         return self._status
 
     def finish_transfer(self) -> KVPoll:
         """-> Success; acks every receiver, which see Success on their next poll."""
-        receivers = list(self.transfer_infos())
-        self._run(self.store.finish(self.room, self.engine, receivers))
+        self._run(self.store.finish(self.room, self.engine, self._receivers()))
         return self._status
 
     def send(self, kv_indices: object, last: bool = True) -> KVPoll:
@@ -419,16 +446,15 @@ class KVReceiver(_Participant):
             self.mgr._watch(self.bootstrap_addr, new)
         return super()._absorb(st)
 
-    def init(
+    def _prepare(
         self,
         kv_indices: object,
-        aux_index: int | None = None,
-        state_indices: object | None = None,
-        prefix_len: int = 0,
-        dummy: bool = False,
-    ) -> KVPoll:
-        """Publish where each sender must write; the pages are made ready first. Senders
-        that bind later get the same info when they do."""
+        aux_index: int | None,
+        state_indices: object | None,
+        prefix_len: int,
+        dummy: bool,
+    ) -> None:
+        """Check init()'s arguments, make the pages ready, encode the transfer info."""
         idx = as_indices(kv_indices)
         state = None if state_indices is None else as_indices(state_indices, "state_indices")
         # bounded like page indices (aux) and by msgpack's int64 (prefix): an int too
@@ -448,6 +474,24 @@ class KVReceiver(_Participant):
             self.engine, idx, aux_index, state, prefix_len, dummy, self.mgr.incarnation
         )
         self._payload = info.encode()
+
+    def _step_call(self, op: str) -> Call:
+        """The publish of ``init`` for a batch (KVManager.init_many)."""
+        return self.store.publish(
+            self.room, self.engine, dict(self._bound), self._payload, self._required
+        )
+
+    def init(
+        self,
+        kv_indices: object,
+        aux_index: int | None = None,
+        state_indices: object | None = None,
+        prefix_len: int = 0,
+        dummy: bool = False,
+    ) -> KVPoll:
+        """Publish where each sender must write; the pages are made ready first. Senders
+        that bind later get the same info when they do."""
+        self._prepare(kv_indices, aux_index, state_indices, prefix_len, dummy)
         creating = not self._created
         try:
             self._run(
@@ -676,6 +720,79 @@ class KVManager:
         answered; their participants keep their last status. Raises
         StateConnectionError when no node answered.
         """
+        return self._many(rooms, "poll")
+
+    def begin_many(self, rooms: Iterable[object]) -> PollResults:
+        """``begin_transfer()`` of many senders of this (prefill) manager in one round
+        trip per Redis node: a scheduler step's worth. Each room is Transferring, or
+        Failed (write nothing to it) as ``begin_transfer`` says; a sender that has seen
+        no receiver's infos yet is polled instead (it cannot begin before they
+        published). Answers and partial results (``.errors``) as ``poll_many``; a room
+        with no live sender of this manager is refused (KVStateError) before anything
+        is sent."""
+        return self._many(rooms, "begin")
+
+    def finish_many(self, rooms: Iterable[object]) -> PollResults:
+        """``finish_transfer()`` of many senders of this manager in one round trip per
+        Redis node: each becomes Success and acks its receivers. As ``begin_many``."""
+        return self._many(rooms, "finish")
+
+    def init_many(self, pages: Mapping[object, object]) -> PollResults:
+        """``init(kv_indices)`` of many receivers of this (decode) manager, room ->
+        page indices, in one round trip per Redis node: the pages of every request a
+        step allocated, published at once. Each room's answer is what ``init`` returns;
+        partial results (``.errors``) as ``poll_many``. Arguments are checked (and the
+        transport told) before anything is sent; a room without a live receiver here is
+        refused. For aux, state indices, prefix or dummy, call ``init`` itself."""
+        wanted = {check_room(room): indices for room, indices in pages.items()}
+
+        def prepare(p: _Participant) -> None:
+            assert isinstance(p, KVReceiver)
+            p._prepare(wanted[p.room], None, None, 0, False)
+
+        return self._many(wanted, "init", prepare)
+
+    def clear_many(self, rooms: Iterable[object]) -> dict[int, KVStateError]:
+        """``clear()`` of this manager's participants of many rooms in one round trip
+        per Redis node. Returns the rooms not cleared, each with its node's
+        StateConnectionError (Cluster, node unreachable): they stay live here and can be
+        cleared again; rooms without a live participant here are skipped (a clear is
+        idempotent). Raises StateConnectionError when no node answered."""
+        self._check_usable()
+        todo: list[_Participant] = []
+        for room in rooms:
+            r = check_room(room)
+            with self._lock:
+                p = self._live.get(r)
+            if p is not None and not p._cleared:
+                todo.append(p)
+        sent = [p for p in todo if p._create_sent]
+        errors = self.store.clear_many(
+            [self.store.clear_calls(p.room, p.side, p.engine, **p._clear_args()) for p in sent]
+        )
+        failed = {p.room: e for p, e in zip(sent, errors, strict=True) if e is not None}
+        for p in todo:
+            if p.room not in failed:
+                p._cleared = True
+                p._release()
+                self._forget(p)
+        return dict(failed)
+
+    def _many(
+        self,
+        rooms: Iterable[object],
+        op: str,
+        prepare: Callable[[_Participant], None] | None = None,
+    ) -> PollResults:
+        """One batch of ``op`` (poll, begin, finish, init) over many rooms: creates and
+        bindings still due go first in the same batch, one registry read per address;
+        ``prepare`` runs on each participant before its calls are made."""
+        side = "rx" if op == "init" else "tx"
+        if op != "poll" and self.side != side:
+            raise KVStateError(
+                f"{op}_many is for a {'decode' if side == 'rx' else 'prefill'} manager's "
+                f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
+            )
         plan: list[tuple[int, _Participant | None, int]] = []
         calls: list[Call] = []
         lookups: _Lookups = {}  # receivers still binding: one registry read per address
@@ -685,18 +802,39 @@ class KVManager:
                 p = self._live.get(r)
             if p is not None and p._cleared:
                 p = None
+            if p is None and op != "poll":
+                raise KVStateError(
+                    f"room {r}: {self.engine} has no live participant for it; {op}_many "
+                    "takes the rooms of this manager's senders or receivers (not cleared)"
+                )
             if p is not None:
-                calls += p._create_calls(lookups)
-                calls.append(p._poll_call())
+                if prepare is not None:
+                    prepare(p)
+                step = (
+                    p._step_call(op)
+                    if isinstance(p, (KVSender, KVReceiver)) and op != "poll"
+                    else None
+                )
+                more, at = p._batch(step or p._poll_call(), lookups)
+                plan.append((r, p, len(calls) + at))
+                calls += more
             else:
+                plan.append((r, p, len(calls)))
                 calls.append(self.store.poll(r, self.side, self.engine))
-            plan.append((r, p, len(calls) - 1))
-        replies = self.store.execute(calls, partial=True)
+        try:
+            replies = self.store.execute(calls, partial=True)
+        except BaseException:
+            for _, p, _ in plan:  # bindings in that batch did not run (or not whole)
+                if isinstance(p, KVReceiver):
+                    p._pending = None
+            raise
         out = PollResults()
         for r, p, i in plan:
             st = replies[i]
             if isinstance(st, KVStateError):  # that room's node did not answer
                 out.errors[r] = st
+                if isinstance(p, KVReceiver):
+                    p._pending = None
             elif p is not None:
                 p._created = True  # its create, if any, went to the same node
                 p._absorb(st)

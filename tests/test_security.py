@@ -42,7 +42,7 @@ from tests.helpers import PREFILL_ADDR, keys_of, wait_for
 # which takes each command away in turn and watches the engine paths fail.
 # - ping, client|setname: connection set-up (redis-py) and health checks
 # - script|load at connect; evalsha, and eval after NOSCRIPT (server restart, failover,
-#   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hget, hlen, hexists,
+#   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hlen, hexists,
 #   hgetall, pexpire, sadd, scard, zadd, zremrangebyscore, time
 # - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
 # - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
@@ -125,6 +125,8 @@ def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:
             info = m.registry.get(m.engine)
             assert info is not None and info.incarnation == m.incarnation
             assert m._thread.is_alive()
+        # the heartbeat's peer check (HGET), in the foreground: a heartbeat only logs
+        assert p.registry.incarnations([d.engine]) == {d.engine: d.incarnation}
         p.close()  # drops the lease: HGET, then DEL
         d.close()
         assert keys_of(store) == []

@@ -1,34 +1,51 @@
 #!/usr/bin/env python3
-"""Control-plane benchmark (docs/design.md, Targets): round trips and throughput of room lifecycles.
+"""Control-plane benchmark (issue 12): what a room lifecycle costs the client and Redis.
 
-Prints, against baselines measured in the same run on private redis-servers:
-- Redis round trips per full lifecycle (both sides, one poll each, both clears), counted
-  at the socket (one write of a command or pipeline = one round trip); target <= 8;
-- lifecycles/s against PING/s / round-trips (the bound a client doing nothing but
-  waiting for Redis could reach); target >= 0.7;
-- round trips for poll_many of 1000 rooms: target 1 per Redis node;
-- Redis memory per in-flight room (MEMORY USAGE of its keys), 4096 contiguous pages;
-  target <= 1 KiB.
+One run, on private redis-servers it starts, prints (ratios are taken within the run,
+so a busy machine moves them less than the absolute figures):
 
-    python tools/bench_state.py [--json] [--lifecycles 2000] [--no-cluster]
+- the PING bound: redis-py ``ping()`` over a unix socket, and a raw ``PING`` over TCP
+  (a plain socket, no client library), in round trips per second;
+- lifecycles/s, single (one room at a time: KVReceiver/KVSender calls) and batched
+  (``--batch`` rooms per step: init_many, poll_many, begin_many, finish_many,
+  clear_many), each against the bound = PING/s / round trips of one single lifecycle
+  (target: batched >= 1.0x per client process);
+- Redis command us per lifecycle (INFO commandstats delta; target <= 100) and Redis CPU
+  us per lifecycle (INFO cpu, used_cpu_sys + used_cpu_user delta);
+- us per call of each script and of MULTI/EXEC (SLOWLOG at threshold 0, a separate pass);
+- lifecycles/s that one primary sustains with 1, 2, 4 client processes (batched), the
+  same on a 3-primary Cluster, and the scale-out ratio (target >= 2.5x): measured, and
+  by Redis CPU (the busiest primary's CPU per lifecycle: what the Cluster could carry
+  with clients enough, which a small machine cannot run);
+- round trips per scheduler step (poll_many, begin_many, finish_many, clear_many of every
+  in-flight room) with 1, 64 and 256 rooms in flight;
+- Redis memory per in-flight room (4096 contiguous pages; target <= 1 KiB).
+
+    python tools/bench_state.py [--quick] [--json] [--lifecycles 2000] [--batch 16]
+                                [--procs 1 2 4] [--no-cluster]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import redis
 from redis.connection import AbstractConnection
 
 import kvstate
+from kvstate.store import _SHAS, Store
 from kvstate.testing import RedisCluster, RedisProcess
 
-ADDR = "10.0.0.1:8998"
+HB = 3600.0  # lease: keeps heartbeats out of the counts
+_SCRIPT_OF = {sha: name for name, sha in _SHAS.items()}
 
 
 class RoundTrips:
@@ -43,7 +60,7 @@ class RoundTrips:
 
         def counting(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
             cls.count += 1
-            original(self, command, check_health)
+            original(self, command, check_health)  # type: ignore[no-untyped-call]
 
         AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
         try:
@@ -52,8 +69,10 @@ class RoundTrips:
             AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
 
 
+# -- workloads ------------------------------------------------------------------------
 def lifecycle(p: kvstate.KVManager, d: kvstate.KVManager, room: int, pages: np.ndarray) -> None:
-    rcv = d.receiver(room, ADDR)
+    """One room, both sides, one call at a time (a poll each, both clears)."""
+    rcv = d.receiver(room, p.bootstrap_addr)
     rcv.init(pages)
     snd = p.sender(room)
     assert snd.poll() == kvstate.KVPoll.WaitingForInput
@@ -64,97 +83,325 @@ def lifecycle(p: kvstate.KVManager, d: kvstate.KVManager, room: int, pages: np.n
     rcv.clear()
 
 
-def measure(url: str, n: int) -> dict[str, Any]:
-    store = kvstate.connect(url, namespace="bench")
-    pages = np.arange(0, 4096, dtype=np.int32)
-    hb = 3600.0  # keep heartbeats out of the counts
+def batch_lifecycles(
+    p: kvstate.KVManager, d: kvstate.KVManager, rooms: Sequence[int], pages: np.ndarray
+) -> None:
+    """The same for many rooms at once, as an engine's scheduler step would."""
+    for r in rooms:
+        d.receiver(r, p.bootstrap_addr)
+        p.sender(r)
+    d.init_many(dict.fromkeys(rooms, pages))
+    ready = p.poll_many(rooms)
+    assert set(ready.values()) == {kvstate.KVPoll.WaitingForInput}, ready
+    p.begin_many(rooms)
+    p.finish_many(rooms)
+    done = d.poll_many(rooms)
+    assert set(done.values()) == {kvstate.KVPoll.Success}, done
+    p.clear_many(rooms)
+    d.clear_many(rooms)
+
+
+@contextmanager
+def pair(store: Store, worker: int = 0) -> Iterator[tuple[kvstate.KVManager, kvstate.KVManager]]:
+    """A prefill and a decode engine; each worker process its own (own address too)."""
+    addr = f"10.0.{worker}.1:8998"
     with (
-        kvstate.KVManager(store, "prefill", "prefill-a.tp0", ADDR, lease=hb) as p,
-        kvstate.KVManager(store, "decode", "decode-b.tp0", lease=hb) as d,
+        kvstate.KVManager(store, "prefill", f"prefill-{worker}.tp0", addr, lease=HB) as p,
+        kvstate.KVManager(store, "decode", f"decode-{worker}.tp0", lease=HB) as d,
     ):
+        yield p, d
+
+
+# -- Redis-side counters ----------------------------------------------------------------
+def _primaries(server: RedisProcess | RedisCluster) -> list[redis.Redis]:
+    if isinstance(server, RedisCluster):
+        return [n.client() for n in server.nodes]
+    return [server.client()]
+
+
+class RedisCost:
+    """INFO commandstats (usec) and INFO cpu deltas over a block, per primary."""
+
+    def __init__(self, nodes: list[redis.Redis]) -> None:
+        self.nodes = nodes
+        self.cmd_us: list[float] = [0.0] * len(nodes)
+        self.cpu_us: list[float] = [0.0] * len(nodes)
+        self.calls: list[float] = [0.0] * len(nodes)
+
+    @staticmethod
+    def _read(c: redis.Redis) -> tuple[float, float, float]:
+        """(us in top-level calls, Redis CPU us, commands run); a script's or EXEC's
+        time includes the commands it runs, so only EVALSHA, EVAL and EXEC are summed
+        for the time (kvstate's few plain top-level reads are left out)."""
+        stats = c.info("commandstats")
+        top = calls = 0.0
+        for k, v in stats.items():
+            name = k.split("_", 1)[1].split("|")[0]
+            if name in ("info", "config", "slowlog", "ping", "script"):
+                continue
+            calls += float(v["calls"])
+            if name in ("evalsha", "eval", "exec"):
+                top += float(v["usec"])
+        cpu = c.info("cpu")
+        return top, (float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])) * 1e6, calls
+
+    @contextmanager
+    def measuring(self) -> Iterator[RedisCost]:
+        before = [self._read(c) for c in self.nodes]
+        yield self
+        after = [self._read(c) for c in self.nodes]
+        self.cmd_us = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+        self.cpu_us = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+        self.calls = [a[2] - b[2] for a, b in zip(after, before, strict=True)]
+
+
+def script_costs(nodes: list[redis.Redis], run: Any) -> dict[str, float]:
+    """Median us per call of each script (and MULTI/EXEC...) while ``run()`` runs, from
+    SLOWLOG at threshold 0 (its own pass: the slowlog costs Redis time itself)."""
+    saved: list[Any] = [c.config_get("slowlog-*") for c in nodes]
+    for c in nodes:
+        c.config_set("slowlog-log-slower-than", 0)
+        c.config_set("slowlog-max-len", 100_000)
+        c.slowlog_reset()
+    try:
+        run()
+        entries = [e for c in nodes for e in c.execute_command("SLOWLOG", "GET", -1)]  # type: ignore[no-untyped-call]
+    finally:
+        for c, conf in zip(nodes, saved, strict=True):
+            for k, v in conf.items():
+                c.config_set(k, v)
+    per: dict[str, list[int]] = {}
+    for entry in entries:
+        args = [a.decode("latin-1") if isinstance(a, bytes) else str(a) for a in entry[3]]
+        name = args[0].lower()
+        if name in ("evalsha", "eval") and len(args) > 1:
+            name = _SCRIPT_OF.get(args[1], args[1][:8]) if name == "evalsha" else "eval"
+        if name in ("slowlog", "config", "info", "ping", "client", "hello"):
+            continue
+        per.setdefault(name, []).append(int(entry[2]))
+    # the median: on a shared machine a few calls descheduled mid-way skew a mean
+    return {k: float(np.median(v)) for k, v in sorted(per.items())}
+
+
+# -- bounds -----------------------------------------------------------------------------
+def ping_unix(server: RedisProcess, n: int) -> float:
+    c = redis.Redis(unix_socket_path=server.unix_socket)
+    c.ping()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        c.ping()
+    rate = n / (time.perf_counter() - t0)
+    c.close()
+    return rate
+
+
+def ping_raw_tcp(host: str, port: int, n: int) -> float:
+    with socket.create_connection((host, port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            s.sendall(b"PING\r\n")
+            got = b""
+            while not got.endswith(b"\r\n"):
+                got += s.recv(64)
+        return n / (time.perf_counter() - t0)
+
+
+# -- one deployment -----------------------------------------------------------------------
+def measure(url: str, server: RedisProcess | RedisCluster, n: int, batch: int) -> dict[str, Any]:
+    store = kvstate.connect(url, namespace="bench")
+    nodes = _primaries(server)
+    pages = np.arange(0, 4096, dtype=np.int32)
+    out: dict[str, Any] = {}
+    with pair(store) as (p, d):
         lifecycle(p, d, 0, pages)  # warm: scripts loaded, peers resolved
+        batch_lifecycles(p, d, range(1, 1 + batch), pages)
         with RoundTrips.installed() as rt:
             before = rt.count
-            lifecycle(p, d, 1, pages)
+            lifecycle(p, d, 100, pages)
             trips = rt.count - before
-
-            rooms = list(range(10_000, 11_000))
-            senders = [p.sender(r) for r in rooms]
-            p.poll_many(rooms)  # creates them
             before = rt.count
-            polled = p.poll_many(rooms)
-            poll_many_trips = rt.count - before
-            assert len(polled) == 1000
-            for s in senders:
-                s.clear()
+            batch_lifecycles(p, d, range(200, 200 + batch), pages)
+            batch_trips = rt.count - before
+            out["round_trips_per_lifecycle"] = trips
+            out[f"round_trips_per_{batch}_batched_lifecycles"] = batch_trips
+            out["round_trips_per_step"] = step_trips(p, d)
 
-        # memory of one in-flight room (both sides created, infos published)
-        rcv = d.receiver(5, ADDR)
-        rcv.init(pages)
-        snd = p.sender(5)
-        snd.poll()
-        room_keys = list(store.scan(store.keys.room_prefix(5) + "*"))
-        memory = 0
-        for key in room_keys:
-            node = store.client
-            if store.cluster:
-                node = store.client.get_node_from_key(key).redis_connection  # type: ignore[union-attr]
-            memory += int(node.memory_usage(key, samples=0) or 0)
-        snd.clear()
-        rcv.clear()
+        cost = RedisCost(nodes)
+        with cost.measuring():
+            t0 = time.perf_counter()
+            for i in range(n):
+                lifecycle(p, d, 100_000 + i, pages)
+            single_rate = n / (time.perf_counter() - t0)
+        out["single_redis_cmd_us_per_lifecycle"] = round(sum(cost.cmd_us) / n, 1)
+        out["single_redis_cpu_us_per_lifecycle"] = round(sum(cost.cpu_us) / n, 1)
+        out["single_redis_commands_per_lifecycle"] = round(sum(cost.calls) / n, 1)
+        nb = max(n // batch, 1)
+        with cost.measuring():
+            t0 = time.perf_counter()
+            for b in range(nb):
+                batch_lifecycles(p, d, range(300_000 + b * batch, 300_000 + (b + 1) * batch), pages)
+            batch_rate = nb * batch / (time.perf_counter() - t0)
+        out["batched_redis_cmd_us_per_lifecycle"] = round(sum(cost.cmd_us) / (nb * batch), 1)
+        out["batched_redis_cpu_us_per_lifecycle"] = round(sum(cost.cpu_us) / (nb * batch), 1)
+        out["batched_redis_commands_per_lifecycle"] = round(sum(cost.calls) / (nb * batch), 1)
+        out["batched_busiest_primary_cpu_us_per_lifecycle"] = round(
+            max(cost.cpu_us) / (nb * batch), 1
+        )
 
-        t0 = time.perf_counter()
-        for i in range(n):
-            lifecycle(p, d, 100_000 + i, pages)
-        life_rate = n / (time.perf_counter() - t0)
+        def traced() -> None:
+            for b in range(max(nb // 4, 2)):
+                batch_lifecycles(p, d, range(400_000 + b * batch, 400_000 + (b + 1) * batch), pages)
 
-    ping_client = store.client
-    if store.cluster:
-        ping_client = store.client.get_node_from_key(store.keys.room_prefix(1)).redis_connection  # type: ignore[union-attr]
-    m = n * trips
-    t0 = time.perf_counter()
-    for _ in range(m):
-        ping_client.ping()
-    ping_rate = m / (time.perf_counter() - t0)
+        out["script_us_per_call"] = script_costs(nodes, traced)
+        out["room_memory_bytes"], out["room_keys"] = room_memory(store, p, d, pages)
+    out["single_lifecycles_per_s"] = round(single_rate, 1)
+    out["batched_lifecycles_per_s"] = round(batch_rate, 1)
     store.close()
-    bound = ping_rate / trips
-    return {
-        "round_trips_per_lifecycle": trips,
-        "poll_many_1000_round_trips": poll_many_trips,
-        "lifecycles_per_s": round(life_rate, 1),
-        "ping_per_s": round(ping_rate, 1),
-        "ping_bound_lifecycles_per_s": round(bound, 1),
-        "ratio_to_ping_bound": round(life_rate / bound, 3),
-        "room_memory_bytes": memory,
-        "room_keys": len(room_keys),
-    }
+    for c in nodes:
+        c.close()
+    return out
+
+
+def step_trips(p: kvstate.KVManager, d: kvstate.KVManager) -> dict[str, dict[str, int]]:
+    """Round trips of one scheduler step's batched calls over every in-flight room."""
+    out: dict[str, dict[str, int]] = {}
+    base = 50_000
+    for n in (1, 64, 256):
+        rooms = list(range(base, base + n))
+        base += n
+        for r in rooms:
+            d.receiver(r, p.bootstrap_addr)
+            p.sender(r)
+        d.init_many(dict.fromkeys(rooms, np.arange(8)))
+        p.poll_many(rooms)
+        row: dict[str, int] = {}
+        for name in ("poll_many", "begin_many", "finish_many", "clear_many"):
+            before = RoundTrips.count
+            getattr(p, name)(rooms)
+            if name == "clear_many":
+                d.clear_many(rooms)
+            row[name] = RoundTrips.count - before
+        out[f"{n}_rooms"] = row
+    return out
+
+
+def room_memory(
+    store: Store, p: kvstate.KVManager, d: kvstate.KVManager, pages: np.ndarray
+) -> tuple[int, int]:
+    rcv = d.receiver(5, p.bootstrap_addr)
+    rcv.init(pages)
+    snd = p.sender(5)
+    snd.poll()
+    keys = list(store.scan(store.keys.room_prefix(5) + "*"))
+    memory = 0
+    for key in keys:
+        node: Any = store.client
+        if store.cluster:
+            node = node.get_node_from_key(key).redis_connection
+        memory += int(node.memory_usage(key, samples=0) or 0)
+    snd.clear()
+    rcv.clear()
+    return memory, len(keys)
+
+
+# -- client processes -----------------------------------------------------------------------
+def _worker(url: str, worker: int, rooms: int, batch: int, start: Any, done: Any) -> None:
+    store = kvstate.connect(url, namespace="bench")
+    pages = np.arange(0, 4096, dtype=np.int32)
+    with pair(store, worker) as (p, d):
+        batch_lifecycles(p, d, range(batch), pages)  # warm
+        done.put(None)  # ready
+        start.wait()
+        t0 = time.perf_counter()
+        for b in range(rooms // batch):
+            batch_lifecycles(p, d, range(1000 + b * batch, 1000 + (b + 1) * batch), pages)
+        done.put((rooms // batch * batch, time.perf_counter() - t0))
+    store.close()
+
+
+def processes(
+    url: str, server: RedisProcess | RedisCluster, counts: Sequence[int], rooms: int, batch: int
+) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    nodes = _primaries(server)
+    out: dict[str, Any] = {}
+    for k in counts:
+        start, done = ctx.Event(), ctx.Queue()
+        procs = [
+            ctx.Process(target=_worker, args=(url, i + 1, rooms, batch, start, done))
+            for i in range(k)
+        ]
+        for pr in procs:
+            pr.start()
+        for _ in procs:  # each connected and warm
+            done.get(timeout=300)
+        cost = RedisCost(nodes)
+        with cost.measuring():
+            t0 = time.perf_counter()
+            start.set()
+            results = [done.get(timeout=600) for _ in procs]
+            wall = time.perf_counter() - t0
+        for pr in procs:
+            pr.join(30)
+        total = sum(r[0] for r in results)
+        out[f"{k}_procs"] = {
+            "lifecycles_per_s": round(total / wall, 1),
+            "redis_cpu_us_per_lifecycle": round(sum(cost.cpu_us) / total, 1),
+            "busiest_primary_cpu_us_per_lifecycle": round(max(cost.cpu_us) / total, 1),
+        }
+    for c in nodes:
+        c.close()
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument("--quick", action="store_true", help="small counts (CI, tests)")
     ap.add_argument("--lifecycles", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=16, help="rooms per batched step")
+    ap.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-primary cluster run")
     args = ap.parse_args()
+    n, procs = args.lifecycles, args.procs
+    if args.quick:
+        n, procs = min(n, 160), [p for p in procs if p <= 2]
+    per_proc = max(n // 2, args.batch)
     results: dict[str, Any] = {}
-    with RedisProcess(port=0) as server:
-        results["standalone"] = measure(server.url, args.lifecycles)
+    with RedisProcess(port="auto") as server:
+        res = measure(server.url, server, n, args.batch)
+        pings = max(n * res["round_trips_per_lifecycle"], 2000)
+        unix = ping_unix(server, pings)
+        raw = ping_raw_tcp(server.host, server.port, pings)
+        res["ping_redis_py_unix_per_s"] = round(unix, 1)
+        res["ping_raw_tcp_per_s"] = round(raw, 1)
+        single_trips = res["round_trips_per_lifecycle"]
+        for kind in ("single", "batched"):
+            rate = res[f"{kind}_lifecycles_per_s"]
+            res[f"{kind}_ratio_to_ping_bound_unix"] = round(rate / (unix / single_trips), 3)
+            res[f"{kind}_ratio_to_ping_bound_raw_tcp"] = round(rate / (raw / single_trips), 3)
+        res["processes"] = processes(server.url, server, procs, per_proc, args.batch)
+        results["standalone"] = res
     if not args.no_cluster:
         with RedisCluster(3, 0) as cluster:
-            results["cluster3"] = measure(cluster.url, max(args.lifecycles // 4, 100))
-    if args.json:
-        print(json.dumps(results, indent=2))
-        return
-    targets = {
-        "round_trips_per_lifecycle": "<= 8",
-        "poll_many_1000_round_trips": "1 per node",
-        "ratio_to_ping_bound": ">= 0.7",
-        "room_memory_bytes": "<= 1024",
-    }
-    for name, res in results.items():
-        print(f"[{name}]")
-        for k, v in res.items():
-            print(f"  {k:30s} {v!s:>12s}  {targets.get(k, '')}")
+            res = measure(cluster.url, cluster, max(n // 2, 2 * args.batch), args.batch)
+            res["processes"] = processes(cluster.url, cluster, procs, per_proc, args.batch)
+            results["cluster3"] = res
+        one, three = results["standalone"]["processes"], results["cluster3"]["processes"]
+        top = f"{max(procs)}_procs"
+        results["scale_out_3_vs_1"] = {
+            "measured": round(three[top]["lifecycles_per_s"] / one[top]["lifecycles_per_s"], 2),
+            "by_busiest_primary_cpu": round(
+                one[top]["busiest_primary_cpu_us_per_lifecycle"]
+                / three[top]["busiest_primary_cpu_us_per_lifecycle"],
+                2,
+            ),
+        }
+    results["command"] = "python tools/bench_state.py " + " ".join(
+        a for a in ("--quick" if args.quick else "", f"--lifecycles {args.lifecycles}") if a
+    )
+    print(json.dumps(results, indent=None if args.json else 2))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,35 @@
 -- Corrupt stored values raise "CORRUPT <key> <field> <value>", which the client
 -- turns into CorruptStateError naming the key and field.
 redis.replicate_commands()  -- Redis 6.2 needs this before writing after TIME
+
+-- Stored field names: a mirror of kvstate/schema.py (same names, F_ in front);
+-- tests/test_schema_lua.py holds the two together. Change a field in both, nowhere else.
+local F_STATUS = 'status'
+local F_SINCE_MS = 'since_ms'
+local F_REASON = 'reason'
+local F_PEERS = 'peers'
+local F_PEER_ADDR = 'peer_addr'
+local F_BOOTSTRAP_TIMEOUT_MS = 'bootstrap_timeout_ms'
+local F_WAITING_TIMEOUT_MS = 'waiting_timeout_ms'
+local F_INFOS_V = 'infos_v'
+local F_BOUND = 'bound'
+local F_PEER_PREFIX = 'peer:'
+local F_INCARNATION = 'incarnation'
+local F_HOST = 'host'
+local F_PID = 'pid'
+local F_CREATED_MS = 'created_ms'
+
 local RANK = {Failed = 0, Bootstrapping = 1, WaitingForInput = 2, Transferring = 3, Success = 4}
 
+-- The server clock in ms: TIME at most once per script, and only when a script
+-- needs it (most calls change no status and never ask).
+local clock = nil
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if clock == nil then
+    local t = redis.call('TIME')
+    clock = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return clock
 end
 
 local function corrupt(key, field, value)
@@ -16,7 +40,7 @@ end
 
 local function rank_of(key, status)
   local r = RANK[status]
-  if r == nil then corrupt(key, 'status', status) end
+  if r == nil then corrupt(key, F_STATUS, status) end
   return r
 end
 
@@ -29,9 +53,9 @@ end
 -- Move a participant to `status`, stamp it, and refresh its TTL in the same call.
 local function set_status(key, status, now, ttl, reason)
   if reason then
-    redis.call('HSET', key, 'status', status, 'since_ms', now, 'reason', reason)
+    redis.call('HSET', key, F_STATUS, status, F_SINCE_MS, now, F_REASON, reason)
   else
-    redis.call('HSET', key, 'status', status, 'since_ms', now)
+    redis.call('HSET', key, F_STATUS, status, F_SINCE_MS, now)
   end
   redis.call('PEXPIRE', key, ttl)
 end
@@ -44,7 +68,7 @@ end
 
 -- {status, reason} of a participant; {'', 'missing'} when it does not exist.
 local function read_status(key)
-  local h = redis.call('HMGET', key, 'status', 'reason')
+  local h = redis.call('HMGET', key, F_STATUS, F_REASON)
   if not h[1] then return {'', 'missing'} end
   rank_of(key, h[1])
   return {h[1], h[2] or ''}

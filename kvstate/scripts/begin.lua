@@ -14,7 +14,6 @@ local tx = KEYS[1]
 local ttl = ARGV[1]
 local cur = read_status(tx)
 if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
-local now = now_ms()
 for j = 3, #KEYS do
   local r = read_status(KEYS[j])
   local why = nil
@@ -24,13 +23,13 @@ for j = 3, #KEYS do
     why = 'receiver ' .. ARGV[j] .. ' failed before the transfer: ' .. r[2]
   end
   if why then
-    set_status(tx, 'Failed', now, ttl, why)
+    set_status(tx, 'Failed', now_ms(), ttl, why)
     touch(KEYS[2], ttl)
     return {'Failed', why}
   end
 end
 if cur[1] ~= 'Transferring' then
-  set_status(tx, 'Transferring', now, ttl, nil)
+  set_status(tx, 'Transferring', now_ms(), ttl, nil)
   touch(KEYS[2], ttl)
 end
 return {'Transferring', cur[2]}

@@ -6,28 +6,42 @@
 -- KEYS[3] room abort mark    kvstate:<ns>:{<room>}:aborted (reason), left by abort.lua:
 --         a participant created after an abort of its room starts Failed with it
 -- KEYS[4] (sender only) the sender's transfer infos hash, to start in
---         WaitingForInput when every receiver published before the sender existed
+--         WaitingForInput when every receiver published before the sender existed;
+--         then the infos come back as from poll.lua, so that a sender's first poll is
+--         this script alone
 -- ARGV[1] ttl in ms
 -- ARGV[2] parts member (tx:<engine> | rx:<engine>)
 -- ARGV[3..] field, value pairs (addr, peers, timeouts, peer bindings); side and
 --           engine are in the key name, not repeated in the hash
--- Returns {status, reason}.
+-- Returns {status, reason}, or for a new sender in WaitingForInput
+-- {status, reason, {field, value, ...}, 0} (poll.lua's answer: infos at version 0).
 local key = KEYS[1]
 local ttl = ARGV[1]
 if redis.call('EXISTS', key) == 1 then return read_status(key) end
-local now = now_ms()
-local fields = {}
-for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', key, 'created_ms', now, unpack(fields))
 local status, reason = 'Bootstrapping', nil
 local aborted = redis.call('GET', KEYS[3])
 if aborted then
   status, reason = 'Failed', aborted
 elseif KEYS[4] then
-  local peers = number_of(key, 'peers', redis.call('HGET', key, 'peers'))
-  if redis.call('HLEN', KEYS[4]) >= peers then status = 'WaitingForInput' end
+  local peers = nil
+  for i = 3, #ARGV - 1, 2 do
+    if ARGV[i] == F_PEERS then peers = ARGV[i + 1] end
+  end
+  if redis.call('HLEN', KEYS[4]) >= number_of(key, F_PEERS, peers) then
+    status = 'WaitingForInput'
+  end
 end
-set_status(key, status, now, ttl, reason)
+local now = now_ms()
+-- one HSET: the given fields, the creation stamp and the status
+local fields = {F_CREATED_MS, now, F_STATUS, status, F_SINCE_MS, now}
+if reason then
+  fields[#fields + 1] = F_REASON
+  fields[#fields + 1] = reason
+end
+for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', key, unpack(fields))
+redis.call('PEXPIRE', key, ttl)
 redis.call('HSET', KEYS[2], ARGV[2], now)
 redis.call('PEXPIRE', KEYS[2], ttl)
+if status == 'WaitingForInput' then return {status, '', redis.call('HGETALL', KEYS[4]), 0} end
 return {status, reason or ''}

@@ -12,7 +12,7 @@
 -- ARGV[4] peer incarnation, or '' for any
 -- Returns 1 if it failed the participant, else 0.
 local key = KEYS[1]
-local h = redis.call('HMGET', key, 'status', 'peer:' .. ARGV[3])
+local h = redis.call('HMGET', key, F_STATUS, F_PEER_PREFIX .. ARGV[3])
 if not h[1] then return 0 end
 local rank = rank_of(key, h[1])
 if rank == 0 or rank == 4 then return 0 end

@@ -13,20 +13,19 @@ local tx = KEYS[1]
 local ttl = ARGV[1]
 local cur = read_status(tx)
 if cur[1] == '' or cur[1] == 'Failed' then return cur end
-local now = now_ms()
-if cur[1] ~= 'Success' then set_status(tx, 'Success', now, ttl, nil) end
+if cur[1] ~= 'Success' then set_status(tx, 'Success', now_ms(), ttl, nil) end
 touch(KEYS[2], ttl)
 for j = 1, (#KEYS - 2) / 2 do
   local rx, acks = KEYS[2 * j + 1], KEYS[2 * j + 2]
-  local r = redis.call('HMGET', rx, 'status', 'peers')
+  local r = redis.call('HMGET', rx, F_STATUS, F_PEERS)
   if r[1] then
     local rank = rank_of(rx, r[1])
     if rank ~= 0 and rank ~= 4 then
       redis.call('SADD', acks, ARGV[2])
       redis.call('PEXPIRE', acks, ttl)
-      local peers = number_of(rx, 'peers', r[2])
+      local peers = number_of(rx, F_PEERS, r[2])
       if peers >= 1 and redis.call('SCARD', acks) >= peers then
-        set_status(rx, 'Success', now, ttl, nil)
+        set_status(rx, 'Success', now_ms(), ttl, nil)
       end
     end
   end

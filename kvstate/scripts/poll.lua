@@ -12,17 +12,17 @@
 -- Returns {status, reason, {field, value, ...}, version}; status '' means missing;
 -- version is -1 when no infos were returned.
 local key = KEYS[1]
-local h = redis.call('HMGET', key, 'status', 'reason', 'since_ms',
-  'bootstrap_timeout_ms', 'waiting_timeout_ms', 'infos_v', 'peer_addr', 'bound', 'peers')
+local h = redis.call('HMGET', key, F_STATUS, F_REASON, F_SINCE_MS,
+  F_BOOTSTRAP_TIMEOUT_MS, F_WAITING_TIMEOUT_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS)
 if not h[1] then return {'', 'missing', {}, -1} end
 local rank = rank_of(key, h[1])
 local status, reason = h[1], h[2] or ''
 if rank == 1 or rank == 2 then
-  local field, raw = 'waiting_timeout_ms', h[5]
-  if rank == 1 then field, raw = 'bootstrap_timeout_ms', h[4] end
+  local field, raw = F_WAITING_TIMEOUT_MS, h[5]
+  if rank == 1 then field, raw = F_BOOTSTRAP_TIMEOUT_MS, h[4] end
   local limit = number_of(key, field, raw)
   local now = now_ms()
-  local waited = now - number_of(key, 'since_ms', h[3])
+  local waited = now - number_of(key, F_SINCE_MS, h[3])
   if limit > 0 and waited > limit then
     status = 'Failed'
     reason = string.format('%s timeout: %s for %.1f s (limit %.1f s)',

@@ -21,55 +21,85 @@
 -- Returns the receiver's {status, reason}; status '' means missing.
 local rx = KEYS[1]
 local ttl = ARGV[1]
-local cur = read_status(rx)
-if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
-local now = now_ms()
 local n = (#KEYS - 2) / 2
--- (HEXISTS/HGET + HSET rather than HSETNX/HINCRBY: the engine ACL in the README lists
--- the commands kvstate needs, and the script is atomic anyway)
-local function bump(key, field)
-  redis.call('HSET', key, field, (tonumber(redis.call('HGET', key, field)) or 0) + 1)
+-- Everything read of the receiver, in one HMGET; everything written to it, in one HSET
+-- at the end. (HSET of read values rather than HSETNX/HINCRBY: the engine ACL in the
+-- README lists the commands kvstate needs, and the script is atomic anyway.)
+local want = {F_STATUS, F_REASON, F_BOUND, F_PEERS}
+for i = 1, n do want[4 + i] = F_PEER_PREFIX .. ARGV[3 + 2 * i] end
+local h = redis.call('HMGET', rx, unpack(want))
+if not h[1] then return {'', 'missing'} end
+rank_of(rx, h[1])
+local cur = {h[1], h[2] or ''}
+if cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
+local writes = {}
+local function put(field, value)
+  writes[#writes + 1] = field
+  writes[#writes + 1] = value
 end
+local bound = tonumber(h[3]) or 0
+local held = {}  -- the incarnation each sender is bound at, after this call
 for i = 1, n do
-  local field = 'peer:' .. ARGV[3 + 2 * i]
-  if redis.call('HEXISTS', rx, field) == 0 then
-    redis.call('HSET', rx, field, ARGV[4 + 2 * i])
-    bump(rx, 'bound')
+  held[i] = h[4 + i]
+  if not held[i] then
+    held[i] = ARGV[4 + 2 * i]
+    put(want[4 + i], held[i])
+    bound = bound + 1
   end
 end
+if #writes > 0 then put(F_BOUND, bound) end
+local peers = h[4]
 local required = tonumber(ARGV[4])
-if required > 0 and number_of(rx, 'peers', redis.call('HGET', rx, 'peers')) < 1 then
-  redis.call('HSET', rx, 'peers', required)
+if required > 0 and number_of(rx, F_PEERS, peers) < 1 then
+  peers = required
+  put(F_PEERS, required)
 end
-redis.call('PEXPIRE', rx, ttl)
-touch(KEYS[2], ttl)
+-- the receiver's writes, TTLs refreshed; `status`: a new status to record with them
+local function finish_rx(status, reason)
+  if status then
+    put(F_STATUS, status)
+    put(F_SINCE_MS, now_ms())
+    if reason then put(F_REASON, reason) end
+  end
+  if #writes > 0 then redis.call('HSET', rx, unpack(writes)) end
+  redis.call('PEXPIRE', rx, ttl)
+  touch(KEYS[2], ttl)
+end
+local senders = {}
 for i = 1, n do
-  local t = redis.call('HMGET', KEYS[2 * i + 1], 'status', 'reason')
+  local t = redis.call('HMGET', KEYS[2 * i + 1], F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
   if t[1] == 'Failed' then
     local reason = t[2] or 'sender failed'
-    set_status(rx, 'Failed', now, ttl, reason)
+    finish_rx('Failed', reason)
     return {'Failed', reason}
   end
+  senders[i] = t
 end
-if ARGV[3] == '' then return cur end
+if ARGV[3] == '' then
+  finish_rx(nil, nil)
+  return cur
+end
 for i = 1, n do
   local tx, xfer = KEYS[2 * i + 1], KEYS[2 * i + 2]
-  if redis.call('HGET', rx, 'peer:' .. ARGV[3 + 2 * i]) == ARGV[4 + 2 * i] then
+  if held[i] == ARGV[4 + 2 * i] then
     redis.call('HSET', xfer, ARGV[2], ARGV[3])
     redis.call('PEXPIRE', xfer, ttl)
-    local t = redis.call('HMGET', tx, 'status', 'peers')
+    local t = senders[i]
     if t[1] then
-      bump(tx, 'infos_v')
-      if rank_of(tx, t[1]) == 1 and redis.call('HLEN', xfer) >= number_of(tx, 'peers', t[2]) then
-        set_status(tx, 'WaitingForInput', now, ttl, nil)
+      local fields = {F_INFOS_V, (tonumber(t[4]) or 0) + 1}
+      local ready = rank_of(tx, t[1]) == 1
+        and redis.call('HLEN', xfer) >= number_of(tx, F_PEERS, t[3])
+      if ready then
+        fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_ms()
       end
+      redis.call('HSET', tx, unpack(fields))
+      if ready then redis.call('PEXPIRE', tx, ttl) end
     end
   end
 end
-local h = redis.call('HMGET', rx, 'bound', 'peers')
-local bound, peers = tonumber(h[1]) or 0, number_of(rx, 'peers', h[2])
-if RANK[cur[1]] < 2 and peers >= 1 and bound >= peers then
-  set_status(rx, 'WaitingForInput', now, ttl, nil)
+if RANK[cur[1]] < 2 and number_of(rx, F_PEERS, peers) >= 1 and bound >= tonumber(peers) then
+  finish_rx('WaitingForInput', nil)
   return {'WaitingForInput', cur[2]}
 end
+finish_rx(nil, nil)
 return cur

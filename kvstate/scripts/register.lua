@@ -15,7 +15,7 @@
 --   dropped     drop: deleted   /   gone: drop found nothing of ours to delete
 local key = KEYS[1]
 local lease, me, mode = ARGV[1], ARGV[2], ARGV[3]
-local holder = redis.call('HMGET', key, 'incarnation', 'host', 'pid')
+local holder = redis.call('HMGET', key, F_INCARNATION, F_HOST, F_PID)
 if holder[1] and holder[1] ~= me then
   if mode == 'drop' then return {'gone', holder[1], holder[2] or '', holder[3] or ''} end
   return {'taken', holder[1], holder[2] or '', holder[3] or ''}
@@ -33,8 +33,8 @@ local fields = {}
 for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
 -- the key is missing or ours: no DEL first (a script that wrote once is let through
 -- when Redis is at maxmemory, so the HSET must be its first write to be refused there)
-redis.call('HSET', key, 'incarnation', me, unpack(fields))
+redis.call('HSET', key, F_INCARNATION, me, unpack(fields))
 redis.call('PEXPIRE', key, lease)
-local h = redis.call('HMGET', key, 'host', 'pid')
+local h = redis.call('HMGET', key, F_HOST, F_PID)
 if mode == 'renew' then return {'lapsed', me, h[1] or '', h[2] or ''} end
 return {'registered', me, h[1] or '', h[2] or ''}
