@@ -552,7 +552,7 @@ class Store:
             return KVStateError(f"Redis rejected {call.script or call.command}: {text}")
         return exc
 
-    def script(
+    def _script(
         self,
         name: str,
         keys: Iterable[str],
@@ -562,7 +562,7 @@ class Store:
         return Call(tuple(keys), tuple(args), script=name, parse=parse)
 
     @staticmethod
-    def command(
+    def _command(
         name: str, *keys: str, args: Iterable[Any] = (), parse: Callable[[Any], Any] = _identity
     ) -> Call:
         return Call(tuple(keys), tuple(args), command=name, parse=parse)
@@ -576,7 +576,7 @@ class Store:
         flat: list[Any] = []
         for name, value in fields.items():
             flat += [name, value]
-        return self.script(
+        return self._script(
             "create", keys, [self.ttl_ms, k.part_member(side, engine), *flat], Status.parse
         )
 
@@ -588,12 +588,12 @@ class Store:
         keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
         if with_infos:
             keys.append(self.keys.xfer(room, engine))
-        return self.script("poll", keys, [self.ttl_ms, infos_version], Status.parse)
+        return self._script("poll", keys, [self.ttl_ms, infos_version], Status.parse)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
         _check_reason(reason)
         keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
-        return self.script(
+        return self._script(
             "update", keys, [KVPoll.parse(status).name, reason, self.ttl_ms], Status.parse
         )
 
@@ -613,24 +613,24 @@ class Store:
         for sender, incarnation in senders.items():
             keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
             args += [sender, incarnation]
-        return self.script("publish", keys, args, Status.parse)
+        return self._script("publish", keys, args, Status.parse)
 
     def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
         names = list(receivers)
         keys = [k.participant(room, "tx", sender), k.parts(room)]
         keys += [k.participant(room, "rx", r) for r in names]
-        return self.script("begin", keys, [self.ttl_ms, "", *names], Status.parse)
+        return self._script("begin", keys, [self.ttl_ms, "", *names], Status.parse)
 
     def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
         keys = [k.participant(room, "tx", sender), k.parts(room)]
         for receiver in receivers:
             keys += [k.participant(room, "rx", receiver), k.acks(room, receiver)]
-        return self.script("finish", keys, [self.ttl_ms, sender], Status.parse)
+        return self._script("finish", keys, [self.ttl_ms, sender], Status.parse)
 
     def track(self, bootstrap_addr: str, member: str) -> Call:
-        return self.script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
+        return self._script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
 
     def clear(
         self,
@@ -647,7 +647,7 @@ class Store:
 
     # -- room-wide ---------------------------------------------------------------
     def members(self, room: int) -> list[str]:
-        raw = self.execute([self.command("HKEYS", self.keys.parts(room))])[0]
+        raw = self.execute([self._command("HKEYS", self.keys.parts(room))])[0]
         return sorted(m.decode() for m in raw)
 
     def abort(self, room: int, reason: str) -> int:
@@ -662,7 +662,7 @@ class Store:
                 if part is None:
                     raise CorruptStateError(k.parts(room), member, "not a tx:/rx: member")
                 keys.append(k.participant(room, *part))
-            n = self.execute([self.script("abort", keys, [self.ttl_ms, reason, *members])])[0]
+            n = self.execute([self._script("abort", keys, [self.ttl_ms, reason, *members])])[0]
             if n >= 0:
                 return int(n)
         raise KVStateError(f"room {room} kept changing while aborting it; try again")
@@ -673,7 +673,7 @@ class Store:
         """Fail the receivers bound to ``peer_engine`` (that incarnation, or any if '')
         among the rooms tracked for ``bootstrap_addr``; returns how many failed."""
         members = self.execute(
-            [self.command("ZRANGE", self.keys.addr(bootstrap_addr), args=[0, -1])]
+            [self._command("ZRANGE", self.keys.addr(bootstrap_addr), args=[0, -1])]
         )[0]
         # every member, not only those before their deadline: status changes keep a
         # receiver alive longer than the deadline its tracker entry got at creation
@@ -713,7 +713,7 @@ class Store:
         parsed = self.keys.parse_room_key(key)
         if parsed is None or parsed.side != "rx":
             raise CorruptStateError(key, "*", "not a receiver participant key")
-        return self.script(
+        return self._script(
             "fail_bound",
             [key, self.keys.parts(parsed.room)],
             [self.ttl_ms, reason, peer_engine, incarnation],
@@ -734,54 +734,54 @@ class Store:
 
     def read_hash(self, key: str) -> Call:
         """HGETALL of any kvstate hash (a participant, an xfer, a registration...)."""
-        return self.command("HGETALL", key)
+        return self._command("HGETALL", key)
 
     def key_ttl(self, key: str) -> Call:
         """PTTL in ms: -1 no TTL, -2 gone."""
-        return self.command("PTTL", key)
+        return self._command("PTTL", key)
 
     def key_exists(self, key: str) -> Call:
-        return self.command("EXISTS", key)
+        return self._command("EXISTS", key)
 
     def key_idle_s(self, key: str) -> Call:
         """OBJECT IDLETIME (refused under an LFU policy); reading the key would reset it."""
-        return self.command("OBJECT IDLETIME", key)
+        return self._command("OBJECT IDLETIME", key)
 
     def set_ttl(self, key: str, ttl_ms: int) -> Call:
-        return self.command("PEXPIRE", key, args=[ttl_ms])
+        return self._command("PEXPIRE", key, args=[ttl_ms])
 
     def delete(self, *keys: str) -> Call:
-        return self.command("DEL", *keys)
+        return self._command("DEL", *keys)
 
     def is_member(self, room: int, side: Side, engine: str) -> Call:
         """Whether the room's parts index lists that participant (HEXISTS)."""
-        return self.command("HEXISTS", self.keys.parts(room), args=[schema.member(side, engine)])
+        return self._command("HEXISTS", self.keys.parts(room), args=[schema.member(side, engine)])
 
     def index_member(self, room: int, side: Side, engine: str, created_ms: str) -> Call:
         """Put a participant back into its room's parts index (an audit repair)."""
-        return self.command(
+        return self._command(
             "HSET", self.keys.parts(room), args=[schema.member(side, engine), created_ms]
         )
 
     def acks_of(self, room: int, receiver: str) -> Call:
         """The sender engines that finished for one receiver."""
-        return self.command("SMEMBERS", self.keys.acks(room, receiver))
+        return self._command("SMEMBERS", self.keys.acks(room, receiver))
 
     def abort_mark(self, room: int) -> list[Call]:
         """The room's abort reason (None if not aborted) and the mark's PTTL."""
         key = self.keys.aborted(room)
-        return [self.command("GET", key), self.command("PTTL", key)]
+        return [self._command("GET", key), self._command("PTTL", key)]
 
     def tracked(self, tracker: str) -> Call:
         """Every member of an ``addr:`` tracker or ``engines_at:`` index key."""
-        return self.command("ZRANGE", tracker, args=[0, -1])
+        return self._command("ZRANGE", tracker, args=[0, -1])
 
     def untrack(self, tracker: str, member: str) -> Call:
-        return self.command("ZREM", tracker, args=[member])
+        return self._command("ZREM", tracker, args=[member])
 
     def engine_field(self, engine: str, name: str) -> Call:
         """One field of an engine's registration, as text (None when it has none)."""
-        return self.command("HGET", self.keys.engine(engine), args=[name], parse=_text_or_none)
+        return self._command("HGET", self.keys.engine(engine), args=[name], parse=_text_or_none)
 
     def claim_engine(
         self,
@@ -797,14 +797,14 @@ class Store:
         flat: list[Any] = []
         for name, value in fields.items():
             flat += [name, value]
-        return self.script(
+        return self._script(
             "register", [self.keys.engine(engine)], [lease_ms, incarnation, mode, *flat], parse
         )
 
     def index_engine(self, addr: str, engine: str, lease_ms: int | None) -> Call:
         """index.lua: list ``engine`` under its bootstrap address until ``lease_ms`` from
         now, or (None) take it off the index."""
-        return self.script(
+        return self._script(
             "index", [self.keys.engines_at(addr)], [engine, "" if lease_ms is None else lease_ms]
         )
 
@@ -815,20 +815,20 @@ class Store:
         for name, value in fields.items():
             flat += [name, value]
         self.execute(
-            [self.command("HSET", key, args=flat), self.set_ttl(key, ttl_ms)], transaction=True
+            [self._command("HSET", key, args=flat), self.set_ttl(key, ttl_ms)], transaction=True
         )
 
     def ledger_append(self, entries: Iterable[list[Any]], maxlen: int, ttl_ms: int) -> None:
         """Runs: XADD each entry (field, value list) to the ledger stream, capped near
         ``maxlen``, and refresh its TTL, in one transaction."""
         key = self.keys.ledger
-        calls = [self.command("XADD", key, args=["MAXLEN", "~", maxlen, "*", *e]) for e in entries]
+        calls = [self._command("XADD", key, args=["MAXLEN", "~", maxlen, "*", *e]) for e in entries]
         if calls:
             self.execute([*calls, self.set_ttl(key, ttl_ms)], transaction=True)
 
     def ledger_recent(self, count: int) -> Call:
         """The newest ``count`` ledger entries, newest first: [(id, {field: value})]."""
-        return self.command("XREVRANGE", self.keys.ledger, args=["+", "-", "COUNT", count])
+        return self._command("XREVRANGE", self.keys.ledger, args=["+", "-", "COUNT", count])
 
     @staticmethod
     def node_config(node: redis.Redis, name: str) -> str:
@@ -896,12 +896,12 @@ class Store:
         """Delete a room's abort mark. For an abort that failed nobody because both sides
         had already finished: no side of that room will be created again, so the mark
         would only be a key left behind."""
-        return self.command("DEL", self.keys.aborted(room))
+        return self._command("DEL", self.keys.aborted(room))
 
     def drop_transfer_stats(self, engine: str) -> Call:
         """Delete the transfer counters an engine published, once they have been read:
         a run that reports them itself leaves no key behind."""
-        return self.command("DEL", self.keys.transfer_stats(engine))
+        return self._command("DEL", self.keys.transfer_stats(engine))
 
     def command_counts(self) -> dict[str, int]:
         """Calls per command since each server started (INFO commandstats), summed over
@@ -928,17 +928,17 @@ class Store:
         k = self.keys
         me = k.participant(room, side, engine)
         calls = [
-            self.command(
+            self._command(
                 "DEL",
                 me,
                 k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
                 k.aborted(room),
             ),
-            self.command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
+            self._command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
         ]
-        calls += [self.command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
+        calls += [self._command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
         if peer_addr is not None:
-            calls.append(self.command("ZREM", k.addr(peer_addr), args=[me]))
+            calls.append(self._command("ZREM", k.addr(peer_addr), args=[me]))
         return calls
 
     def clear_many(

@@ -122,7 +122,7 @@ def two_sender_room(
         assert s2.finish_transfer() == KVPoll.Success
         gone = store.execute(
             [
-                store.command(
+                store._command(
                     "EXISTS",
                     store.keys.participant(room, "rx", d.engine),
                     store.keys.acks(room, d.engine),
@@ -140,7 +140,7 @@ def two_sender_room(
         assert rcv.poll() == KVPoll.WaitingForInput  # one ack of the two it needs
         assert s2.finish_transfer() == KVPoll.Success
         assert rcv.poll() == KVPoll.Success, f"room {room}: receiver lost an ack"
-        acks = set(store.execute([store.command("SMEMBERS", store.keys.acks(room, d.engine))])[0])
+        acks = set(store.execute([store.acks_of(room, d.engine)])[0])
         assert acks == {p1.engine.encode(), p2.engine.encode()}
     for part in (s1, rcv, s2):
         part.clear()

@@ -29,7 +29,7 @@ def store(state_url: str) -> Iterator[Store]:
 
 def test_plain_commands_keep_redis_py_reply_shapes(store: Store) -> None:
     k = store.keys.participant(1, "tx", "e")
-    c = store.command
+    c = store._command
     replies = store.execute(
         [
             c("HSET", k, args=["a", 1, "b", b"\x00\xff"]),
@@ -49,16 +49,16 @@ def test_plain_commands_keep_redis_py_reply_shapes(store: Store) -> None:
 
 def test_errors_are_translated(store: Store) -> None:
     k = store.keys.participant(2, "tx", "e")
-    store.execute([store.command("SET", k, args=["x", "PX", 60_000])])
+    store.execute([store._command("SET", k, args=["x", "PX", 60_000])])
     with pytest.raises(CorruptStateError):
         store.execute([store.poll(2, "tx", "e")])
     with pytest.raises(CorruptStateError):  # the same inside a batch, after a good call
-        store.execute([store.command("PTTL", k), store.poll(2, "tx", "e")])
+        store.execute([store._command("PTTL", k), store.poll(2, "tx", "e")])
     with pytest.raises(InvalidArgumentError, match="pass text, bytes or numbers"):
-        store.execute([store.command("SET", k, args=[object()])])
+        store.execute([store._command("SET", k, args=[object()])])
     with pytest.raises(KVStateError, match="Redis rejected"):
-        store.execute([store.command("HGET", k, args=[])])  # wrong arity
-    store.execute([store.command("DEL", k)])
+        store.execute([store._command("HGET", k, args=[])])  # wrong arity
+    store.execute([store._command("DEL", k)])
 
 
 def test_noscript_reload_and_reconnect(store: Store) -> None:
@@ -90,8 +90,8 @@ def test_noscript_reload_and_reconnect(store: Store) -> None:
 def test_cluster_transaction_one_round_trip_per_node(redis_cluster_url: str) -> None:
     store = kvstate.connect(redis_cluster_url, namespace="lean")
     rooms = range(30)  # slots all over the three primaries
-    calls = [store.command("HSET", store.keys.parts(r), args=["tx:e", 1]) for r in rooms] + [
-        store.command("PEXPIRE", store.keys.parts(r), args=[60_000]) for r in rooms
+    calls = [store._command("HSET", store.keys.parts(r), args=["tx:e", 1]) for r in rooms] + [
+        store._command("PEXPIRE", store.keys.parts(r), args=[60_000]) for r in rooms
     ]
     with RoundTrips.installed() as rt:
         before = rt.count
@@ -100,7 +100,7 @@ def test_cluster_transaction_one_round_trip_per_node(redis_cluster_url: str) -> 
     assert replies == [1] * 30 + [True] * 30
     with RoundTrips.installed() as rt:
         before = rt.count
-        store.execute([store.command("DEL", store.keys.parts(r)) for r in rooms], True)
+        store.execute([store._command("DEL", store.keys.parts(r)) for r in rooms], True)
         assert rt.count - before == 3
     assert keys_of(store) == []
     store.close()
