@@ -68,9 +68,30 @@ def test_encoding_is_one_pair_per_maximal_run(indices: np.ndarray) -> None:
     assert not (pairs[1:, 0] == pairs[:-1, 0] + pairs[:-1, 1]).any()
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.binary(max_size=64))
-def test_any_bytes_decode_or_are_corrupt(raw: bytes) -> None:
+int32 = st.integers(-(2**31), 2**31 - 1)
+big = st.integers(2**30, 2**31 - 1)
+
+
+@st.composite
+def stored_runs(draw: st.DrawFn) -> bytes:
+    """Run lists as anything could have written them: any int32 start with lengths
+    that are bad or small; at times a run that goes past the last page, or two huge
+    runs that repeat pages (both refused before any array is made: a valid run of 2**30
+    pages would take 8 GiB to decode); at times bytes that are not pairs."""
+    pairs = draw(st.lists(st.tuples(int32, st.integers(-2, 300)), max_size=6))
+    if draw(st.booleans()):
+        length = draw(big)
+        pairs.append((draw(st.integers(MAX_INDEX - length + 2, MAX_INDEX)), length))
+    if draw(st.booleans()):
+        pairs += [(0, 2**30 + 1), (draw(st.integers(0, 2**30 - 2)), 2**30)]
+    draw(st.randoms()).shuffle(pairs)
+    tail = draw(st.sampled_from([b"", b"", b"\x01", b"\x00\x00\x00"]))
+    return np.array(pairs, dtype="<i4").reshape(-1, 2).tobytes() + tail
+
+
+@settings(max_examples=150, deadline=None)
+@given(stored_runs())
+def test_any_stored_runs_decode_or_are_corrupt(raw: bytes) -> None:
     """Whatever is stored: a valid index array, or CorruptStateError naming key and field."""
     try:
         back = decode_runs(raw, "k", "f")
@@ -158,7 +179,15 @@ def test_top_page_index_decodes() -> None:
 
 
 @pytest.mark.parametrize(
-    "pairs", [[(-1, 1)], [(0, 0)], [(5, -2)], [(MAX_INDEX, 2)], [(0, 1), (MAX_INDEX - 1, 3)]]
+    "pairs",
+    [
+        [(-1, 1)],
+        [(0, 0)],
+        [(5, -2)],
+        [(MAX_INDEX, 2)],
+        [(0, 1), (MAX_INDEX - 1, 3)],
+        [(0, 2**30 + 1), (7, 2**30)],  # each fits; together more pages than exist
+    ],
 )
 def test_bad_runs_are_corrupt(pairs: list[tuple[int, int]]) -> None:
     raw = np.array(pairs, dtype="<i4").tobytes()
