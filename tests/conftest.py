@@ -18,6 +18,15 @@ Fixtures
 - ``redis_server_factory`` (function): start private servers (for kill/restart tests).
 - ``redis_cli`` (function): ``redis_cli(url, *args) -> stdout`` via the real binary.
 - ``spawn_ctx``: ``multiprocessing.get_context("spawn")``.
+
+Tiers
+-----
+Every test that needs a server or starts processes is marked ``redis`` here, at
+collection (it uses one of the fixtures above, or is marked ``cluster``, ``slow``,
+``sglang`` or ``vllm``, or its module starts processes of its own: ``_PROCESS_MODULES``).
+``pytest -m "not redis"`` is the fast tier: pure logic (codec, keys, schema, URL
+parsing, page runs, ...), no redis-server, seconds. A new test that starts a server
+without one of these fixtures must be added to ``_PROCESS_MODULES`` or marked by hand.
 """
 
 from __future__ import annotations
@@ -59,6 +68,77 @@ def _no_ambient_redis_url() -> Iterator[None]:
     yield
     if saved is not None:
         os.environ["KVSTATE_REDIS_URL"] = saved
+
+
+# --------------------------------------------------------------------------- tiers
+
+# Fixtures that start (or reach) a redis-server, run redis-cli, or start processes.
+# ``state_url`` asks for its server with getfixturevalue, so it is named itself.
+_SERVER_FIXTURES = frozenset(
+    {
+        "redis_proc",
+        "redis_url",
+        "redis_tcp_url",
+        "redis_tls_proc",
+        "redis_tls_url",
+        "redis_cluster",
+        "redis_cluster_url",
+        "redis_cluster_replicas",
+        "state_url",
+        "redis_server_factory",
+        "redis_cli",
+        "spawn_ctx",
+    }
+)
+_SERVER_MARKERS = ("cluster", "slow", "sglang", "vllm")
+# Tests that start servers or processes without naming one of those fixtures: whole
+# modules (the demo or CLI in a subprocess, UCX peers, docker compose, the harness
+# itself), and single tests (the embedded server; a fixture asked for at run time).
+_PROCESS_MODULES = frozenset(
+    {
+        "test_compose",
+        "test_demo",
+        "test_demo_ops",
+        "test_processes",
+        "test_servers",
+        "test_transport",
+        "test_transport_settings",
+    }
+)
+_PROCESS_TESTS = frozenset(
+    {
+        "test_embedded_default_from_a_clean_environment",
+        "test_doctor_without_url_uses_an_embedded_server",
+        "test_script_flush_storm_is_transparent",
+    }
+)
+# What redis-server resolves to in a test not marked ``redis``: starting one fails
+# loudly (and names the marker) instead of slipping a server into the fast tier.
+_NO_SERVER = "not-in-the-fast-tier--mark-this-test-redis"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that needs a server or processes ``redis`` (see Tiers above)."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        module = getattr(item, "module", None)
+        name = getattr(item, "originalname", item.name)
+        if (
+            fixtures & _SERVER_FIXTURES
+            or any(m in item.keywords for m in _SERVER_MARKERS)
+            or (module is not None and module.__name__.rpartition(".")[2] in _PROCESS_MODULES)
+            or name in _PROCESS_TESTS
+        ):
+            item.add_marker(pytest.mark.redis)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_server(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test outside the ``redis`` tier that tries to start a redis-server fails."""
+    if request.node.get_closest_marker("redis") is None:
+        monkeypatch.setenv("KVSTATE_REDIS_SERVER", _NO_SERVER)
 
 
 # --------------------------------------------------------------------------- standalone
