@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.context import SpawnContext
 from pathlib import Path
@@ -139,6 +140,42 @@ def _fast_tier_starts_no_server(
     """A test outside the ``redis`` tier that tries to start a redis-server fails."""
     if request.node.get_closest_marker("redis") is None:
         monkeypatch.setenv("KVSTATE_REDIS_SERVER", _NO_SERVER)
+
+
+# --------------------------------------------------------------------------- leaks
+
+_MADE_BY: list[weakref.WeakKeyDictionary[Any, str]] = []  # manager -> the test that made it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_manager_outlives_the_session() -> Iterator[None]:
+    """A KVManager left open keeps a heartbeat thread renewing its lease into whatever
+    server later tests flush and reuse (it re-registers its name there, so a later
+    manager of that name can be refused): after the last test, every one made must be
+    closed. Names the test that made each leaked one."""
+    from kvstate import roles
+
+    made_by: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+    _MADE_BY.append(made_by)
+    yield
+    live = [m for m in list(roles._MANAGERS) if not m._closed and not m._forked]
+    for mgr in live:
+        mgr.close()  # stop the heartbeats either way
+    assert not live, "KVManagers left open (close them, or use them as context managers): " + (
+        "; ".join(f"{m.engine} made in {made_by.get(m, '?')}" for m in live)
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Remember which test made each manager still open after it (for the check above)."""
+    yield
+    if _MADE_BY:
+        from kvstate import roles
+
+        for mgr in list(roles._MANAGERS):
+            if not mgr._closed and mgr not in _MADE_BY[0]:
+                _MADE_BY[0][mgr] = item.nodeid
 
 
 # --------------------------------------------------------------------------- standalone
