@@ -23,7 +23,7 @@ from kvstate.errors import (
     StateConnectionError,
 )
 from kvstate.store import Store
-from tests.helpers import PREFILL_ADDR, keys_of, managers
+from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled
 
 
 def snapshot(store: Store) -> dict[str, object]:
@@ -212,7 +212,7 @@ def test_embedded_default_from_a_clean_environment(tmp_path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         check=True,
     ).stdout.split()
     assert out[0].startswith("unix://") and out[1] == "Bootstrapping" and out[2] == out[0]

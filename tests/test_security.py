@@ -31,7 +31,7 @@ from kvstate.errors import (
 )
 from kvstate.store import Store
 from kvstate.testing.servers import RedisProcess, make_test_certs
-from tests.helpers import PREFILL_ADDR, keys_of, wait_for
+from tests.helpers import PREFILL_ADDR, keys_of, scaled, wait_for
 
 # --------------------------------------------------------------------------- ACL
 
@@ -342,7 +342,7 @@ def test_tls_lifecycle_and_refusals(
         assert f"127.0.0.1:{port}" in text, text
         if name in ("another CA", "system CAs"):
             assert "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text
-        assert took[name] < 5.0, (name, took[name])
+        assert took[name] < scaled(5.0), (name, took[name])
     print("\n[tls] refused after: " + ", ".join(f"{k}={v:.2f}s" for k, v in took.items()))
 
 
@@ -466,7 +466,7 @@ def test_password_never_shown(
             cli + args,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
             env=run_env,
             stdin=subprocess.DEVNULL,
             check=False,
