@@ -352,10 +352,12 @@ def test_show_and_ls_find_a_running_demo(
     )
     dead = subprocess.Popen(["true"])  # a pid that is not running any more
     dead.wait()
-    time.sleep(0.05)
-    (tmp_path / f"kvstate-demo-{dead.pid}.json").write_text(
+    stale = tmp_path / f"kvstate-demo-{dead.pid}.json"
+    stale.write_text(
         json.dumps({"url": "redis://127.0.0.1:1", "namespace": "stale", "pid": dead.pid})
     )
+    newer = (tmp_path / f"kvstate-demo-{os.getpid()}.json").stat().st_mtime + 1
+    os.utime(stale, (newer, newer))  # newer than the live one, whatever the clock resolution
     env = {"XDG_RUNTIME_DIR": str(tmp_path), "KVSTATE_REDIS_URL": "", "KVSTATE_NAMESPACE": ""}
     result = run("ls", "--json", env=env)
     assert result.exit_code == 0, result.output
