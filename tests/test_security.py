@@ -118,8 +118,9 @@ def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:
         r3.clear()
         s4 = p.sender(4)
         s4.poll()
-        time.sleep(0.15)  # also a few heartbeats: lease renewal and peer checks
-        assert s4.poll() == KVPoll.Failed  # bootstrap timeout, on the server clock
+        # bootstrap timeout (0.1 s), on the server clock; heartbeats (every 0.03 s) run
+        # meanwhile: lease renewal and peer checks under the ACL
+        assert wait_for(lambda: s4.poll() == KVPoll.Failed, 5.0)
         assert "timeout" in s4.failure_exception().reason
         for m in (p, d):
             info = m.registry.get(m.engine)
