@@ -63,6 +63,8 @@ def decode_runs(raw: bytes, key: str, field_name: str) -> IndexArray:
         raise CorruptStateError(key, field_name, "run list has a negative start or length")
     if int((starts + lengths - 1).max()) > MAX_INDEX:  # a run's last page, not one past it
         raise CorruptStateError(key, field_name, f"run list goes past page {MAX_INDEX}")
+    if int(lengths.sum()) > MAX_INDEX + 1:  # more pages than there are: repeats, and an
+        raise CorruptStateError(key, field_name, "run list repeats pages")  # 8 GiB+ array
     offsets = np.cumsum(lengths) - lengths
     return (np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)).astype(np.int32)
 

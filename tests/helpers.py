@@ -1,7 +1,14 @@
-"""Small helpers shared by the state tests (not fixtures: plain functions)."""
+"""Small helpers shared by the state tests (not fixtures: plain functions).
+
+Timing: every timeout and time bound in the tests goes through ``scaled()`` (and
+``wait_for`` scales its own), stretched by ``$KVSTATE_TEST_TIME_FACTOR`` (default 1),
+read once here, for slow or loaded hosts: ``KVSTATE_TEST_TIME_FACTOR=3 pytest``.
+Durations that are the scenario itself (a lease, a timeout under test) are not scaled.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -9,6 +16,25 @@ import kvstate
 from kvstate.store import Store
 
 PREFILL_ADDR = "10.0.0.1:8998"
+
+
+def _time_factor() -> float:
+    raw = os.environ.get("KVSTATE_TEST_TIME_FACTOR", "") or "1"
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = 0.0
+    if not 0 < factor < float("inf"):
+        raise ValueError(f"KVSTATE_TEST_TIME_FACTOR must be a number > 0, e.g. 2; got {raw!r}")
+    return factor
+
+
+TIME_FACTOR = _time_factor()
+
+
+def scaled(seconds: float) -> float:
+    """A timeout or bound of the tests, stretched by ``$KVSTATE_TEST_TIME_FACTOR``."""
+    return seconds * TIME_FACTOR
 
 
 def keys_of(store: Store, pattern: str | None = None) -> list[str]:
@@ -37,7 +63,8 @@ def managers(store: Store, **kw: object) -> tuple[kvstate.KVManager, kvstate.KVM
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
+    """Poll ``pred`` until it holds or ``scaled(timeout)`` passes; its last answer."""
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if pred():
             return True

@@ -4,7 +4,6 @@ what is safe (exit 0 after) and never touches a live room."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ from kvstate.codec import TransferInfo
 from kvstate.ops.ledger import Entry, Ledger
 from kvstate.poll import KVPoll
 from kvstate.store import Store
+from tests.helpers import wait_for
 
 ADDR = "10.0.0.1:8998"
 
@@ -203,7 +203,8 @@ def test_idle_unclaimed_xfer_is_named_on_every_run(redis_url: str) -> None:
     """Idle time comes from the server; the audit's own reads must not reset it."""
     store = kvstate.connect(redis_url)
     key = plant_unclaimed_xfer(store)
-    time.sleep(2.1)
+    # idle for 2 s by the server's clock (OBJECT IDLETIME touches nothing)
+    assert wait_for(lambda: store.client.object("idletime", key) >= 2, 5.0)
     for _ in range(2):
         result, doc = audit(redis_url, "--grace", "1s")
         assert result.exit_code == 1

@@ -23,7 +23,7 @@ from kvstate.errors import (
     StateConnectionError,
 )
 from kvstate.store import Store
-from tests.helpers import PREFILL_ADDR, keys_of, managers
+from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled
 
 
 def snapshot(store: Store) -> dict[str, object]:
@@ -71,8 +71,8 @@ def test_bad_rooms_are_refused_everywhere(store: Store, room: object) -> None:
 
 
 def test_unknown_status(store: Store) -> None:
-    p, _ = managers(store)
-    with p:
+    p, d = managers(store)
+    with p, d:  # d too: a manager left open heartbeats into later tests' servers
         snd = p.sender(1)
         snd.poll()
         before = snapshot(store)
@@ -154,8 +154,8 @@ def test_corrupt_transfer_info(store: Store, redis_cli, redis_url: str, value: b
 
 
 def test_corrupt_status_written_with_redis_cli(store: Store, redis_cli, redis_url: str) -> None:
-    p, _ = managers(store)
-    with p:
+    p, d = managers(store)
+    with p, d:
         snd = p.sender(3)
         snd.poll()
         key = store.keys.participant(3, "tx", p.engine)
@@ -212,7 +212,7 @@ def test_embedded_default_from_a_clean_environment(tmp_path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         check=True,
     ).stdout.split()
     assert out[0].startswith("unix://") and out[1] == "Bootstrapping" and out[2] == out[0]

@@ -19,6 +19,7 @@ from kvstate.cli import main
 from kvstate.poll import KVPoll
 from kvstate.store import Store
 from kvstate.testing.servers import RedisProcess
+from tests.helpers import scaled
 
 ADDR = "10.0.0.1:8998"
 KVSTATE_BIN = Path(sys.executable).with_name("kvstate")
@@ -159,7 +160,7 @@ def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str
         [str(KVSTATE_BIN), "--url", state_url, "abort", "77", "--reason", "router gave up"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         env=env,
         check=False,
     )
@@ -231,7 +232,7 @@ def test_doctor_without_url_uses_an_embedded_server() -> None:
         [str(KVSTATE_BIN), "doctor", "--json", "--no-ucx"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         env=env,
         check=False,
     )
@@ -346,7 +347,7 @@ def test_password_never_printed_by_the_real_command(locked: RedisProcess) -> Non
             [str(KVSTATE_BIN), "top", "--once"],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
             env=env,
             check=False,
         )

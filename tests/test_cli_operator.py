@@ -31,7 +31,7 @@ from kvstate.ops.metrics import Metrics
 from kvstate.poll import KVPoll
 from kvstate.store import Store
 from kvstate.testing.servers import RedisProcess
-from tests.helpers import wait_for
+from tests.helpers import scaled, wait_for
 from tests.test_security import ENGINE_ACL
 
 ADDR = "10.0.0.1:8998"
@@ -106,7 +106,7 @@ def test_audit_finds_nothing_on_a_busy_healthy_namespace(
     try:
         assert wait_for(lambda: any(True for _ in store.scan(store.keys.participant_pattern)), 30)
         runs, seen_rooms = 0, 0
-        deadline = time.monotonic() + 7
+        deadline = time.monotonic() + scaled(7)
         while time.monotonic() < deadline:
             for args in (["audit", "--json"], ["audit", "--json", "--fix"]):
                 result = run("--url", redis_url, *args)
@@ -135,7 +135,7 @@ def test_audit_finds_nothing_on_a_busy_healthy_namespace(
         for proc in procs:
             proc.join(60)
         store.close()
-    done = [results.get(timeout=10) for _ in procs]
+    done = [results.get(timeout=scaled(10)) for _ in procs]
     assert all(n > 10 for n in done), done
 
 
@@ -172,7 +172,7 @@ def test_audit_finds_nothing_while_the_demo_runs(redis_url: str, tmp_path: Path)
         env=env,
         stdin=subprocess.DEVNULL,
     )
-    runs, deadline = 0, time.monotonic() + 240
+    runs, deadline = 0, time.monotonic() + scaled(240)
     try:
         while demo.poll() is None and time.monotonic() < deadline:
             for args in (["audit", "--json"], ["audit", "--json", "--fix"]):
@@ -184,7 +184,7 @@ def test_audit_finds_nothing_while_the_demo_runs(redis_url: str, tmp_path: Path)
                 assert result.exit_code == 0, result.output
                 assert all(f["resolved"] for f in doc["findings"]), doc
                 runs += 1
-        demo.wait(timeout=60)
+        demo.wait(timeout=scaled(60))
     finally:
         if demo.poll() is None:
             demo.kill()
@@ -352,10 +352,12 @@ def test_show_and_ls_find_a_running_demo(
     )
     dead = subprocess.Popen(["true"])  # a pid that is not running any more
     dead.wait()
-    time.sleep(0.05)
-    (tmp_path / f"kvstate-demo-{dead.pid}.json").write_text(
+    stale = tmp_path / f"kvstate-demo-{dead.pid}.json"
+    stale.write_text(
         json.dumps({"url": "redis://127.0.0.1:1", "namespace": "stale", "pid": dead.pid})
     )
+    newer = (tmp_path / f"kvstate-demo-{os.getpid()}.json").stat().st_mtime + 1
+    os.utime(stale, (newer, newer))  # newer than the live one, whatever the clock resolution
     env = {"XDG_RUNTIME_DIR": str(tmp_path), "KVSTATE_REDIS_URL": "", "KVSTATE_NAMESPACE": ""}
     result = run("ls", "--json", env=env)
     assert result.exit_code == 0, result.output
@@ -409,7 +411,7 @@ def test_top_waits_for_redis_across_a_restart(
         server.restart()
         assert wait_for(lambda: "is back" in Path(err.name).read_text(), 30)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=scaled(30))
     finally:
         if proc.poll() is None:
             proc.kill()

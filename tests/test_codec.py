@@ -1,5 +1,7 @@
 """The run-length page-index codec: every valid index array round-trips exactly, the
-int32 edge included; and what it refuses, it refuses as CorruptStateError."""
+int32 edge included, in as few runs as it has; what it refuses, it refuses as
+CorruptStateError, whatever the bytes. And transports.pages.merge_runs, the transfer
+side's run builder: every (src, dst) pair kept in order, in maximal runs."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, decode_runs, encode_runs
+from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, decode_runs, encode_runs, unpack
 from kvstate.errors import CorruptStateError
+from transports.pages import merge_runs
 
 # Page indices anywhere in [0, 2**31 - 1]; runs come from consecutive stretches, so
 # also build arrays from (start, length) pieces that reach the top of the range.
-any_indices = arrays(np.int64, st.integers(0, 200), elements=st.integers(0, MAX_INDEX))
+any_indices = arrays(np.int64, st.integers(0, 64), elements=st.integers(0, MAX_INDEX))
 
 
 @st.composite
@@ -27,7 +30,7 @@ def runs(draw: st.DrawFn) -> np.ndarray:
     return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.one_of(any_indices, runs()))
 def test_runs_round_trip(indices: np.ndarray) -> None:
     idx = as_indices(indices)
@@ -49,6 +52,126 @@ def test_transfer_info_round_trip(kv: np.ndarray, prefix: int, dummy: bool) -> N
     assert (back.prefix_len, back.dummy, back.incarnation) == (prefix, dummy, "inc")
 
 
+def _runs_in(indices: np.ndarray) -> int:
+    """How many maximal stretches of consecutive pages ``indices`` holds (plain Python)."""
+    values = indices.tolist()
+    return sum(1 for i, v in enumerate(values) if i == 0 or v != values[i - 1] + 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(any_indices, runs()))
+def test_encoding_is_one_pair_per_maximal_run(indices: np.ndarray) -> None:
+    raw = encode_runs(as_indices(indices))
+    assert len(raw) == 8 * _runs_in(indices)
+    pairs = np.frombuffer(raw, dtype="<i4").reshape(-1, 2).astype(np.int64)
+    # maximal: no run continues the one before it
+    assert not (pairs[1:, 0] == pairs[:-1, 0] + pairs[:-1, 1]).any()
+
+
+int32 = st.integers(-(2**31), 2**31 - 1)
+big = st.integers(2**30, 2**31 - 1)
+
+
+@st.composite
+def stored_runs(draw: st.DrawFn) -> bytes:
+    """Run lists as anything could have written them: any int32 start with lengths
+    that are bad or small; at times a run that goes past the last page, or two huge
+    runs that repeat pages (both refused before any array is made: a valid run of 2**30
+    pages would take 8 GiB to decode); at times bytes that are not pairs."""
+    pairs = draw(st.lists(st.tuples(int32, st.integers(-2, 300)), max_size=6))
+    if draw(st.booleans()):
+        length = draw(big)
+        pairs.append((draw(st.integers(MAX_INDEX - length + 2, MAX_INDEX)), length))
+    if draw(st.booleans()):
+        pairs += [(0, 2**30 + 1), (draw(st.integers(0, 2**30 - 2)), 2**30)]
+    draw(st.randoms()).shuffle(pairs)
+    tail = draw(st.sampled_from([b"", b"", b"\x01", b"\x00\x00\x00"]))
+    return np.array(pairs, dtype="<i4").reshape(-1, 2).tobytes() + tail
+
+
+@settings(max_examples=150, deadline=None)
+@given(stored_runs())
+def test_any_stored_runs_decode_or_are_corrupt(raw: bytes) -> None:
+    """Whatever is stored: a valid index array, or CorruptStateError naming key and field."""
+    try:
+        back = decode_runs(raw, "k", "f")
+    except CorruptStateError as exc:
+        assert (exc.key, exc.field) == ("k", "f")
+        return
+    assert back.dtype == np.int32 and (back >= 0).all()
+    np.testing.assert_array_equal(decode_runs(encode_runs(back), "k", "f"), back)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=64))
+def test_any_bytes_as_a_transfer_info_are_corrupt_or_valid(raw: bytes) -> None:
+    try:
+        info = TransferInfo.decode("r", raw, "k")
+    except CorruptStateError as exc:
+        assert exc.key == "k"
+        return
+    assert info.kv_indices.dtype == np.int32  # only msgpack of the right shape gets here
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.dictionaries(
+        st.text(max_size=5), st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=4), max_size=4
+    )
+)
+def test_payload_without_our_version_is_corrupt(doc: dict[str, object]) -> None:
+    import msgpack
+
+    raw = msgpack.packb({**doc, "v": 99}, use_bin_type=True)
+    with pytest.raises(CorruptStateError, match="schema version 99"):
+        unpack(raw, "k", "f")
+
+
+# --------------------------------------------------------------------------- merge_runs
+
+pages = st.integers(0, 1 << 20)
+
+
+@st.composite
+def page_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) of one transfer: stretches contiguous on one side, both or neither."""
+    src: list[int] = []
+    dst: list[int] = []
+    for _ in range(draw(st.integers(0, 8))):
+        n = draw(st.integers(1, 12))
+        s0, d0 = draw(pages), draw(pages)
+        src += (
+            [s0 + i for i in range(n)]
+            if draw(st.booleans())
+            else draw(st.lists(pages, min_size=n, max_size=n))
+        )
+        dst += (
+            [d0 + i for i in range(n)]
+            if draw(st.booleans())
+            else draw(st.lists(pages, min_size=n, max_size=n))
+        )
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+
+
+@settings(max_examples=100, deadline=None)
+@given(page_pairs())
+def test_merge_runs_keeps_every_pair_in_maximal_runs(pair: tuple[np.ndarray, np.ndarray]) -> None:
+    src, dst = pair
+    runs = merge_runs(src, dst)
+    assert (runs.length >= 1).all() and runs.pages == src.size
+    expanded = [
+        (s + i, d + i)
+        for s, d, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), strict=True)
+        for i in range(n)
+    ]
+    assert expanded == list(zip(src.tolist(), dst.tolist(), strict=True))
+    # maximal: a run never continues the one before it on both sides
+    follows = (runs.src[1:] == runs.src[:-1] + runs.length[:-1]) & (
+        runs.dst[1:] == runs.dst[:-1] + runs.length[:-1]
+    )
+    assert not follows.any()
+
+
 def test_top_page_index_decodes() -> None:
     """2**31 - 1 is accepted by as_indices, so it must decode (it used to be refused)."""
     for arr in ([MAX_INDEX], [MAX_INDEX - 1, MAX_INDEX], [0, MAX_INDEX]):
@@ -56,7 +179,15 @@ def test_top_page_index_decodes() -> None:
 
 
 @pytest.mark.parametrize(
-    "pairs", [[(-1, 1)], [(0, 0)], [(5, -2)], [(MAX_INDEX, 2)], [(0, 1), (MAX_INDEX - 1, 3)]]
+    "pairs",
+    [
+        [(-1, 1)],
+        [(0, 0)],
+        [(5, -2)],
+        [(MAX_INDEX, 2)],
+        [(0, 1), (MAX_INDEX - 1, 3)],
+        [(0, 2**30 + 1), (7, 2**30)],  # each fits; together more pages than exist
+    ],
 )
 def test_bad_runs_are_corrupt(pairs: list[tuple[int, int]]) -> None:
     raw = np.array(pairs, dtype="<i4").tobytes()

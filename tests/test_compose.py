@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import scaled
+
 yaml = pytest.importorskip("yaml")
 
 COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
@@ -176,7 +178,7 @@ def test_redis_command_requires_the_password(tmp_path: Path) -> None:
     try:
         import redis
 
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while True:
             try:
                 with redis.Redis(port=port, password=password, socket_timeout=2) as c:

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from kvstate.demo import demo, expected_pages
 from kvstate.demo.outcome import Track
+from tests.helpers import scaled
 
 SMALL = ["--page-bytes", "4k", "--pool-pages", "256", "--pages-per-request", "1-32"]
 PAGE_BYTES, LAYERS = 4096, 2
@@ -161,8 +162,8 @@ def test_demo_router_and_standalone_workers() -> None:
         for role in ("prefill", "decode")
     ]
     try:
-        out, err = router.communicate(timeout=120)
-        logs = [w.communicate(timeout=30)[1] for w in workers]
+        out, err = router.communicate(timeout=scaled(120))
+        logs = [w.communicate(timeout=scaled(30))[1] for w in workers]
         for w, text in zip(workers, logs, strict=True):
             assert w.returncode == 0, text
     finally:

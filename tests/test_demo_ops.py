@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import wait_for
+from tests.helpers import scaled, wait_for
 from tests.test_demo import SMALL, _command, _env
 
 NOISE = ("Traceback", "leaked semaphore", "KeyboardInterrupt", "resource_tracker")
@@ -49,7 +49,7 @@ def _keys(url: str, ns: str) -> list[bytes]:
 
 def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
     try:
-        return proc.communicate(timeout=90)
+        return proc.communicate(timeout=scaled(90))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -125,7 +125,9 @@ def test_hold_keeps_rooms_visible_to_the_cli() -> None:
         url, ns = found["url"], found["namespace"]
         assert wait_for(lambda: len(_participants(url, ns)) == 8, 60)
         cli = [sys.executable, "-m", "kvstate.cli", "--url", url, "--namespace", ns, "ls"]
-        listing = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=_env()).stdout
+        listing = subprocess.run(
+            cli, capture_output=True, text=True, timeout=scaled(60), env=_env()
+        ).stdout
     finally:
         out, err = _finish(proc)
     assert proc.returncode == 0, err
@@ -184,7 +186,7 @@ def test_tcp_queues_need_a_secret(mode: str, key: str | None, text: str) -> None
     )
     env = _env(**({"KVSTATE_DEMO_AUTHKEY": key} if key else {}))
     result = subprocess.run(
-        [*_command(), *args], capture_output=True, text=True, env=env, timeout=60
+        [*_command(), *args], capture_output=True, text=True, env=env, timeout=scaled(60)
     )
     assert result.returncode == 2, result.stderr
     assert text in result.stderr and "Traceback" not in result.stderr

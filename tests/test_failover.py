@@ -22,7 +22,7 @@ from kvstate import KVPoll
 from kvstate.errors import StateConnectionError
 from kvstate.store import Store
 from kvstate.testing.servers import RedisCluster, RedisProcess
-from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of
+from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of, scaled, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -120,6 +120,17 @@ def lifecycle(out: Outcomes, p: kvstate.KVManager, d: kvstate.KVManager, room: i
         out.finished_at[room] = time.monotonic()
 
 
+def _replicated(cluster: RedisCluster, primary: RedisProcess) -> bool:
+    """Whether every replica of ``primary`` has applied all of its writes."""
+    with primary.client() as c:
+        done = int(c.info("replication")["master_repl_offset"])
+    for replica in cluster.replicas_of(primary):
+        with replica.client() as c:
+            if int(c.info("replication").get("slave_repl_offset", -1)) < done:
+                return False
+    return True
+
+
 def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
     """Four threads run lifecycles on rooms of one primary (and a few elsewhere) while
     that primary fails over to its replica; rooms made before the failover finish and
@@ -160,13 +171,15 @@ def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
         workers = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
         for w in workers:
             w.start()
-        time.sleep(0.3)  # let them get busy
+        assert wait_for(lambda: len(out.by_room) >= 10, 30.0), "no lifecycle finished"
         done_before = len(out.by_room)
         moved_before = errorstats(target).get("MOVED", 0)
         t0 = time.monotonic()
         new_primary = cluster.failover(target)
         failover_s = time.monotonic() - t0
-        time.sleep(0.5)  # and keep them busy on the new primary for a while
+        # and keep them busy on the new primary for a while
+        done_at_failover = len(out.by_room)
+        wait_for(lambda: len(out.by_room) >= done_at_failover + 20 or bool(out.errors), 30.0)
         stop.set()
         for w in workers:
             w.join(60)
@@ -241,7 +254,8 @@ def test_primary_killed_replica_takes_over(tmp_path) -> None:
             for snd, rcv in rooms.values():
                 rcv.init([1, 2, 3])
                 assert snd.poll() == KVPoll.WaitingForInput
-            time.sleep(0.1)  # replication is asynchronous: let the replica catch up
+            # replication is asynchronous: wait until the replica has every write
+            assert wait_for(lambda: _replicated(cluster, target), 10.0)
 
             t0 = time.monotonic()
             target.kill()
@@ -261,10 +275,10 @@ def test_primary_killed_replica_takes_over(tmp_path) -> None:
                     assert "Redis" in str(exc) and store.url in str(exc)
                 finally:
                     slowest = max(slowest, time.monotonic() - c0)
-                assert time.monotonic() - t0 < 30, "the replica never took over"
+                assert time.monotonic() - t0 < scaled(30), "the replica never took over"
             recovered_s = time.monotonic() - t0
             assert status in (KVPoll.Transferring, KVPoll.Failed)
-            assert slowest < 10.0, f"one call took {slowest:.1f} s"
+            assert slowest < scaled(10.0), f"one call took {slowest:.1f} s"
 
             # A new client through the dead node's URL cannot even start.
             c0 = time.monotonic()

@@ -34,7 +34,14 @@ from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.roles import STATE_LOST
 from kvstate.store import Store
 from kvstate.testing.servers import RedisCluster, RedisProcess
-from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of, room_keys, wait_for
+from tests.helpers import (
+    PREFILL_ADDR,
+    assert_every_key_has_ttl,
+    keys_of,
+    room_keys,
+    scaled,
+    wait_for,
+)
 
 PASSWORD = "Fault-pw/9:x@y"  # needs quoting in a URL: redaction must still hide it
 
@@ -457,7 +464,7 @@ def test_redis_down_raises_bounded_and_recovers(redis_server_factory, transport:
         assert store.url in text, text  # the redacted URL
         assert "***" in text and PASSWORD not in text and "Fault-pw" not in text
         assert "is redis-server running" in text and "KVSTATE_REDIS_URL" in text
-        assert took[name] < 5.0, f"{name} took {took[name]:.1f} s to give up"
+        assert took[name] < scaled(5.0), f"{name} took {took[name]:.1f} s to give up"
     assert snd.status == KVPoll.WaitingForInput  # a failed call does not invent a status
 
     proc.restart()  # empty, same address, same password
@@ -497,7 +504,7 @@ def test_frozen_redis_times_out_bounded(redis_server_factory) -> None:
         with pytest.raises(StateConnectionError) as info:
             snd.poll()
         frozen_s = time.monotonic() - t0
-        bound = (opts.retries + 1) * (opts.socket_timeout + opts.backoff_cap) + 0.5
+        bound = (opts.retries + 1) * (opts.socket_timeout + opts.backoff_cap) + scaled(0.5)
         assert frozen_s < bound, (frozen_s, bound)
         assert "Timeout" in str(info.value) or "timed out" in str(info.value)
         assert store.url in str(info.value)
@@ -533,7 +540,7 @@ def test_cluster_url_down_raises_state_connection_error() -> None:
     took = time.monotonic() - t0
     text = str(info.value)
     assert "Redis Cluster" in text and "***" in text and "Fault-pw" not in text
-    assert took < 5.0
+    assert took < scaled(5.0)
     report("cluster-down", connect_refused_after_s=f"{took:.2f}")
 
 

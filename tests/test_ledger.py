@@ -21,7 +21,7 @@ from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger, Monitor
 from kvstate.ops.metrics import Metrics
 from kvstate.poll import KVPoll
 from kvstate.store import Store
-from tests.helpers import wait_for
+from tests.helpers import scaled, wait_for
 
 ADDR = "10.0.0.1:8998"
 KVSTATE_BIN = Path(sys.executable).with_name("kvstate")
@@ -160,7 +160,7 @@ def free_port() -> int:
 
 
 def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=scaled(5)) as resp:
         return str(resp.read().decode())
 
 
@@ -220,7 +220,7 @@ def test_monitor_subprocess_ledger_and_metrics(redis_url: str) -> None:
         s.close()
     finally:
         proc.terminate()
-        out, err = proc.communicate(timeout=10)
+        out, err = proc.communicate(timeout=scaled(10))
     assert "reaped by TTL: room 31" in out, (out, err)
     assert "Traceback" not in err, err
     assert proc.returncode == 0 and "monitor stopped" in err, (proc.returncode, err)

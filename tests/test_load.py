@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvstate
-from tests.helpers import PREFILL_ADDR, managers
+from tests.helpers import PREFILL_ADDR, managers, scaled
 
 
 @pytest.mark.slow
@@ -47,7 +47,7 @@ def test_demo_2000_requests_on_two_by_two_workers(redis_url: str) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=scaled(900),
     )
     assert proc.stdout.strip(), proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -60,7 +60,7 @@ def test_demo_2000_requests_on_two_by_two_workers(redis_url: str) -> None:
         if room["decode_status"] == "Failed":
             assert room["decode_reason"], room
     assert summary["outcomes"]["done"] > 1800
-    assert summary["keys_left"] == 0
+    assert summary["keys_left"] == 0, summary["keys_left_sample"]
     assert summary["bytes_verified"] > 0
     print("2000 rooms:", summary["outcomes"], summary["latency_ms"], summary["gb_per_s"], "GB/s")
 

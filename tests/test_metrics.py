@@ -20,6 +20,7 @@ from kvstate.ops.ledger import Monitor
 from kvstate.ops.metrics import Metrics, MetricsPortError, read_transfer_totals
 from kvstate.poll import KVPoll
 from kvstate.stats import STATS_TTL_S
+from tests.helpers import scaled
 
 ADDR = "10.0.0.1:8998"
 
@@ -60,7 +61,7 @@ def test_recorder_publishes_totals_another_process_reads(redis_url: str) -> None
         "for i in range(5): rec.observe(1 << 20, 0.004)\n"
         "rec.close()\n"
     )
-    subprocess.run([sys.executable, "-c", script, redis_url], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", script, redis_url], check=True, timeout=scaled(60))
     store = kvstate.connect(redis_url, "m")
     totals = read_transfer_totals(store)
     assert set(totals) == {"prefill-x"}
@@ -114,7 +115,7 @@ def test_monitor_exports_the_demo_workers_transfers(redis_url: str) -> None:
             mon.sweep()
             seen = max(seen, sample(m, "kvstate_transfer_bytes_total", engine="prefill-0") or 0)
             time.sleep(0.2)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=scaled(60))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -142,7 +143,7 @@ def test_rooms_reaped_counts_rooms_not_participants(redis_url: str) -> None:
         rcv.init(np.arange(4))
         assert snd.poll() == KVPoll.WaitingForInput
         mon.sweep()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + scaled(15)
         while time.monotonic() < deadline and any(
             (
                 sample(m, "kvstate_participants_reaped_total", side=side, status="WaitingForInput")
@@ -184,7 +185,7 @@ def test_busy_metrics_port_is_a_clear_error(redis_url: str) -> None:
             ],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
         )
     assert result.returncode == 2, result.stderr
     assert f"metrics port 127.0.0.1:{port} is already in use" in result.stderr
@@ -224,7 +225,7 @@ def test_http_endpoint_serves_the_registry() -> None:
     server = m.serve(0, "127.0.0.1")
     try:
         with urllib.request.urlopen(
-            f"http://127.0.0.1:{server.server_port}/metrics", timeout=5
+            f"http://127.0.0.1:{server.server_port}/metrics", timeout=scaled(5)
         ) as resp:
             text = resp.read().decode()
     finally:

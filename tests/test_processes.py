@@ -12,7 +12,7 @@ import kvstate
 from kvstate import KVPoll
 from kvstate.store import Store
 from tests import workers
-from tests.helpers import assert_every_key_has_ttl, keys_of, room_keys, wait_for
+from tests.helpers import assert_every_key_has_ttl, keys_of, room_keys, scaled, wait_for
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
     for proc in procs:
         proc.start()
     start.set()
-    applied = [results.get(timeout=120) for _ in procs]
+    applied = [results.get(timeout=scaled(120)) for _ in procs]
     for proc in procs:
         proc.join(30)
         assert proc.exitcode == 0

@@ -14,6 +14,7 @@ import numpy as np
 import redis
 
 import kvstate
+from tests.helpers import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -43,7 +44,7 @@ def test_using_it_example_runs_as_written(tmp_path: Path, redis_tcp_url: str) ->
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=scaled(120),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 import kvstate
-from kvstate.errors import EngineNameTakenError
+from kvstate.errors import CorruptStateError, EngineNameTakenError
 from kvstate.registry import EngineInfo, Registry
 from kvstate.store import Store
 from tests.helpers import assert_every_key_has_ttl, keys_of, wait_for
@@ -103,3 +103,65 @@ def test_second_manager_with_a_live_name_is_refused(store: Store) -> None:
     with kvstate.KVManager(store, "prefill", "p.tp0", ADDR, lease=1.0) as again:
         assert again.registry.get("p.tp0").incarnation == again.incarnation  # type: ignore[union-attr]
     assert keys_of(store) == []
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _as_stored(fields: dict[str, object]) -> dict[bytes, bytes]:
+    """What HGETALL returns for ``fields`` written with HSET."""
+    return {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()}
+
+
+def test_engine_info_round_trips_as_stored() -> None:
+    full = EngineInfo(
+        engine="p.tp3",
+        role="prefill",
+        addr=ADDR,
+        incarnation="inc-9",
+        endpoint=b"\x00ucx-address\xff",
+        layout={"layers": [[4096, 64]], "page_bytes": 4096},
+        gpus=[{"index": 0, "uuid": "GPU-1"}],
+        ranks=4,
+    )
+    back = EngineInfo.decode("k", "p.tp3", _as_stored(full.fields()), 1234)
+    assert back == EngineInfo(**{**full.__dict__, "lease_left_ms": 1234})
+    # written by an older kvstate: no ranks field means one rank
+    old = _as_stored({k: v for k, v in full.fields().items() if k != "ranks"})
+    assert EngineInfo.decode("k", "p.tp3", old, 5).ranks == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"pid": None},
+        {"role": None},
+        {"pid": b"not-a-pid"},
+        {"ranks": b"many"},
+        {"host": b"\xff\xfe"},
+        {"layout": b"not msgpack"},
+        {"gpus": None},
+    ],
+)
+def test_incomplete_or_corrupt_registration_is_corrupt_state(change: dict[str, object]) -> None:
+    stored = _as_stored(info("p.tp0", "i0").fields())
+    for name, value in change.items():
+        if value is None:
+            del stored[name.encode()]
+        else:
+            stored[name.encode()] = value  # type: ignore[assignment]
+    with pytest.raises(CorruptStateError) as err:
+        EngineInfo.decode("kvstate:reg:engine:p.tp0", "p.tp0", stored, 10)
+    assert err.value.key == "kvstate:reg:engine:p.tp0"
+
+
+def test_all_and_incarnations(store: Store) -> None:
+    reg = Registry(store)
+    reg.register(info("p.tp0", "i0"), 5.0)
+    reg.register(info("d.tp0", "i1", addr="10.4.4.4:1", role="decode"), 5.0)
+    assert [(e.engine, e.role) for e in reg.all()] == [("d.tp0", "decode"), ("p.tp0", "prefill")]
+    assert all(0 < e.lease_left_ms <= 5000 for e in reg.all())
+    got = reg.incarnations(["p.tp0", "gone", "d.tp0"])
+    assert got == {"p.tp0": "i0", "gone": None, "d.tp0": "i1"}
+    assert reg.drop("p.tp0", "i0", ADDR) and reg.drop("d.tp0", "i1", "10.4.4.4:1")
+    assert reg.all() == [] and keys_of(store) == []

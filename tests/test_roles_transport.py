@@ -11,7 +11,7 @@ import kvstate
 from kvstate.ops.metrics import read_transfer_totals
 from kvstate.store import Store
 from tests import workers
-from tests.helpers import assert_every_key_has_ttl, keys_of
+from tests.helpers import assert_every_key_has_ttl, keys_of, scaled
 
 LAYERS, PAGE = 3, 512
 ADDR = "10.1.1.1:8998"
@@ -51,7 +51,7 @@ def run(
     )
     pre.start()
     procs = [pre]
-    assert results.get(timeout=60) == ("ready", "prefill-u.tp0")
+    assert results.get(timeout=scaled(60)) == ("ready", "prefill-u.tp0")
     for engine, rooms_dst, dummy in decoders:
         p = spawn_ctx.Process(
             target=workers.ucx_decode,
@@ -59,7 +59,7 @@ def run(
         )
         p.start()
         procs.append(p)
-    got = [results.get(timeout=120) for _ in procs]
+    got = [results.get(timeout=scaled(120)) for _ in procs]
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
@@ -165,7 +165,7 @@ def test_receiver_killed_before_the_write_fails_the_room_with_a_reason(
         ),
     )
     pre.start()
-    assert results.get(timeout=60) == ("ready", "prefill-u.tp0")
+    assert results.get(timeout=scaled(60)) == ("ready", "prefill-u.tp0")
     # its own queue: a process SIGKILLed while its queue feeder thread holds the queue's
     # lock would leave a shared queue locked for everyone else
     published = spawn_ctx.Queue()
@@ -174,11 +174,11 @@ def test_receiver_killed_before_the_write_fails_the_room_with_a_reason(
         args=(redis_url, "ucx", "decode-k.tp0", ADDR, 9, [4, 5, 6], LAYERS, PAGE, published),
     )
     dec.start()
-    assert published.get(timeout=60) == ("published", "decode-k.tp0")
+    assert published.get(timeout=scaled(60)) == ("published", "decode-k.tp0")
     dec.kill()  # SIGKILL after publishing, before the sender writes
     dec.join(10)
     go.set()
-    kind, outcome = results.get(timeout=60)
+    kind, outcome = results.get(timeout=scaled(60))
     assert kind == "prefill"
     status, reason = outcome[9]
     assert status == "Failed" and "transfer failed" in reason

@@ -18,6 +18,7 @@ import redis
 from kvstate import testing
 from kvstate.redis_server import RedisServer
 from kvstate.testing import RedisCluster, RedisProcess
+from tests.helpers import scaled
 
 
 def test_process_starts_answers_and_restart_empties_it(
@@ -76,7 +77,7 @@ def test_dies_with_parent(tmp_path: Path) -> None:
     os.kill(server_pid, 0)  # running
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not _gone(server_pid):
         if time.monotonic() > deadline:
             os.kill(server_pid, signal.SIGKILL)
@@ -219,7 +220,7 @@ def test_cluster_tool_detach_and_stop(tmp_path: Path, redis_cli: Callable[..., s
         [sys.executable, str(tool), "start", "--detach", "--dir", str(state_dir)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         check=True,
     )
     url = started.stdout.strip()
@@ -231,7 +232,7 @@ def test_cluster_tool_detach_and_stop(tmp_path: Path, redis_cli: Callable[..., s
             [sys.executable, str(tool), "status", "--dir", str(state_dir)],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=scaled(30),
             check=False,
         )
         assert status.returncode == 0, status.stderr
@@ -240,7 +241,7 @@ def test_cluster_tool_detach_and_stop(tmp_path: Path, redis_cli: Callable[..., s
             [sys.executable, str(tool), "stop", "--dir", str(state_dir)],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
             check=True,
         )
     assert all(_gone(pid) for pid in pids)

@@ -17,6 +17,7 @@ from tests.helpers import (
     keys_of,
     managers,
     room_keys,
+    wait_for,
 )
 
 
@@ -157,10 +158,9 @@ def test_timeouts_use_the_server_clock(store: Store) -> None:
         rcv = d.receiver(22, PREFILL_ADDR)
         assert snd.poll() == KVPoll.Bootstrapping
         rcv.init([1])
-        time.sleep(0.5)
-        assert snd.poll() == KVPoll.Failed
+        assert wait_for(lambda: snd.poll() == KVPoll.Failed, 5.0)
         assert "bootstrap timeout" in snd.failure_exception().reason
-        assert rcv.poll() == KVPoll.Failed
+        assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 5.0)
         assert "waiting timeout" in rcv.failure_exception().reason
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.helpers import scaled
 from transports.base import LayoutError, Target, TransportError
 
 pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
@@ -171,7 +172,7 @@ class Peer:
     def stop(self) -> None:
         if self.proc.is_alive():
             with contextlib.suppress(AssertionError, OSError, EOFError):
-                self.call("close", timeout=10)
+                self.call("close", timeout=scaled(10))
         self.proc.join(5)
         self.kill()
 
@@ -421,9 +422,9 @@ def test_stalled_receiver_hits_the_deadline() -> None:
         tx.call("write", 11, idx[:8], [rx.target(idx[:8])], 20.0)  # connected
         os.kill(rx.proc.pid or 0, signal.SIGSTOP)
         t0 = time.monotonic()
-        kind, msg = tx.error_of("write", 11, idx, [rx.target(idx)], 1.5, timeout=10)
+        kind, msg = tx.error_of("write", 11, idx, [rx.target(idx)], 1.5, timeout=scaled(10))
         assert kind == "TransportError" and "deadline" in msg, msg
-        assert time.monotonic() - t0 < 1.5 + 1.0
+        assert time.monotonic() - t0 < 1.5 + scaled(1.0)
     finally:
         if rx.proc.is_alive():
             os.kill(rx.proc.pid or 0, signal.SIGCONT)
@@ -458,7 +459,7 @@ def test_concurrent_writes_from_threads(fresh: tuple[Peer, Peer, Peer], path: st
             rx = rx1 if k % 2 else rx2
             jobs.append((20 + k, src, [rx.target(dst)], 20.0))
             (expect1 if k % 2 else expect2).append((src, dst))
-        assert tx.call("write_threads", jobs, timeout=60) == []
+        assert tx.call("write_threads", jobs, timeout=scaled(60)) == []
         assert_layers(rx1, expect1)
         assert_layers(rx2, expect2)
     finally:

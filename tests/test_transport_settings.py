@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
 
+from tests.helpers import scaled
 from tests.test_transport import LAYOUT, Peer, assert_layers, fragmented
 from transports import cma
 from transports.ucx import UCX_DEFAULTS
@@ -140,7 +141,7 @@ def _register_under_strace(tmp_path: Path, ptracer: str | None) -> tuple[str, st
         env=env,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=scaled(90),
     )
     if proc.returncode != 0 and "ptrace" in proc.stderr and not trace.exists():
         pytest.skip(f"strace cannot trace here: {proc.stderr.strip()[:200]}")

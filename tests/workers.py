@@ -9,6 +9,7 @@ from multiprocessing.synchronize import Event
 
 import kvstate
 from kvstate import KVPoll
+from tests.helpers import scaled
 
 
 def race_updates(
@@ -97,7 +98,7 @@ def ucx_prefill(
         out = {}
         for room, src in rooms.items():
             snd = mgr.sender(room, required_receivers=receivers)
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             while snd.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
                 time.sleep(0.01)
             if go is not None:
@@ -134,7 +135,7 @@ def ucx_decode(
             rcvs[room].init([] if dummy else dst, dummy=dummy)
         out = {}
         for room, rcv in rcvs.items():
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             while rcv.poll() not in (KVPoll.Success, KVPoll.Failed):
                 if time.monotonic() > deadline:
                     break
@@ -188,7 +189,7 @@ def prefill_rank(
     each step on ``results``, and stays alive until killed."""
     time.sleep(delay)
     store = kvstate.connect(url, namespace=ns)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while True:
         try:
             mgr = kvstate.KVManager(store, "prefill", engine, addr, lease=lease, ranks=ranks)
@@ -201,7 +202,7 @@ def prefill_rank(
     out = {}
     senders = {room: mgr.sender(room) for room in rooms}
     for snd in senders.values():
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while snd.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
             time.sleep(0.01)
     if hold is not None:

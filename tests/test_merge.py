@@ -1,0 +1,180 @@
+"""The status merge rule (README, "Rules the code keeps", rule 3) as a property: random
+sequences of create / update / abort / clear, run through the real scripts on a real
+Redis, agree step by step with a small model of the rule written here:
+
+- forward only: an update to a lower or equal status changes nothing;
+- Failed is sticky: nothing moves a Failed participant, and its first reason stays;
+- Success is final: no update moves it; only an explicit abort fails it;
+- an abort fails every participant not yet Failed and leaves a mark, so a participant
+  created later starts Failed with that reason; every clear deletes the mark;
+- no resurrection: an update or abort of a participant that is gone writes nothing.
+
+Each example uses a room of its own on the flushed session server; a no-op must not
+even restamp ``since_ms``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvstate
+from kvstate import KVPoll
+from kvstate.store import Store
+from tests.helpers import assert_every_key_has_ttl, keys_of
+
+PARTICIPANTS = [("tx", "prefill-a.tp0"), ("rx", "decode-b.tp0")]
+_rooms = itertools.count(1000)
+
+
+@dataclass
+class Model:
+    """What the rule says the room holds: participant -> (status, reason), abort mark."""
+
+    parts: dict[tuple[str, str], tuple[KVPoll, str]] = field(default_factory=dict)
+    mark: str | None = None
+
+    def create(self, who: tuple[str, str]) -> tuple[KVPoll, str]:
+        if who not in self.parts:
+            born = (KVPoll.Failed, self.mark) if self.mark is not None else None
+            self.parts[who] = born or (KVPoll.Bootstrapping, "")
+        return self.parts[who]
+
+    def update(self, who: tuple[str, str], new: KVPoll, reason: str) -> tuple[KVPoll, str] | None:
+        cur = self.parts.get(who)
+        if cur is None:
+            return None  # never re-created
+        status, old_reason = cur
+        if status in (KVPoll.Failed, KVPoll.Success):
+            return cur
+        if new == KVPoll.Failed:
+            self.parts[who] = (KVPoll.Failed, reason)
+        elif new > status:
+            self.parts[who] = (new, old_reason)
+        return self.parts[who]
+
+    def abort(self, reason: str) -> int:
+        self.mark = reason
+        moved = 0
+        for who, (status, _) in self.parts.items():
+            if status != KVPoll.Failed:
+                self.parts[who] = (KVPoll.Failed, reason)
+                moved += 1
+        return moved
+
+    def clear(self, who: tuple[str, str]) -> None:
+        self.parts.pop(who, None)
+        self.mark = None
+
+
+reasons = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)
+who = st.sampled_from(PARTICIPANTS)
+update = st.tuples(st.just("update"), who, st.sampled_from(list(KVPoll)), reasons)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("create"), who),
+        update,
+        update,  # twice: updates are what the rule is about
+        st.tuples(st.just("abort"), reasons),
+        st.tuples(st.just("clear"), who),
+    ),
+    max_size=16,
+)
+# Most of the rule is about participants that exist: usually start with both created.
+scenarios = st.tuples(st.booleans(), ops).map(
+    lambda b_ops: ([("create", w) for w in PARTICIPANTS] if b_ops[0] else []) + b_ops[1]
+)
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[Store]:
+    s = kvstate.connect(redis_url, namespace="merge")
+    yield s
+    s.close()
+
+
+def _stored(store: Store, room: int, who: tuple[str, str]) -> tuple[str | None, str, str]:
+    """(status, reason, since_ms) as redis-cli would show them; status None if gone."""
+    side, engine = who
+    key = store.keys.participant(room, side, engine)  # type: ignore[arg-type]
+    status, reason, since = store.client.hmget(key, "status", "reason", "since_ms")
+    if status is None:
+        return None, "", ""
+    return status.decode(), (reason or b"").decode(), since.decode()
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(scenarios)
+def test_status_merge_follows_the_rule(store: Store, steps: list[tuple]) -> None:
+    room = next(_rooms)
+    model = Model()
+    for step in steps:
+        before = {w: _stored(store, room, w) for w in PARTICIPANTS}
+        if step[0] == "create":
+            side, engine = step[1]
+            st_ = store.execute([store.create(room, side, engine, {"peers": 1})])[0]
+            want = model.create(step[1])
+            assert (st_.status, st_.reason) == want, step
+        elif step[0] == "update":
+            (side, engine), new, reason = step[1:]
+            st_ = store.execute([store.update(room, side, engine, new, reason)])[0]
+            want_or_none = model.update(step[1], new, reason)
+            if want_or_none is None:
+                assert st_.status is None, step
+            else:
+                assert (st_.status, st_.reason) == want_or_none, step
+        elif step[0] == "abort":
+            assert store.abort(room, step[1]) == model.abort(step[1]), step
+        else:
+            side, engine = step[1]
+            store.clear(room, side, engine)
+            model.clear(step[1])
+        # what is stored, participant by participant, and the abort mark
+        for w in PARTICIPANTS:
+            status, reason, since = _stored(store, room, w)
+            expected = model.parts.get(w)
+            if expected is None:
+                assert status is None, (step, w)
+                continue
+            assert (status, reason) == (expected[0].name, expected[1]), (step, w)
+            if before[w][0] == status and step[0] != "create":
+                assert since == before[w][2], ("a no-op restamped since_ms", step, w)
+        mark = store.client.get(store.keys.aborted(room))
+        assert (None if mark is None else mark.decode()) == model.mark, step
+    assert_every_key_has_ttl(store)
+    for side, engine in PARTICIPANTS:  # idempotent; each one also deletes the mark
+        store.clear(room, side, engine)  # type: ignore[arg-type]
+    assert not [k for k in keys_of(store) if f"{{{room}}}" in k]
+
+
+def test_every_single_transition(store: Store) -> None:
+    """The whole transition table, one step from each status: random sequences rarely
+    hit a given pair (Success then Failed, say), so every pair is also tried once."""
+    rooms = itertools.count(1)
+    for cur, new in itertools.product(KVPoll, KVPoll):
+        room = next(rooms)
+        model = Model()
+        tx = PARTICIPANTS[0]
+        store.execute([store.create(room, *tx, {"peers": 1})])  # type: ignore[arg-type]
+        model.create(tx)
+        if cur != KVPoll.Bootstrapping:
+            store.execute([store.update(room, *tx, cur, "first")])  # type: ignore[arg-type]
+            model.update(tx, cur, "first")
+        got = store.execute([store.update(room, *tx, new, "second")])[0]  # type: ignore[arg-type]
+        want = model.update(tx, new, "second")
+        assert want is not None and (got.status, got.reason) == want, (cur, new)
+        assert _stored(store, room, tx)[:2] == (want[0].name, want[1]), (cur, new)
+        # and an explicit abort from there: only Failed stays as it is
+        assert store.abort(room, "abort") == model.abort("abort"), (cur, new)
+        assert _stored(store, room, tx)[:2] == (model.parts[tx][0].name, model.parts[tx][1])
+        store.clear(room, *tx)  # type: ignore[arg-type]
+    assert keys_of(store) == []
