@@ -23,7 +23,7 @@ import kvstate
 from kvstate import KVPoll, Options
 from kvstate.errors import StateConnectionError
 from kvstate.store import Store
-from kvstate.testing.servers import RedisCluster
+from kvstate.testing import RedisCluster
 from tests.helpers import PREFILL_ADDR, scaled, wait_for
 from tests.proxy import Proxy
 

@@ -18,7 +18,7 @@ import kvstate
 from kvstate.cli import main
 from kvstate.poll import KVPoll
 from kvstate.store import Store
-from kvstate.testing.servers import RedisProcess
+from kvstate.testing import RedisProcess
 from tests.helpers import scaled
 
 ADDR = "10.0.0.1:8998"

@@ -30,7 +30,7 @@ from kvstate.ops.ledger import Monitor
 from kvstate.ops.metrics import Metrics
 from kvstate.poll import KVPoll
 from kvstate.store import Store
-from kvstate.testing.servers import RedisProcess
+from kvstate.testing import RedisProcess
 from tests.helpers import scaled, wait_for
 from tests.test_security import ENGINE_ACL
 

@@ -158,7 +158,7 @@ def test_secrets_come_from_the_user(services: dict[str, dict[str, Any]]) -> None
 def test_redis_command_requires_the_password(tmp_path: Path) -> None:
     """Run the redis service's own command with the real redis-server (on a free port
     and a temp file): without the password every command is refused."""
-    from kvstate.testing.servers import find_redis_server, free_port
+    from kvstate.testing import find_redis_server, free_port
 
     doc = yaml.safe_load(COMPOSE.read_text())
     cmd = argv(doc["services"]["redis"])

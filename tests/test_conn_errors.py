@@ -20,7 +20,7 @@ from kvstate.errors import (
     StateOutOfMemoryError,
 )
 from kvstate.store import Store
-from kvstate.testing.servers import RedisCluster, RedisProcess
+from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled
 
 # --------------------------------------------------------------------------- URLs

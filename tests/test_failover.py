@@ -21,7 +21,7 @@ import kvstate
 from kvstate import KVPoll
 from kvstate.errors import StateConnectionError
 from kvstate.store import Store
-from kvstate.testing.servers import RedisCluster, RedisProcess
+from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of, scaled, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -33,7 +33,7 @@ from kvstate.connection import Options
 from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.roles import STATE_LOST
 from kvstate.store import Store
-from kvstate.testing.servers import RedisCluster, RedisProcess
+from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import (
     PREFILL_ADDR,
     assert_every_key_has_ttl,
@@ -531,7 +531,7 @@ def test_cluster_url_down_raises_state_connection_error() -> None:
     RedisClusterException), redacted and bounded."""
     from urllib.parse import quote
 
-    from kvstate.testing.servers import free_port
+    from kvstate.testing import free_port
 
     url = f"redis+cluster://:{quote(PASSWORD, safe='')}@127.0.0.1:{free_port()}"
     t0 = time.monotonic()

@@ -30,7 +30,7 @@ from kvstate.errors import (
     StateConnectionError,
 )
 from kvstate.store import Store
-from kvstate.testing.servers import RedisProcess, make_test_certs
+from kvstate.testing import RedisProcess, make_test_certs
 from tests.helpers import PREFILL_ADDR, keys_of, scaled, wait_for
 
 # --------------------------------------------------------------------------- ACL
