@@ -645,6 +645,61 @@ class Store:
         room's, the tracker's)."""
         self.clear_many([self.clear_calls(room, side, engine, senders, peer_addr)], False)
 
+    def clear_calls(
+        self,
+        room: int,
+        side: Side,
+        engine: str,
+        senders: Iterable[str] = (),
+        peer_addr: str | None = None,
+    ) -> list[Call]:
+        """What deletes everything one participant created (see ``clear_many``)."""
+        k = self.keys
+        me = k.participant(room, side, engine)
+        calls = [
+            self._command(
+                "DEL",
+                me,
+                k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
+                k.aborted(room),
+            ),
+            self._command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
+        ]
+        calls += [self._command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
+        if peer_addr is not None:
+            calls.append(self._command("ZREM", k.addr(peer_addr), args=[me]))
+        return calls
+
+    def clear_many(
+        self, participants: Sequence[Sequence[Call]], partial: bool = True
+    ) -> list[StateConnectionError | None]:
+        """Clear many participants (each given by ``clear_calls``) in one round trip
+        per node. With ``partial`` (Cluster), a participant whose node could not be
+        reached gets its StateConnectionError in the answer (clear it again later: a
+        clear can be repeated) while the others are cleared; None means cleared."""
+        calls = [c for group in participants for c in group]
+        if not calls:
+            return [None] * len(participants)
+        partial = partial and self.cluster
+        with self.bounded():
+            try:
+                replies = self.execute(calls, transaction=True, partial=partial)
+            except StateOutOfMemoryError:
+                # At maxmemory Redis refuses every command queued in a MULTI, even DEL;
+                # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
+                # transaction a cut connection can leave part of the participant behind:
+                # those keys have TTLs, and a clear can be repeated.
+                replies = self.execute(calls, partial=partial)
+        out: list[StateConnectionError | None] = []
+        at = 0
+        for group in participants:
+            failed = [
+                r for r in replies[at : at + len(group)] if isinstance(r, StateConnectionError)
+            ]
+            out.append(failed[0] if failed else None)
+            at += len(group)
+        return out
+
     # -- room-wide ---------------------------------------------------------------
     def members(self, room: int) -> list[str]:
         raw = self.execute([self._command("HKEYS", self.keys.parts(room))])[0]
@@ -728,7 +783,7 @@ class Store:
                 secs, micros = client.time()
         return int(secs) * 1000 + int(micros) // 1000
 
-    # -- operations for ops/, registry and integrations (schema helper) ---------------
+    # -- named operations for ops/, the registry and the integrations ---------------
     # Named reads and writes, so that no module outside this one spells a Redis command.
     # Each returns a Call to batch with others in one execute(), unless it says it runs.
 
@@ -854,7 +909,7 @@ class Store:
         sub.subscribe(f"__keyevent@{db}__:expired")
         return sub
 
-    # -- operations for the CLI (cli helper) ----------------------------------------
+    # -- server-level reads, for `kvstate doctor` --------------------------------------
     # Server-level reads for `kvstate doctor`. They pass redis-py's errors on as they
     # are: there a NoPermissionError is a check that degrades, not a failure.
     def primaries(self) -> list[str]:
@@ -891,7 +946,7 @@ class Store:
             return None
         return raw.decode() if isinstance(raw, bytes) else str(raw)
 
-    # -- operations for the demo (demo helper) ---------------------------------------
+    # -- the demo's bookkeeping --------------------------------------------------------
     def unmark_aborted(self, room: int) -> Call:
         """Delete a room's abort mark. For an abort that failed nobody because both sides
         had already finished: no side of that room will be created again, so the mark
@@ -913,62 +968,6 @@ class Store:
                 for name, stat in stats.items():
                     cmd = name.removeprefix("cmdstat_")
                     out[cmd] = out.get(cmd, 0) + int(stat["calls"])
-        return out
-
-    # -- clears, one participant or many per round trip -------------------------------
-    def clear_calls(
-        self,
-        room: int,
-        side: Side,
-        engine: str,
-        senders: Iterable[str] = (),
-        peer_addr: str | None = None,
-    ) -> list[Call]:
-        """What deletes everything one participant created (see ``clear_many``)."""
-        k = self.keys
-        me = k.participant(room, side, engine)
-        calls = [
-            self._command(
-                "DEL",
-                me,
-                k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
-                k.aborted(room),
-            ),
-            self._command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
-        ]
-        calls += [self._command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
-        if peer_addr is not None:
-            calls.append(self._command("ZREM", k.addr(peer_addr), args=[me]))
-        return calls
-
-    def clear_many(
-        self, participants: Sequence[Sequence[Call]], partial: bool = True
-    ) -> list[StateConnectionError | None]:
-        """Clear many participants (each given by ``clear_calls``) in one round trip
-        per node. With ``partial`` (Cluster), a participant whose node could not be
-        reached gets its StateConnectionError in the answer (clear it again later: a
-        clear can be repeated) while the others are cleared; None means cleared."""
-        calls = [c for group in participants for c in group]
-        if not calls:
-            return [None] * len(participants)
-        partial = partial and self.cluster
-        with self.bounded():
-            try:
-                replies = self.execute(calls, transaction=True, partial=partial)
-            except StateOutOfMemoryError:
-                # At maxmemory Redis refuses every command queued in a MULTI, even DEL;
-                # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
-                # transaction a cut connection can leave part of the participant behind:
-                # those keys have TTLs, and a clear can be repeated.
-                replies = self.execute(calls, partial=partial)
-        out: list[StateConnectionError | None] = []
-        at = 0
-        for group in participants:
-            failed = [
-                r for r in replies[at : at + len(group)] if isinstance(r, StateConnectionError)
-            ]
-            out.append(failed[0] if failed else None)
-            at += len(group)
         return out
 
 
