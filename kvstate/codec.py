@@ -66,7 +66,10 @@ def decode_runs(raw: bytes, key: str, field_name: str) -> IndexArray:
     if int(lengths.sum()) > MAX_INDEX + 1:  # more pages than there are: repeats, and an
         raise CorruptStateError(key, field_name, "run list repeats pages")  # 8 GiB+ array
     offsets = np.cumsum(lengths) - lengths
-    return (np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)).astype(np.int32)
+    out: IndexArray = (np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)).astype(
+        np.int32
+    )
+    return out
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ class TransferInfo:
 
 def pack(doc: dict[str, Any]) -> bytes:
     """Encode a payload with the schema version."""
-    return msgpack.packb({"v": SCHEMA_VERSION, **doc}, use_bin_type=True)
+    packed: bytes = msgpack.packb({"v": SCHEMA_VERSION, **doc}, use_bin_type=True)
+    return packed
 
 
 def unpack(raw: object, key: str, field_name: str) -> dict[str, Any]:

@@ -29,13 +29,14 @@ def check_version(found: str | None = None) -> str:
             found = version("sglang")
         except PackageNotFoundError:
             raise UnsupportedSGLangError(
-                "SGLang is not installed: pip install 'kvstate[sglang]'"
+                "SGLang is not installed: pip install 'kvstate[sglang]' "
+                f"sglang=={SUPPORTED_SGLANG[-1]}"
             ) from None
     if found not in SUPPORTED_SGLANG:
         raise UnsupportedSGLangError(
             f"kvstate's SGLang backend supports sglang {', '.join(SUPPORTED_SGLANG)}; found "
-            f"{found}. Install a supported release (pip install 'kvstate[sglang]') or use "
-            "another --disaggregation-transfer-backend"
+            f"{found}. Install a supported release (pip install sglang=={SUPPORTED_SGLANG[-1]}) "
+            "or use another --disaggregation-transfer-backend"
         )
     return found
 
