@@ -116,7 +116,8 @@ def test_sigterm_removes_the_embedded_server_and_its_records() -> None:
 def test_hold_keeps_rooms_visible_to_the_cli() -> None:
     """--hold: rooms wait in WaitingForInput long enough for ``kvstate ls``; the banner
     says where to look and the record names the server and namespace."""
-    proc = _start("--requests", "4", "--hold", "3", "--json", *SMALL)
+    hold = scaled(6)  # covers the CLI's start-up (2.5-4 s on a loaded 2-core host)
+    proc = _start("--requests", "4", "--hold", f"{hold:g}", "--json", *SMALL)
     record = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"kvstate-demo-{proc.pid}.json"
     listing = ""
     try:
@@ -134,7 +135,7 @@ def test_hold_keeps_rooms_visible_to_the_cli() -> None:
     assert listing.count("WaitingForInput") == 8, listing  # 4 rooms x 2 sides
     assert f"namespace {ns}" in err and str(record) in err and "kvstate ls" in err
     doc = json.loads(out)
-    assert doc["outcomes"]["done"] == 4 and doc["config"]["hold_s"] == 3
+    assert doc["outcomes"]["done"] == 4 and doc["config"]["hold_s"] == hold
     assert not record.exists()
 
 
