@@ -607,7 +607,7 @@ def test_redis_out_of_memory(redis_server_factory, caplog: pytest.LogCaptureFixt
             lambda: any(
                 "out of memory" in r.getMessage()
                 for r in caplog.records
-                if r.name == "kvstate.roles"
+                if r.name == "kvstate.manager"
             ),
             5.0,
         )

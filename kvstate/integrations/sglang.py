@@ -45,8 +45,9 @@ import numpy as np
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
 from kvstate.errors import KVStateError, PeerNotFoundError
 from kvstate.integrations.sglang_plugin import check_version
+from kvstate.manager import KVManager
 from kvstate.poll import KVPoll
-from kvstate.roles import KVManager, KVReceiver, KVSender
+from kvstate.roles import KVReceiver, KVSender
 from kvstate.store import Store, connect
 from transports.base import Target, Transport, TransportError, TransportStats
 

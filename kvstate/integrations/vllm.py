@@ -40,8 +40,9 @@ from vllm.v1.request import RequestStatus
 from kvstate.defaults import LEASE
 from kvstate.errors import KVStateError
 from kvstate.keys import MAX_ROOM
+from kvstate.manager import KVManager
 from kvstate.poll import KVPoll
-from kvstate.roles import KVManager, KVReceiver, KVSender
+from kvstate.roles import KVReceiver, KVSender
 from kvstate.store import Store, connect
 from transports.base import Transport
 

@@ -1,0 +1,518 @@
+"""KVManager: one engine rank. It registers the rank (one owner per engine name),
+keeps its lease, makes the rank's senders and receivers (kvstate.roles), answers a
+scheduler step's calls for many rooms at once, and watches the peers its rooms are
+bound to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
+
+from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
+from kvstate.errors import (
+    CorruptStateError,
+    EngineNameTakenError,
+    ForkedManagerError,
+    KVStateError,
+)
+from kvstate.gpu import gpu_facts
+from kvstate.keys import Side, check_name, check_room
+from kvstate.poll import KVPoll, PollResults
+from kvstate.registry import Claim, EngineInfo, Registry
+from kvstate.roles import KVReceiver, KVSender, _is_int, _Lookups, _Participant
+from kvstate.stats import TransferRecorder
+from kvstate.store import Call, Store
+from transports.base import Transport, TransportError
+
+log = logging.getLogger(__name__)
+_P = TypeVar("_P", bound=_Participant)
+ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
+
+# Managers of this process, so that a fork can mark them unusable in the child: the
+# child has no heartbeat thread and shares the parent's name and incarnation.
+_MANAGERS: weakref.WeakSet[KVManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for mgr in list(_MANAGERS):
+        mgr._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class KVManager:
+    """One engine rank: registers itself (one owner per engine name), keeps its lease on
+    a connection of its own, makes participants, and watches its peers: the decode side
+    the prefill engines its receivers are bound to, the prefill side the receivers its
+    live senders write to. A peer whose lease lapsed or that restarted fails the rooms
+    bound to it, with a reason naming it."""
+
+    def __init__(
+        self,
+        store: Store,
+        role: str,
+        engine: str,
+        bootstrap_addr: str | None = None,
+        transport: Transport | None = None,
+        *,
+        lease: float = LEASE,
+        heartbeat_interval: float | None = None,
+        bootstrap_timeout: float = BOOTSTRAP_TIMEOUT,
+        waiting_timeout: float = WAITING_TIMEOUT,
+        transfer_timeout: float = 60.0,
+        ranks: int = 1,
+        transfer_stats: bool = False,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+        if lease <= 0 or bootstrap_timeout < 0 or waiting_timeout < 0 or transfer_timeout <= 0:
+            raise ValueError("lease and transfer_timeout must be > 0, timeouts >= 0 (0 = none)")
+        if not _is_int(ranks) or ranks < 1:
+            raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+        self.store = store
+        self.role = role
+        self.side: Side = ROLES[role]
+        self.engine = check_name(engine, "engine")
+        self.bootstrap_addr = check_name(bootstrap_addr or engine, "bootstrap_addr")
+        self.transport = transport
+        self.lease = lease
+        self.heartbeat_interval = heartbeat_interval or lease / 3
+        self.bootstrap_timeout = bootstrap_timeout
+        self.waiting_timeout = waiting_timeout
+        self.transfer_timeout = transfer_timeout
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.registry = Registry(store)
+        self._lock = threading.Lock()
+        self._live: dict[int, _Participant] = {}
+        self._watched: set[tuple[str, str, str]] = set()  # (peer engine, addr, incarnation)
+        self._misses: dict[tuple[str, str], int] = {}  # (engine, incarnation) -> checks missing
+        self._peers: dict[tuple[str, str], EngineInfo] = {}
+        self._forked = False
+        self._closed = False
+        self._taken: Claim | None = None  # who holds our name since our lease lapsed
+        self.info = EngineInfo(
+            engine=self.engine,
+            role=role,
+            addr=self.bootstrap_addr,
+            incarnation=self.incarnation,
+            endpoint=transport.endpoint() if transport else b"",
+            layout=transport.layout() if transport else {},
+            gpus=gpu_facts(),
+            ranks=ranks,
+        )
+        # The heartbeat's own client and pool: a workload holding every connection of
+        # the shared pool (or a server at maxclients) cannot make the lease lapse.
+        self._hb_store = store.dedicated()
+        self._hb_registry = Registry(self._hb_store)
+        try:
+            self._hb_registry.register(self.info, lease)
+        except BaseException:
+            self._hb_store.close()
+            raise
+        # Opt-in: the counters' key outlives the engine (24 h) so the monitor can read
+        # its final totals, which tests and users who count keys left would not expect.
+        self.recorder = (
+            TransferRecorder(self._hb_store, self.engine)
+            if transfer_stats and transport is not None
+            else None
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._heartbeat, name=f"kvstate-{engine}", daemon=True
+        )
+        self._thread.start()
+        _MANAGERS.add(self)
+
+    def __repr__(self) -> str:
+        return f"<KVManager {self.role} {self.engine} {self.incarnation} {self.store!r}>"
+
+    def __enter__(self) -> KVManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_usable(self, new: bool = False) -> None:
+        """Refuse use from a forked child, and (``new``) new participants of a manager
+        whose engine name another process holds now."""
+        if self._forked:
+            raise ForkedManagerError(
+                f"KVManager {self.engine} was made in another process (this one is a fork "
+                "of it): a fork shares its engine name and lease without a heartbeat. Make "
+                "a new kvstate.connect() and KVManager, with its own engine name, in the "
+                "child"
+            )
+        taken = self._taken
+        if new and taken is not None:  # our lease lapsed (we stalled) and was taken
+            raise EngineNameTakenError(
+                self.engine, taken.holder, taken.host, taken.pid, self.store.namespace
+            )
+
+    # -- participants --------------------------------------------------------------
+    def sender(self, room: object, required_receivers: int = 1) -> KVSender:
+        return self._keep(KVSender(self, room, required_receivers))
+
+    def receiver(
+        self,
+        room: object,
+        bootstrap_addr: str,
+        required_senders: int | None = None,
+        senders: Iterable[str] | None = None,
+    ) -> KVReceiver:
+        """A receiver bound to the prefill engines at ``bootstrap_addr`` as they register
+        (or to those named in ``senders``). It needs an ack from ``required_senders`` of
+        them; by default from as many as the prefill group declares (its ``ranks``), or
+        as are registered there at its first binding, whichever is more. Never raises for
+        a prefill that is not up yet (it stays Bootstrapping); touches no Redis here."""
+        check_room(room)
+        names = None if senders is None else [check_name(s, "sender engine") for s in senders]
+        return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
+
+    def _keep(self, p: _P) -> _P:
+        with self._lock:
+            self._live[p.room] = p
+        return p
+
+    def _forget(self, p: _Participant) -> None:
+        with self._lock:
+            if self._live.get(p.room) is p:
+                del self._live[p.room]
+
+    def _prefill_engines(
+        self, addr: str, names: list[str] | None, lookups: _Lookups | None = None
+    ) -> list[EngineInfo]:
+        """The live prefill engines at ``addr`` (or among ``names``), read fresh for
+        each call or batch (``lookups``): a remembered answer would bind a receiver to a
+        group that has grown since."""
+        memo = (addr, tuple(names) if names else None)
+        if lookups is not None and memo in lookups:
+            return lookups[memo]
+        if names:
+            found = [
+                i
+                for i in self.registry.get_many(names).values()
+                if i is not None and i.role == "prefill"
+            ]
+        else:
+            found = self.registry.at_addr(addr, role="prefill")
+        if lookups is not None:
+            lookups[memo] = found
+        return found
+
+    def _watch(self, addr: str, bound: dict[str, str]) -> None:
+        with self._lock:
+            self._watched.update((engine, addr, inc) for engine, inc in bound.items())
+
+    def peer(self, engine: str, incarnation: str) -> EngineInfo:
+        """A receiver's registration (endpoint, layout), cached per incarnation."""
+        with self._lock:
+            info = self._peers.get((engine, incarnation))
+        if info is None:
+            info = self.registry.get(engine)
+            if info is None or (incarnation and info.incarnation != incarnation):
+                raise TransportError(f"receiver {engine} (incarnation {incarnation}) is gone")
+            with self._lock:
+                self._peers[(engine, incarnation)] = info
+        return info
+
+    def poll_many(self, rooms: Iterable[object]) -> PollResults:
+        """Poll many rooms of this engine in one round trip per Redis node.
+
+        Returns a ``PollResults``: a dict room -> KVPoll. On a Cluster, the rooms on a
+        node that cannot be reached within ``Options.call_timeout`` are left out of it
+        and listed in ``.errors`` (room -> StateConnectionError) while the others are
+        answered; their participants keep their last status. Raises
+        StateConnectionError when no node answered.
+        """
+        return self._many(rooms, "poll")
+
+    def begin_many(self, rooms: Iterable[object]) -> PollResults:
+        """``begin_transfer()`` of many senders of this (prefill) manager in one round
+        trip per Redis node: a scheduler step's worth. Each room is Transferring, or
+        Failed (write nothing to it) as ``begin_transfer`` says; a sender that has seen
+        no receiver's infos yet is polled instead (it cannot begin before they
+        published). Answers and partial results (``.errors``) as ``poll_many``; a room
+        with no live sender of this manager is refused (KVStateError) before anything
+        is sent."""
+        return self._many(rooms, "begin")
+
+    def finish_many(self, rooms: Iterable[object]) -> PollResults:
+        """``finish_transfer()`` of many senders of this manager in one round trip per
+        Redis node: each becomes Success and acks its receivers. As ``begin_many``."""
+        return self._many(rooms, "finish")
+
+    def init_many(self, pages: Mapping[object, object]) -> PollResults:
+        """``init(kv_indices)`` of many receivers of this (decode) manager, room ->
+        page indices, in one round trip per Redis node: the pages of every request a
+        step allocated, published at once. Each room's answer is what ``init`` returns;
+        partial results (``.errors``) as ``poll_many``. Arguments are checked (and the
+        transport told) before anything is sent; a room without a live receiver here is
+        refused. For aux, state indices, prefix or dummy, call ``init`` itself."""
+        wanted = {check_room(room): indices for room, indices in pages.items()}
+
+        def prepare(p: _Participant) -> None:
+            assert isinstance(p, KVReceiver)
+            p._prepare(wanted[p.room], None, None, 0, False)
+
+        return self._many(wanted, "init", prepare)
+
+    def clear_many(self, rooms: Iterable[object]) -> dict[int, KVStateError]:
+        """``clear()`` of this manager's participants of many rooms in one round trip
+        per Redis node. Returns the rooms not cleared, each with its node's
+        StateConnectionError (Cluster, node unreachable): they stay live here and can be
+        cleared again; rooms without a live participant here are skipped (a clear is
+        idempotent). Raises StateConnectionError when no node answered."""
+        self._check_usable()
+        todo: list[_Participant] = []
+        for room in rooms:
+            r = check_room(room)
+            with self._lock:
+                p = self._live.get(r)
+            if p is not None and not p._cleared:
+                todo.append(p)
+        sent = [p for p in todo if p._create_sent]
+        errors = self.store.clear_many(
+            [self.store.clear_calls(p.room, p.side, p.engine, **p._clear_args()) for p in sent]
+        )
+        failed = {p.room: e for p, e in zip(sent, errors, strict=True) if e is not None}
+        for p in todo:
+            if p.room not in failed:
+                p._cleared = True
+                p._release()
+                self._forget(p)
+        return dict(failed)
+
+    def _many(
+        self,
+        rooms: Iterable[object],
+        op: str,
+        prepare: Callable[[_Participant], None] | None = None,
+    ) -> PollResults:
+        """One batch of ``op`` (poll, begin, finish, init) over many rooms: creates and
+        bindings still due go first in the same batch, one registry read per address;
+        ``prepare`` runs on each participant before its calls are made."""
+        side = "rx" if op == "init" else "tx"
+        if op != "poll" and self.side != side:
+            raise KVStateError(
+                f"{op}_many is for a {'decode' if side == 'rx' else 'prefill'} manager's "
+                f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
+            )
+        plan: list[tuple[int, _Participant | None, int]] = []
+        calls: list[Call] = []
+        lookups: _Lookups = {}  # receivers still binding: one registry read per address
+        for room in rooms:
+            r = check_room(room)
+            with self._lock:
+                p = self._live.get(r)
+            if p is not None and p._cleared:
+                p = None
+            if p is None and op != "poll":
+                raise KVStateError(
+                    f"room {r}: {self.engine} has no live participant for it; {op}_many "
+                    "takes the rooms of this manager's senders or receivers (not cleared)"
+                )
+            if p is not None:
+                if prepare is not None:
+                    prepare(p)
+                step = (
+                    p._step_call(op)
+                    if isinstance(p, (KVSender, KVReceiver)) and op != "poll"
+                    else None
+                )
+                more, at = p._batch(step or p._poll_call(), lookups)
+                plan.append((r, p, len(calls) + at))
+                calls += more
+            else:
+                plan.append((r, p, len(calls)))
+                calls.append(self.store.poll(r, self.side, self.engine))
+        try:
+            replies = self.store.execute(calls, partial=True)
+        except BaseException:
+            for _, p, _ in plan:  # bindings in that batch did not run (or not whole)
+                if isinstance(p, KVReceiver):
+                    p._pending = None
+            raise
+        out = PollResults()
+        for r, p, i in plan:
+            st = replies[i]
+            if isinstance(st, KVStateError):  # that room's node did not answer
+                out.errors[r] = st
+                if isinstance(p, KVReceiver):
+                    p._pending = None
+            elif p is not None:
+                p._created = True  # its create, if any, went to the same node
+                p._absorb(st)
+                out[r] = p.status
+            else:
+                out[r] = st.status if st.status is not None else KVPoll.Failed
+        return out
+
+    # -- peers and leases ------------------------------------------------------------
+    def fail_peer(
+        self, bootstrap_addr: str, reason: str, engine: str = "", incarnation: str = ""
+    ) -> int:
+        """Fail every non-terminal receiver bound to a peer; returns how many failed."""
+        return self._fail_peer(
+            self.store, check_name(bootstrap_addr, "bootstrap_addr"), reason, engine, incarnation
+        )
+
+    def _fail_peer(
+        self, store: Store, addr: str, reason: str, engine: str, incarnation: str
+    ) -> int:
+        """Through the address tracker, and this manager's own receivers by key: a
+        receiver that outlived its tracker entry (room TTL shorter than its timeouts)
+        is still reached."""
+        n = store.fail_bound(addr, engine, incarnation, reason)
+        with self._lock:
+            own = [
+                p.key
+                for p in self._live.values()
+                if isinstance(p, KVReceiver)
+                and p.bootstrap_addr == addr
+                and p._create_sent
+                and not p._cleared
+            ]
+        replies = store.execute([store.fail_receiver(k, engine, incarnation, reason) for k in own])
+        return n + sum(int(r) for r in replies)
+
+    def _verdict(self, engine: str, inc: str, now: str | None) -> str:
+        """Why a peer bound at ``inc`` is dead, or '' while it is not (yet)."""
+        if now == inc:
+            self._misses.pop((engine, inc), None)
+            return ""
+        if now is None:
+            # A lease must be missing on two checks in a row (still well within two
+            # lease periods): right after a Redis restart, peers have not yet
+            # registered again, and their rooms are not theirs to lose.
+            misses = self._misses[(engine, inc)] = self._misses.get((engine, inc), 0) + 1
+            if misses < 2:
+                return ""
+            why = f"lost its lease (incarnation {inc})"
+        else:
+            why = f"restarted (incarnation {inc} -> {now})"
+        self._misses.pop((engine, inc), None)
+        return why
+
+    def _senders_by_receiver(self) -> dict[tuple[str, str], list[KVSender]]:
+        """The live senders that write to each (receiver engine, incarnation)."""
+        with self._lock:
+            senders = [
+                p
+                for p in self._live.values()
+                if isinstance(p, KVSender)
+                and p._infos
+                and not p._cleared
+                and not p._peer_failed
+                and p._status not in (KVPoll.Failed, KVPoll.Success)
+            ]
+        writes_to: dict[tuple[str, str], list[KVSender]] = {}
+        for snd in senders:
+            try:
+                incarnations = snd._receiver_incarnations()
+            except CorruptStateError as exc:  # that room's send() will say so; watch the rest
+                log.warning("heartbeat of %s: %s", self.engine, exc)
+                continue
+            for engine, inc in incarnations.items():
+                writes_to.setdefault((engine, inc), []).append(snd)
+        return writes_to
+
+    def _check_peers(self) -> None:
+        """Fan-out both ways: receivers bound to a dead prefill (decode side), senders
+        writing to a dead decode (prefill side)."""
+        with self._lock:
+            watched = set(self._watched)
+        writes_to = self._senders_by_receiver()
+        pairs = {(e, i) for e, _, i in watched} | set(writes_to)
+        if not pairs:
+            return
+        now = self._hb_registry.incarnations(sorted({e for e, _ in pairs}))
+        dead = {(e, i): why for e, i in pairs if (why := self._verdict(e, i, now[e]))}
+        for engine, addr, inc in watched:
+            if (engine, inc) in dead:
+                why = f"peer {engine} at {addr} {dead[engine, inc]}"
+                n = self._fail_peer(self._hb_store, addr, why, engine, inc)
+                log.warning("%s: failed %d room(s)", why, n)
+                with self._lock:
+                    self._watched.discard((engine, addr, inc))
+        calls, failed = [], []
+        for (engine, inc), snds in writes_to.items():
+            if (engine, inc) in dead:
+                reason = f"receiver {engine} {dead[engine, inc]}"
+                calls += [
+                    self._hb_store.update(s.room, "tx", self.engine, KVPoll.Failed, reason)
+                    for s in snds
+                ]
+                failed += snds
+                log.warning("%s: failed %d sender(s)", reason, len(snds))
+        self._hb_store.execute(calls)
+        for snd in failed:
+            snd._peer_failed = True  # once is enough: its next poll reads Failed
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval):
+            try:
+                claim = self._hb_registry.renew(self.info, self.lease)
+                if claim.answer == "taken":
+                    self._lease_taken(claim)
+                    return
+                if claim.answer == "lapsed":
+                    log.warning("lease of %s had lapsed; registered again", self.engine)
+                self._check_peers()
+            except KVStateError as exc:
+                log.warning("heartbeat of %s: %s", self.engine, exc)
+            except Exception as exc:  # the lease must outlive any surprise; never die
+                log.warning(
+                    "heartbeat of %s: unexpected %s: %s", self.engine, type(exc).__name__, exc
+                )
+
+    def _lease_taken(self, claim: Claim) -> None:
+        """Another process registered this name after our lease lapsed (we stalled):
+        stop renewing, never displace it, and fail our own rooms with the reason."""
+        self._taken = claim
+        reason = (
+            f"engine {self.engine}'s lease lapsed and another process took the name (host "
+            f"{claim.host}, pid {claim.pid}, incarnation {claim.holder}); this one "
+            f"({self.info.host}, pid {self.info.pid}) stopped renewing it"
+        )
+        self._stop.set()
+        log.error("%s", reason)
+        with self._lock:
+            mine = [p for p in self._live.values() if p._create_sent and not p._cleared]
+        self._hb_store.execute(
+            [
+                self._hb_store.update(p.room, p.side, self.engine, KVPoll.Failed, reason)
+                for p in mine
+            ]
+        )
+
+    def close(self) -> None:
+        """Stop the heartbeat and drop the lease (if it is still ours). In a forked child
+        only marks this copy closed: the lease is the parent's."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._forked:
+            return
+        try:
+            with self._hb_store.bounded():  # the join and the drop share one call_timeout
+                if self._thread is not threading.current_thread():
+                    self._thread.join(timeout=5)
+                if self.recorder is not None:
+                    self.recorder.close()
+                if self._taken is None:
+                    self._hb_registry.drop(self.engine, self.incarnation, self.bootstrap_addr)
+        except KVStateError as exc:
+            log.warning("could not drop the registration of %s: %s", self.engine, exc)
+        finally:
+            self._hb_store.close()
+
+
+__all__ = ["KVManager"]
