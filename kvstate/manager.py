@@ -278,15 +278,11 @@ class KVManager:
             if p is not None and not p._cleared:
                 todo.append(p)
         sent = [p for p in todo if p._create_sent]
-        errors = self.store.clear_many(
-            [self.store.clear_calls(p.room, p.side, p.engine, **p._clear_args()) for p in sent]
-        )
+        errors = self.store.clear_many([p._clear_calls() for p in sent])
         failed = {p.room: e for p, e in zip(sent, errors, strict=True) if e is not None}
         for p in todo:
             if p.room not in failed:
-                p._cleared = True
-                p._release()
-                self._forget(p)
+                p._after_clear()
         return dict(failed)
 
     def _many(

@@ -166,13 +166,20 @@ class _Participant:
             return
         self.mgr._check_usable()
         if self._create_sent:
-            self.store.clear(self.room, self.side, self.engine, **self._clear_args())
-        self._cleared = True
-        self._release()
-        self.mgr._forget(self)
+            self.store.clear_many([self._clear_calls()], partial=False)
+        self._after_clear()
+
+    def _clear_calls(self) -> list[Call]:
+        """What deletes this participant's keys (``clear``, ``KVManager.clear_many``)."""
+        return self.store.clear_calls(self.room, self.side, self.engine, **self._clear_args())
 
     def _clear_args(self) -> dict[str, Any]:
         return {}
+
+    def _after_clear(self) -> None:
+        self._cleared = True
+        self._release()
+        self.mgr._forget(self)
 
     def _release(self) -> None:
         if self.mgr.transport is not None:

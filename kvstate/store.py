@@ -443,19 +443,19 @@ class Store:
         cluster: Any = self.client  # a RedisCluster (its API is untyped)
         trouble: dict[int, tuple[str, BaseException]] = {}  # call -> (node, last error)
         for attempt in range(self.options.retries + 1):
-            groups: dict[tuple[str, int], list[int]] = {}  # per node; slots: _blocks()
+            groups: dict[str, list[int]] = {}  # per node (per slot inside it: _blocks())
             for i in pending:
                 node = cluster.get_node_from_key(calls[i].keys[0])
-                groups.setdefault((node.name, 0), []).append(i)
+                groups.setdefault(node.name, []).append(i)
             outcomes = self._run_groups(
                 [
                     (cluster.get_node(node_name=name).redis_connection, [calls[i] for i in idxs])
-                    for (name, _), idxs in groups.items()
+                    for name, idxs in groups.items()
                 ],
                 transaction,
             )
             failed: list[int] = []
-            for ((name, _), idxs), out in zip(groups.items(), outcomes, strict=True):
+            for (name, idxs), out in zip(groups.items(), outcomes, strict=True):
                 if isinstance(out, BaseException):
                     if not isinstance(out, _NODE_TROUBLE):
                         raise out
@@ -573,11 +573,11 @@ class Store:
         keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
         if side == "tx":
             keys.append(k.xfer(room, engine))
-        flat: list[Any] = []
-        for name, value in fields.items():
-            flat += [name, value]
         return self._script(
-            "create", keys, [self.ttl_ms, k.part_member(side, engine), *flat], Status.parse
+            "create",
+            keys,
+            [self.ttl_ms, k.part_member(side, engine), *_pairs(fields)],
+            Status.parse,
         )
 
     def poll(
@@ -849,11 +849,11 @@ class Store:
     ) -> Call:
         """register.lua: register, renew (``fields`` written when the name is free) or
         drop an engine's registration; never displaces a live holder."""
-        flat: list[Any] = []
-        for name, value in fields.items():
-            flat += [name, value]
         return self._script(
-            "register", [self.keys.engine(engine)], [lease_ms, incarnation, mode, *flat], parse
+            "register",
+            [self.keys.engine(engine)],
+            [lease_ms, incarnation, mode, *_pairs(fields)],
+            parse,
         )
 
     def index_engine(self, addr: str, engine: str, lease_ms: int | None) -> Call:
@@ -866,11 +866,9 @@ class Store:
     def publish_transfer_stats(self, engine: str, fields: dict[str, Any], ttl_ms: int) -> None:
         """Runs: write an engine's transfer counters (absolute values) and their TTL."""
         key = self.keys.transfer_stats(engine)
-        flat: list[Any] = []
-        for name, value in fields.items():
-            flat += [name, value]
         self.execute(
-            [self._command("HSET", key, args=flat), self.set_ttl(key, ttl_ms)], transaction=True
+            [self._command("HSET", key, args=_pairs(fields)), self.set_ttl(key, ttl_ms)],
+            transaction=True,
         )
 
     def ledger_append(self, entries: Iterable[list[Any]], maxlen: int, ttl_ms: int) -> None:
@@ -969,6 +967,11 @@ class Store:
                     cmd = name.removeprefix("cmdstat_")
                     out[cmd] = out.get(cmd, 0) + int(stat["calls"])
         return out
+
+
+def _pairs(fields: dict[str, Any]) -> list[Any]:
+    """A hash's fields as HSET (and the scripts) take them: name, value, name, value..."""
+    return [x for item in fields.items() for x in item]
 
 
 def _text_or_none(raw: Any) -> str | None:
