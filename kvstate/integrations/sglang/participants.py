@@ -1,0 +1,337 @@
+"""SGLang's sender, receiver and bootstrap server on kvstate's roles."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from kvstate.errors import KVStateError, PeerNotFoundError
+from kvstate.integrations.sglang.manager import (
+    KVStateKVManager,
+    _Adapter,
+    _BaseReceiver,
+    _BaseSender,
+    _BaseServer,
+    _conn,
+    prefill_engine,
+)
+from kvstate.integrations.sglang.spaces import Spaces
+from kvstate.poll import KVPoll
+from kvstate.roles import KVReceiver, KVSender
+from transports.base import TransportError
+
+log = logging.getLogger(__name__)
+
+
+class KVStateKVSender(_Adapter, _BaseSender):
+    """Prefill side of one room."""
+
+    def __init__(
+        self,
+        mgr: KVStateKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        self._setup(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self._aux: int | None = None
+        self._num_pages: int | None = None
+        self._sent = 0
+        self._bytes = 0
+        self._latency = 0.0
+        if self._admitted:
+            self._guard("creating the sender", self._create)
+
+    def _create(self) -> None:
+        self._part = self.kv_mgr.kv.sender(self.bootstrap_room, required_receivers=1)
+
+    def poll(self) -> KVPoll:
+        if self._part is None or self._local_reason:
+            return self._polled(self._status)
+        st = self._polled(self.kv_mgr.poll_room(self))
+        if st in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            assert isinstance(self._part, KVSender)
+            infos = self._part._infos
+            if len(infos) > 1:
+                # a second decode request published into this room (sglang#40125)
+                with self._lock:
+                    self._guard(
+                        "duplicate",
+                        lambda: self._part.abort(  # type: ignore[union-attr]
+                            f"duplicate bootstrap_room {self.bootstrap_room}: {len(infos)} decode "
+                            f"receivers ({', '.join(sorted(infos))}) published into one room; "
+                            "refused, not shared"
+                        ),
+                    )
+                return self._polled(KVPoll.Failed)
+        return st
+
+    def pop_decode_prefix_len(self) -> int:
+        if self._part is None or self._local_reason:
+            return 0
+        with self._lock:
+            try:
+                return int(self._part.prefix_len)  # type: ignore[union-attr]
+            except KVStateError as exc:
+                self._fail_local(f"reading the decode prefix failed: {exc}")
+                return 0
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # the last chunk carries aux and state and concludes the room, pages or not
+        return num_pages > 0 or last_chunk
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        with self._lock:
+            self._num_pages = int(num_kv_indices)
+            self._aux = aux_index
+            if self._part is not None:
+                self._guard("init", lambda: self._part.init(num_kv_indices))  # type: ignore[union-attr]
+
+    def send(
+        self,
+        kv_indices: Any,
+        state_indices: list[Any] | None = None,
+        num_kv_tokens: int | None = None,
+        **_: Any,
+    ) -> None:
+        """Move this chunk's pages; with the last chunk also the aux slot and the state
+        slots, and only then conclude the room (the receiver's Success means all landed)."""
+        with self._lock:
+            if self._part is None or self._local_reason:
+                return
+            pages = np.asarray(kv_indices)
+            total = self._sent + int(pages.size)
+            last = self._num_pages is not None and total >= self._num_pages
+            spaces = self.kv_mgr.spaces
+            if spaces is None:
+                raise KVStateError("send() in mirror mode: the mirrored backend moves the bytes")
+            t0 = time.perf_counter()
+            before = spaces.stats.bytes_moved
+            part = self._part
+            assert isinstance(part, KVSender)
+            ok = True
+
+            def move() -> None:
+                nonlocal ok
+                ok = part.send(pages, last=False) == KVPoll.Transferring
+                if ok and last:
+                    self._send_slots(part, state_indices)
+                    part.finish_transfer()
+
+            self._guard("send", move)
+            self._sent = total
+            self._latency += time.perf_counter() - t0
+            self._bytes += spaces.stats.bytes_moved - before
+
+    def _send_slots(self, part: KVSender, state_indices: list[Any] | None) -> None:
+        spaces = self.kv_mgr.spaces
+        if not isinstance(spaces, Spaces):
+            return
+        timeout = self.kv_mgr.kv.transfer_timeout
+        room = self.bootstrap_room
+        state = [
+            (i, np.asarray(s, dtype=np.int64).reshape(-1))
+            for i, s in enumerate(state_indices or [])
+            if s is not None
+        ]
+        for info in part.transfer_infos().values():
+            if info.dummy:
+                continue
+            peer = self.kv_mgr.kv.peer(info.receiver, info.incarnation)
+            if self._aux is not None and info.aux_index is not None:
+                spaces.write_space(
+                    spaces.aux,
+                    peer.layout.get("aux"),
+                    "the aux slot",
+                    room,
+                    peer.endpoint,
+                    np.array([self._aux]),
+                    np.array([info.aux_index]),
+                    timeout,
+                )
+            dst = (
+                np.empty(0, np.int64)
+                if info.state_indices is None
+                else info.state_indices.astype(np.int64)
+            )
+            if sum(s.size for _, s in state) != dst.size:
+                raise TransportError(
+                    f"room {room}: {sum(s.size for _, s in state)} state slots here, "
+                    f"{dst.size} published by {info.receiver}"
+                )
+            remote = peer.layout.get("state") or []
+            at = 0
+            for i, src in state:
+                space = spaces.state[i] if i < len(spaces.state) else None
+                spaces.write_space(
+                    space,
+                    remote[i] if i < len(remote) else None,
+                    f"state type {i}",
+                    room,
+                    peer.endpoint,
+                    src,
+                    dst[at : at + src.size],
+                    timeout,
+                )
+                at += src.size
+
+    def mirror(self, theirs: int, backend: str) -> KVPoll:
+        """Mirror mode: record what the other backend's sender reports and answer
+        Failed when kvstate has the room Failed (an abort from anywhere)."""
+        ours = self.poll()
+        part = self._part
+        if ours == KVPoll.Failed or not isinstance(part, KVSender):
+            return KVPoll.Failed
+        with self._lock:
+            if theirs == KVPoll.Failed:
+                self._guard(
+                    "recording the failure",
+                    lambda: part.fail(f"{backend} reported the transfer failed"),
+                )
+                return KVPoll.Failed
+            if theirs == KVPoll.Success and ours != KVPoll.Success:
+                self.mirror_begin()
+                if part.status == KVPoll.Transferring:
+                    self._guard("finish_transfer", part.finish_transfer)
+        return KVPoll(int(theirs))
+
+    def mirror_begin(self) -> None:
+        """Mirror mode: the other backend starts moving pages (Transferring, once)."""
+        with self._lock:
+            part = self._part
+            if isinstance(part, KVSender) and part.status == KVPoll.WaitingForInput:
+                self._guard("begin_transfer", part.begin_transfer)
+
+    def get_transfer_metric(self) -> Any:
+        return _conn.KVTransferMetric(
+            transfer_latency_s=self._latency, transfer_total_bytes=self._bytes
+        )
+
+    def mark_prefill_complete(self) -> None:
+        """Nothing to publish early: decode allocates before prefill runs."""
+
+    def abort(self) -> None:
+        self._abort("prefill")
+
+
+class KVStateKVReceiver(_Adapter, _BaseReceiver):
+    """Decode side of one room. SGLang's WaitingForInput means "handshake done, send
+    the metadata"; kvstate's means "metadata published": the adapter reports
+    WaitingForInput after ``init()`` until ``send_metadata()``, then Transferring
+    until the sender concluded."""
+
+    def __init__(
+        self, mgr: KVStateKVManager, bootstrap_addr: str, bootstrap_room: int | None = None
+    ) -> None:
+        self._setup(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self.require_staging = False
+        self.abort_notified = False
+        self.bootstrap_infos: list[Any] = []
+        self._metadata_sent = False
+
+    def init(self, prefill_dp_rank: int) -> None:
+        with self._lock:
+            if self._local_reason or self._part is not None:
+                return
+            mgr = self.kv_mgr
+            info = mgr.prefill_info_table.get(self.bootstrap_addr)
+            if info is not None and info.tp_size != mgr.tp_size:
+                self._fail_local(
+                    f"TP mismatch: prefill at {self.bootstrap_addr} has attention TP size "
+                    f"{info.tp_size}, this decode {mgr.tp_size}; kvstate's SGLang backend "
+                    "maps rank i to rank i and needs equal sizes"
+                )
+                return
+            sender = prefill_engine(self.bootstrap_addr, int(prefill_dp_rank or 0), mgr.tp_rank)
+            try:
+                self._part = mgr.kv.receiver(
+                    self.bootstrap_room, self.bootstrap_addr, required_senders=1, senders=[sender]
+                )
+            except PeerNotFoundError as exc:
+                self._fail_local(str(exc))
+            except KVStateError as exc:
+                self._fail_local(f"binding to {sender} failed: {exc}")
+
+    def poll(self) -> KVPoll:
+        if self._part is None or self._local_reason:
+            return self._polled(self._status)
+        st = self.kv_mgr.poll_room(self)
+        if st in (KVPoll.Failed, KVPoll.Success):
+            return self._polled(st)
+        self._status = st
+        return KVPoll.Transferring if self._metadata_sent else KVPoll.WaitingForInput
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = None,
+    ) -> None:
+        with self._lock:
+            if self._part is None or self._local_reason:
+                return
+            if getattr(destination, "value", destination) == "host":
+                self._fail_local("host KV destinations are not supported by kvstate's backend")
+                return
+            parts = [
+                np.asarray(s, dtype=np.int64).reshape(-1)
+                for s in state_indices or []
+                if s is not None
+            ]
+            state = np.concatenate(parts) if parts else None
+            part = self._part
+            assert isinstance(part, KVReceiver)
+            self._guard(
+                "send_metadata",
+                lambda: part.init(
+                    kv_indices, aux_index, state, prefix_len=int(decode_prefix_len or 0)
+                ),
+            )
+            self._metadata_sent = True
+
+    def abort(self) -> None:
+        self._abort("decode")
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """The abort is in Redis already; the prefill learns it on its next poll."""
+
+    def mirror(self, theirs: int, backend: str) -> KVPoll:
+        """Mirror mode: the other backend's status unless kvstate has the room Failed
+        (a prefill abort, a lost prefill lease, ``kvstate abort``)."""
+        ours = self.poll()
+        if ours == KVPoll.Failed:
+            return KVPoll.Failed
+        if theirs == KVPoll.Failed and self._part is not None:
+            part = self._part
+            with self._lock:
+                self._guard(
+                    "recording the failure",
+                    lambda: part.fail(f"{backend} reported the transfer failed"),
+                )
+            return KVPoll.Failed
+        return KVPoll(int(theirs))
+
+
+class KVStateBootstrapServer(_BaseServer):
+    """Stands where SGLang starts its bootstrap HTTP server: kvstate needs none
+    (engines register in Redis with a lease), so this only says so."""
+
+    def __init__(self, host: str, port: int, **_: Any) -> None:
+        self.host = host
+        self.port = port
+        log.info(
+            "kvstate backend: no bootstrap server on %s:%s; prefill ranks register "
+            "in kvstate's registry",
+            host,
+            port,
+        )
+
+    def close(self) -> None:
+        """Nothing to stop."""

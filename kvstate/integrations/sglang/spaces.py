@@ -1,0 +1,186 @@
+"""SGLang's buffers as kvstate transports: one per index space (KV pages, aux, state),
+registered from SGLang's raw pointers, and the backend's settings."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstate.defaults import LEASE
+from kvstate.errors import KVStateError
+from transports.base import Target, Transport, TransportError, TransportStats
+
+
+class UnsupportedLayoutError(KVStateError):
+    """A parallel layout the backend refuses (pipeline parallel prefill)."""
+
+
+# -- settings and buffers ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    url: str | None = None
+    namespace: str | None = None
+    host: str | None = None
+    max_rooms: int = 65536
+    lease: float = LEASE
+    memory: str | None = None
+    step_cache_s: float = 0.5  # a cached poll older than this is asked again
+    store_grace_s: float = 30.0  # Redis unreachable this long: rooms fail locally
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        env = os.environ
+        return cls(
+            url=env.get("KVSTATE_REDIS_URL") or None,
+            namespace=env.get("KVSTATE_NAMESPACE") or None,
+            host=env.get("KVSTATE_SGLANG_HOST") or None,
+            max_rooms=int(env.get("KVSTATE_SGLANG_MAX_ROOMS", "65536")),
+            lease=float(env.get("KVSTATE_SGLANG_LEASE", str(LEASE))),
+            memory=env.get("KVSTATE_SGLANG_MEMORY") or None,
+        )
+
+
+class _DeviceBuffer:
+    """A raw device pointer presented as a 1-D byte array (CUDA array interface)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def raw_buffer(ptr: int, nbytes: int, memory: str) -> Any:
+    """SGLang hands buffers over as (pointer, length): view them without copying."""
+    if memory == "cuda":
+        return _DeviceBuffer(ptr, nbytes)
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
+
+
+def _default_memory() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "host"
+    except ImportError:
+        return "host"
+
+
+class Spaces(Transport):
+    """KV pages, aux (metadata) slots and each state type's slots are separate index
+    spaces: one transport each, published as one layout so one registration carries
+    them. ``write`` (what ``KVSender.send`` calls) moves KV pages; ``write_space``
+    moves aux and state slots."""
+
+    def __init__(
+        self, kv_args: Any, memory: str, factory: Callable[[], Transport] | None = None
+    ) -> None:
+        if factory is None:
+            from transports.ucx import UCXTransport
+
+            factory = UCXTransport
+        self.kv = self._space(
+            factory, kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens, memory
+        )
+        if self.kv is None:
+            raise UnsupportedLayoutError("SGLang registered no KV buffers (kv_data_ptrs empty)")
+        # SGLang keeps the metadata buffers in host memory
+        self.aux = self._space(
+            factory,
+            getattr(kv_args, "aux_data_ptrs", None) or [],
+            getattr(kv_args, "aux_data_lens", None) or [],
+            getattr(kv_args, "aux_item_lens", None) or [],
+            "host",
+        )
+        ptrs = getattr(kv_args, "state_data_ptrs", None) or []
+        lens = getattr(kv_args, "state_data_lens", None) or []
+        items = getattr(kv_args, "state_item_lens", None) or []
+        self.state = [
+            self._space(factory, p, n, i, memory) for p, n, i in zip(ptrs, lens, items, strict=True)
+        ]
+
+    @staticmethod
+    def _space(
+        factory: Callable[[], Transport],
+        ptrs: Sequence[int],
+        lens: Sequence[int],
+        items: Sequence[int],
+        memory: str,
+    ) -> Transport | None:
+        if not ptrs:
+            return None
+        t = factory()
+        t.register_buffers(
+            [raw_buffer(int(p), int(n), memory) for p, n in zip(ptrs, lens, strict=True)],
+            [int(i) for i in items],
+        )
+        return t
+
+    def register_buffers(self, buffers: Sequence[Any], page_bytes: Sequence[int]) -> None:
+        raise KVStateError("Spaces registers SGLang's buffers itself")
+
+    def endpoint(self) -> bytes:
+        assert self.kv is not None
+        return self.kv.endpoint()
+
+    def layout(self) -> dict[str, Any]:
+        assert self.kv is not None
+        return {
+            "transport": "kvstate-sglang",
+            "kv": self.kv.layout(),
+            "aux": self.aux.layout() if self.aux else None,
+            "state": [s.layout() if s else None for s in self.state],
+        }
+
+    def expect(self, room: int, dst_indices: np.ndarray) -> None:
+        assert self.kv is not None
+        self.kv.expect(room, dst_indices)
+
+    def write(
+        self, room: int, src_indices: np.ndarray, targets: Sequence[Target], timeout: float
+    ) -> None:
+        assert self.kv is not None
+        self.kv.write(
+            room,
+            src_indices,
+            [Target(t.endpoint, t.layout["kv"], t.dst_indices) for t in targets],
+            timeout,
+        )
+
+    def write_space(
+        self,
+        space: Transport | None,
+        remote: dict[str, Any] | None,
+        what: str,
+        room: int,
+        endpoint: bytes,
+        src: np.ndarray,
+        dst: np.ndarray,
+        timeout: float,
+    ) -> None:
+        if space is None or remote is None:
+            raise TransportError(f"room {room}: {what} is not registered on both sides")
+        space.write(room, src, [Target(endpoint, remote, dst)], timeout)
+
+    def release(self, room: int) -> None:
+        assert self.kv is not None
+        self.kv.release(room)
+
+    def close(self) -> None:
+        for t in (self.kv, self.aux, *self.state):
+            if t is not None:
+                t.close()
+
+    @property
+    def stats(self) -> TransportStats:
+        assert self.kv is not None
+        return self.kv.stats
