@@ -1,146 +1,307 @@
-"""vLLM ranks for the integration tests: vLLM's own config, factory, Request and
-KVCacheBlocks around kvstate's connector, in a spawned process (UCX)."""
+"""A vLLM 0.34 engine on CPU, built from vLLM's own parts: its VllmConfig, its KV
+cache planning (layout resolution, get_kv_cache_configs), its v1 Scheduler with its KV
+cache manager and block pool, and per TP rank a worker process that runs vLLM's
+distributed init on gloo, its KV transfer group, ``allocate_kv_cache`` and the CPU
+model runner's KV connector glue. Only the forward pass is emulated (vllm_model.py).
+
+The test process holds the schedulers (one ``Engine`` per vLLM engine) and acts as the
+router; each step is EngineCore.step(): schedule -> every rank's worker -> vLLM's
+KVOutputAggregator -> update_from_output.
+"""
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
-import subprocess
-import sys
+import signal
+import socket
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BLOCKS = 16
-BLOCK_SHAPE = (4, 2, 8)  # tokens per block, heads, head size
+HEADS, HEAD_SIZE, LAYERS = 4, 8, 2
+ALL_LAYOUTS = ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"]
+READY_TIMEOUT = 180.0  # s: a worker's start-up (imports torch and vLLM)
+MAX_LEN = 128  # tokens: the longest request (blocks x block_size must cover it)
 
 
-def config(role: str, engine_id: str) -> Any:
-    from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
+@dataclass
+class Spec:
+    """One engine: role, connector and the cache geometry."""
 
+    role: str  # kv_producer | kv_consumer
+    engine_id: str
+    url: str
+    model_dir: str
+    tp: int = 1
+    layout: str | None = None  # VLLM_KV_CACHE_LAYOUT; None: the backends' choice
+    mla: bool = False
+    blocks: int = 48
+    block_size: int = 4
+    chunk: int = 64  # max_num_batched_tokens
+    prefix_caching: bool = True
+    policy: str = "recompute"  # kv_load_failure_policy
+    connector: str = "KVStateConnector"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def write_model(path: Path) -> str:
+    """A config.json vLLM's ModelConfig reads without a hub (no weights are loaded)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": HEADS * HEAD_SIZE,
+                "intermediate_size": 64,
+                "num_attention_heads": HEADS,
+                "num_key_value_heads": HEADS,
+                "num_hidden_layers": LAYERS,
+                "vocab_size": 1024,
+                "max_position_embeddings": 4096,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    return str(path)
+
+
+def vllm_config(spec: Spec) -> Any:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    extra = dict(spec.extra)
+    module = None
+    if spec.connector == "KVStateConnector":
+        extra.setdefault("redis_url", spec.url)
+        module = "kvstate.integrations.vllm"
+    model = ModelConfig(
+        model=spec.model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=MAX_LEN
+    )
     return VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVStateConnector",
-            kv_connector_module_path="kvstate.integrations.vllm",
-            kv_role=role,
-            engine_id=engine_id,
+        model_config=model,
+        cache_config=CacheConfig(
+            block_size=spec.block_size,
+            enable_prefix_caching=spec.prefix_caching,
+            num_gpu_blocks_override=spec.blocks,
         ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=spec.chunk,
+            max_model_len=MAX_LEN,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=spec.tp),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=spec.connector,
+            kv_connector_module_path=module,
+            kv_role=spec.role,
+            engine_id=spec.engine_id,
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=spec.policy,  # type: ignore[arg-type]
+        ),
+        device_config=DeviceConfig(device="cpu"),
     )
 
 
-def connectors(role: str, engine_id: str) -> tuple[Any, Any]:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    cfg = config(role, engine_id)
-    return (
-        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None),
-        KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None),
-    )
-
-
-def request(rid: str, params: dict[str, Any] | None, status: Any = None) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
-    req = Request(rid, list(range(12)), sp, None)
-    if status is not None:
-        req.status = status
-    return req
-
-
-def blocks(ids: list[int]) -> Any:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
-
-
-def caches(seed: int | None) -> dict[str, Any]:
+def layer_specs(spec: Spec) -> dict[str, Any]:
+    """What the model's attention layers report on one rank (heads split over TP; an
+    MLA latent is one head, replicated)."""
     import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    gen = torch.Generator().manual_seed(seed or 0)
-    out = {}
-    for layer in range(2):
-        shape = (2, BLOCKS, *BLOCK_SHAPE)
-        out[f"layer{layer}"] = (
-            torch.zeros(shape) if seed is None else torch.rand(shape, generator=gen)
+    if spec.mla:
+        one = MLAAttentionSpec(
+            block_size=spec.block_size, num_kv_heads=1, head_size=24, dtype=torch.float16
         )
-    return out
-
-
-def step(conn: Any, meta: Any) -> tuple[Any, Any]:
-    conn.bind_connector_metadata(meta)
-    conn.start_load_kv(None)
-    conn.wait_for_save()
-    out = conn.get_finished(set())
-    conn.clear_connector_metadata()
-    return out
-
-
-def flow(_index: int, url: str, out: str) -> None:
-    """Prefill hands three requests to decode: one moves, one the decode aborts, one
-    `kvstate abort` fails mid-way. Reports what each side's calls returned."""
-    os.environ["KVSTATE_REDIS_URL"] = url
-    from vllm.v1.request import RequestStatus
-
-    p_sched, p_work = connectors("kv_producer", "prefill-a")
-    d_sched, d_work = connectors("kv_consumer", "decode-b")
-    p_kv, d_kv = caches(seed=7), caches(seed=None)
-    p_work.register_kv_caches(p_kv)
-    d_work.register_kv_caches(d_kv)
-    res: dict[str, Any] = {}
-    done = RequestStatus.FINISHED_LENGTH_CAPPED
-    handoff = {}
-    for rid, src in (("r-ok", [3, 4, 5]), ("r-abort", [6, 7, 8]), ("r-cli", [9, 10, 11])):
-        delay, params = p_sched.request_finished(
-            request(rid, {"do_remote_decode": True}, done), src
+    else:
+        one = FullAttentionSpec(
+            block_size=spec.block_size,
+            num_kv_heads=HEADS // spec.tp,
+            head_size=HEAD_SIZE,
+            dtype=torch.float16,
         )
-        handoff[rid] = params
-        res[f"{rid}-delay"] = delay
-    # a request aborted on prefill hands nothing over
-    res["aborted-on-prefill"] = p_sched.request_finished(
-        request("r-x", {"do_remote_decode": True}, RequestStatus.FINISHED_ABORTED), [1]
-    )
-    res["p-first"] = [sorted(x or []) for x in step(p_work, p_sched.build_connector_meta(None))]
-    # decode: two requests load, one is aborted while waiting for its KV
-    dst = {"r-ok": [12, 13, 14], "r-abort": [0, 1, 2], "r-cli": [6, 7, 8]}
-    for rid in ("r-ok", "r-cli"):
-        req = request(f"d-{rid}", dict(handoff[rid]))
-        res[f"{rid}-matched"] = list(d_sched.get_num_new_matched_tokens(req, 0))
-        d_sched.update_state_after_alloc(req, blocks(dst[rid]), 12)
-    res["d-first"] = [sorted(x or []) for x in step(d_work, d_sched.build_connector_meta(None))]
-    aborted = request("d-r-abort", dict(handoff["r-abort"]), RequestStatus.FINISHED_ABORTED)
-    res["d-abort"] = list(d_sched.request_finished(aborted, []))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvstate.cli",
-            "abort",
-            str(handoff["r-cli"]["kvstate_room"]),
-            "--reason",
-            "operator",
-        ],
-        check=True,
-        env=os.environ,
-    )
-    # prefill's next step: r-ok is pushed and done, r-abort and r-cli free their blocks
-    res["p-second"] = [sorted(x or []) for x in step(p_work, p_sched.build_connector_meta(None))]
-    res["d-second"] = [sorted(x or []) for x in step(d_work, d_sched.build_connector_meta(None))]
-    res["load-errors"] = sorted(d_work.get_block_ids_with_load_errors())
-    # the loaded request runs and finishes on decode later: nothing to abort then
-    from vllm.v1.outputs import KVConnectorOutput
+    return {name: one for name in spec.layers}
 
-    d_sched.update_connector_output(KVConnectorOutput(finished_recving={"d-r-ok"}))
-    finished = request(
-        "d-r-ok", dict(handoff["r-ok"], do_remote_prefill=False), RequestStatus.FINISHED_STOPPED
-    )
-    res["d-ok-finished"] = list(d_sched.request_finished(finished, [12, 13, 14]))
-    same = all(bool((p_kv[k][:, [3, 4, 5]] == d_kv[k][:, [12, 13, 14]]).all()) for k in p_kv)
-    untouched = all(bool((d_kv[k][:, [6, 7, 8]] == 0).all()) for k in d_kv)
-    res["bytes_equal"], res["cli_blocks_untouched"] = same, untouched
-    p_work.shutdown()
-    d_work.shutdown()
-    Path(out, "vllm.json").write_text(json.dumps(res))
+
+def plan(spec: Spec, config: Any) -> tuple[list[Any], Any]:
+    """vLLM's engine-core planning: resolve the layout (VLLM_KV_CACHE_LAYOUT, else the
+    connector's, else the backends'), group the layers, size the caches."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    register_all_kvcache_specs(config)
+    specs = [layer_specs(spec) for _ in range(spec.tp)]
+    saved = os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+    if spec.layout:
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = spec.layout
+    try:  # the backends on this rank accept any layout (as FlexAttention's does)
+        layout = resolve_kv_cache_layout(
+            config, [ALL_LAYOUTS] * spec.tp, [s for one in specs for s in one.values()]
+        )
+    finally:
+        os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+        if saved is not None:
+            os.environ["VLLM_KV_CACHE_LAYOUT"] = saved
+    groups = get_global_kv_cache_groups(config, specs)
+    memory = 1 << 30
+    configs = get_kv_cache_configs(config, specs, [memory] * spec.tp, groups)
+    for c in configs:
+        c.kv_cache_layout = layout.name
+    sched = generate_scheduler_kv_cache_config(configs)
+    config.cache_config.num_gpu_blocks = sched.num_blocks
+    return configs, sched
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_main(spec: Spec, kv_cache_config: Any, rank: int, port: int, conn: Any) -> None:
+    """One TP rank: vLLM's distributed init (gloo), KV transfer group, allocation and
+    connector glue; then scheduler outputs in, model runner outputs out."""
+    try:
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            ensure_kv_transfer_initialized,
+            ensure_kv_transfer_shutdown,
+        )
+        from vllm.v1.attention.backends.utils import record_kv_cache_layout
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.cpu.kv_connector import get_kv_connector
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        from tests.integrations.vllm_model import Model
+
+        config = vllm_config(spec)
+        record_kv_cache_layout(config.cache_config, kv_cache_config.kv_cache_layout)
+        with set_current_vllm_config(config):
+            ps.init_distributed_environment(
+                world_size=spec.tp,
+                rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                local_rank=rank,
+                backend="gloo",
+            )
+            ps.ensure_model_parallel_initialized(spec.tp, 1)
+            ensure_kv_transfer_initialized(config, kv_cache_config)
+            layout = KVCacheLayout[kv_cache_config.kv_cache_layout]
+            caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+            glue = get_kv_connector(config, caches)
+        model = Model(caches, spec.layers, spec.block_size, rank if not spec.mla else 0)
+        group = ps.get_tp_group().cpu_group
+
+        def all_ok(flags: list[bool]) -> list[bool]:
+            t = torch.tensor([0 if f else 1 for f in flags], dtype=torch.int64)
+            if spec.tp > 1:
+                torch.distributed.all_reduce(t, group=group)
+            return [int(v) == 0 for v in t.tolist()]
+
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        msg, so = conn.recv()
+        if msg == "stop":
+            with set_current_vllm_config(config):
+                ensure_kv_transfer_shutdown()
+            conn.send(("bye", None))
+            return
+        try:
+            with set_current_vllm_config(config):
+                if so.total_num_scheduled_tokens == 0:
+                    out = glue.no_forward(so)
+                else:
+                    glue.pre_forward(so)
+                    rids, sampled = model.forward(so, all_ok)
+                    glue.finish_forward()
+                    out = ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled)
+                    out.kv_connector_output = glue.post_forward(so.finished_req_ids)
+            report = (model.bytes_verified, list(model.mismatches))
+            model.mismatches.clear()
+            conn.send(("out", (out, report)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            return
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Workers:
+    """An engine's TP ranks, one spawned process each (vLLM's multiproc executor's job)."""
+
+    def __init__(self, spec: Spec, configs: list[Any]) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.conns, self.procs = [], []
+        for rank in range(spec.tp):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=worker_main, args=(spec, configs[rank], rank, port, child), daemon=True
+            )
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        for rank, conn in enumerate(self.conns):
+            self._recv(rank, conn, READY_TIMEOUT)
+
+    def _recv(self, rank: int, conn: Any, timeout: float) -> Any:
+        if not conn.poll(timeout):
+            raise WorkerDied(f"rank {rank}: no answer in {timeout} s")
+        try:
+            kind, value = conn.recv()
+        except EOFError:
+            raise WorkerDied(f"rank {rank} exited") from None
+        if kind == "error":
+            raise WorkerDied(f"rank {rank}:\n{value}")
+        return value
+
+    def run(self, so: Any) -> list[Any]:
+        for conn in self.conns:
+            conn.send(("step", so))
+        return [self._recv(r, c, 120.0) for r, c in enumerate(self.conns)]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.join(10)
+
+    def stop(self) -> None:
+        for r, conn in enumerate(self.conns):
+            try:
+                conn.send(("stop", None))
+                self._recv(r, conn, 30.0)
+            except (WorkerDied, OSError):
+                pass
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,49 @@
+"""kvstate as a vLLM v1 KV connector (``KVConnectorBase_V1``), loaded without a patch:
+
+    --kv-transfer-config '{"kv_connector": "KVStateConnector",
+        "kv_connector_module_path": "kvstate.integrations.vllm", "kv_role": "kv_producer",
+        "engine_id": "prefill-a", "kv_connector_extra_config": {"redis_url": "redis://..."}}'
+
+(the ``vllm.general_plugins`` entry point also registers the name, so the module path
+may be left out). Tested with vLLM 0.34.0. The package, by concept:
+
+- ``settings``: ``kv_connector_extra_config`` (Redis URL, namespace, lease and
+  timeouts) and the names both engines derive (engines, ranks, rooms);
+- ``layout``: which bytes of vLLM's KV cache are one block's, checked against the
+  ``KVCacheConfig`` at start-up;
+- ``scheduler``: requests -> rooms, aborts from the scheduler;
+- ``worker``: one TP rank's rooms and pages;
+- ``connector``: the class vLLM instantiates, dispatching to the two halves.
+"""
+
+from __future__ import annotations
+
+from kvstate.integrations.vllm.connector import KVStateConnector
+from kvstate.integrations.vllm.layout import LayoutRefusedError
+from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata
+from kvstate.integrations.vllm.settings import (
+    CONNECTOR,
+    Settings,
+    VLLMConfigError,
+    room_of,
+)
+
+
+def plugin() -> None:
+    """``vllm.general_plugins`` entry point: register the connector by name."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR, __name__, CONNECTOR)
+
+
+__all__ = [
+    "CONNECTOR",
+    "KVStateConnector",
+    "KVStateConnectorMetadata",
+    "LayoutRefusedError",
+    "Settings",
+    "VLLMConfigError",
+    "plugin",
+    "room_of",
+]

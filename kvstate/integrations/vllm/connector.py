@@ -1,0 +1,113 @@
+"""KVStateConnector: the ``KVConnectorBase_V1`` vLLM instantiates, once per scheduler
+(role SCHEDULER) and once per worker (role WORKER); each call goes to that role's
+half (scheduler.py, worker.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+
+from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata, SchedulerSide
+from kvstate.integrations.vllm.settings import Settings, VLLMConfigError, engine_name
+from kvstate.integrations.vllm.worker import WorkerSide
+
+
+class KVStateConnector(KVConnectorBase_V1):
+    """kvstate rooms for vLLM's P/D disaggregation (kv_producer / kv_consumer)."""
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = self._kv_transfer_config
+        if cfg.kv_role not in ("kv_producer", "kv_consumer"):
+            raise VLLMConfigError(
+                f"KVStateConnector needs kv_role kv_producer (prefill) or "
+                f"kv_consumer (decode), got {cfg.kv_role!r}"
+            )
+        settings = Settings.from_extra(cfg.kv_connector_extra_config)
+        engine_id = str(cfg.engine_id or "vllm")
+        self.engine = engine_name(engine_id)
+        self.producer = cfg.kv_role == "kv_producer"
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(
+                vllm_config, kv_cache_config, settings, self.engine, engine_id, self.producer
+            )
+        else:
+            self._worker = WorkerSide(
+                vllm_config, kv_cache_config, settings, self.engine, self.producer
+            )
+
+    @property
+    def sched(self) -> SchedulerSide:
+        assert self._sched is not None, "a scheduler-side call on a worker connector"
+        return self._sched
+
+    @property
+    def worker(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on a scheduler connector"
+        return self._worker
+
+    # -- scheduler side ------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.sched.update_connector_output(connector_output)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStateConnectorMetadata:
+        return self.sched.build_connector_meta()
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.sched.request_finished(request, block_ids)
+
+    # -- worker side ---------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Make this step's rooms; pages move in get_finished, outside the forward."""
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVStateConnectorMetadata)
+            self.worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete before vLLM schedules the request (asynchronous loads)."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Pages are pushed whole once the decode published, not per layer."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved per step: blocks stay held until their room concludes."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, loaded = self.worker.finished()
+        return sent or None, loaded or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.shutdown()
+
+
+__all__ = ["KVStateConnector"]

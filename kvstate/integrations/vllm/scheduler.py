@@ -1,0 +1,170 @@
+"""The connector's scheduler side: which requests become rooms, and what each step's
+workers must do with them (KVStateConnectorMetadata).
+
+Prefill: a request that finishes with ``do_remote_decode`` keeps its blocks
+(``request_finished`` -> True) and hands the router ``kvstate_room``, the prefill
+engine's name and its KV cache signature; its workers hold the blocks as the room's
+senders until the room concludes, then report ``finished_sending``.
+
+Decode: a request carrying those params loads its prompt asynchronously
+(``get_num_new_matched_tokens``); ``update_state_after_alloc`` gives its workers the
+blocks to publish. A request that ends before its load concluded (an abort), or that
+needs nothing loaded (a full local prefix hit, another KV cache layout or TP size),
+aborts its room from here, so the prefill frees its blocks on its next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvstate.errors import KVStateError
+from kvstate.integrations.vllm.layout import signature
+from kvstate.integrations.vllm.settings import Settings, room_of
+from kvstate.store import Store, connect
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KVStateConnectorMetadata(KVConnectorMetadata):
+    """One step's work for every worker: rooms to publish into (decode) or to send
+    (prefill), each with the request's block ids."""
+
+    recv: dict[str, tuple[int, str, list[int]]] = field(default_factory=dict)
+    send: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    """Requests -> rooms, in the scheduler process."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        settings: Settings,
+        engine: str,
+        engine_id: str,
+        producer: bool,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.engine_id = engine_id
+        self.producer = producer
+        self.signature = signature(vllm_config, kv_cache_config) if kv_cache_config else ""
+        self._store: Store | None = None
+        self._recv: dict[str, tuple[int, str, list[int]]] = {}
+        self._send: dict[str, tuple[int, list[int]]] = {}
+        self._loading: dict[str, int] = {}  # decode requests whose load has not concluded
+
+    def _state(self) -> Store:
+        if self._store is None:
+            self._store = connect(self.settings.redis_url, self.settings.namespace)
+        return self._store
+
+    def _abort(self, room: int, reason: str) -> None:
+        """Fail the room for both sides (its prefill frees the blocks on its next step).
+        Bounded by the store's call timeout; a failure is logged, and the prefill's
+        timeouts stay the backstop."""
+        try:
+            self._state().abort(room, reason)
+        except KVStateError as exc:
+            log.warning("room %s: abort (%s) failed: %s", room, reason, exc)
+
+    def _refusal(self, params: dict[str, Any]) -> str:
+        """Why this engine cannot take the prefill's pages as they are ('' if it can)."""
+        theirs = params.get("kvstate_kv")
+        if theirs == self.signature:
+            return ""
+        return (
+            f"prefill {params.get('remote_engine_id')} has KV cache [{theirs}], decode "
+            f"{self.engine} [{self.signature}]: run both with the same layout, model and "
+            "tensor_parallel_size"
+        )
+
+    # -- decode ---------------------------------------------------------------------
+    @staticmethod
+    def _remote(request: Any) -> dict[str, Any] | None:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and params.get("kvstate_room") is not None:
+            return dict(params)
+        return None
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """The whole uncached prompt, loaded asynchronously; nothing when the prefill's
+        pages would not fit this engine (the request then computes its prompt here)."""
+        params = self._remote(request)
+        if params is None or self._refusal(params):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = self._remote(request)
+        if params is None:
+            return
+        request.kv_transfer_params["do_remote_prefill"] = False  # one load per request
+        room = int(params["kvstate_room"])
+        if num_external_tokens <= 0:
+            why = self._refusal(params) or "decode has the whole prompt cached"
+            log.info("request %s: not loading room %s: %s", request.request_id, room, why)
+            self._abort(room, f"request {request.request_id} loads nothing: {why}")
+            return
+        ids = list(blocks.get_unhashed_block_ids())
+        self._recv[request.request_id] = (room, str(params["remote_engine_id"]), ids)
+        self._loading[request.request_id] = room
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Loads the workers concluded leave the pending set."""
+        for req_id in connector_output.finished_recving or ():
+            self._loading.pop(req_id, None)
+
+    # -- both -------------------------------------------------------------------
+    def build_connector_meta(self) -> KVStateConnectorMetadata:
+        meta = KVStateConnectorMetadata(recv=self._recv, send=self._send)
+        self._recv, self._send = {}, {}
+        return meta
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if not self.producer:
+            room = self._loading.pop(request.request_id, None)
+            self._recv.pop(request.request_id, None)
+            if room is None and self._remote(request) is not None:
+                room = int(params["kvstate_room"])  # ended before it was ever scheduled
+            if room is not None:  # ended before its load concluded: free the prefill
+                self._abort(
+                    room, f"request {request.request_id} ended on decode engine {self.engine}"
+                )
+            return False, None
+        if not params.get("do_remote_decode") or not block_ids:
+            return False, None
+        if not request.is_finished() or request.status.name not in (
+            "FINISHED_LENGTH_CAPPED",
+            "FINISHED_STOPPED",
+        ):
+            return False, None  # aborted (or failed) on prefill: nothing to hand over
+        room = room_of(self.engine_id, request.request_id)
+        self._send[request.request_id] = (room, list(block_ids))
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvstate_room": room,
+            "remote_engine_id": self.engine,
+            "kvstate_kv": self.signature,
+        }
+
+    def shutdown(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+__all__ = ["KVStateConnectorMetadata", "SchedulerSide"]

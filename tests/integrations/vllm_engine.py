@@ -1,0 +1,134 @@
+"""An engine (vLLM's Scheduler in this process, its ranks in worker processes) and the
+router's part: prefill with max_tokens=1, hand its kv_transfer_params to the decode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tests.integrations.vllm_rig import Spec, Workers, plan, vllm_config
+
+
+class Engine:
+    """EngineCore's loop around vLLM's v1 Scheduler; what came out, per request."""
+
+    def __init__(self, spec: Spec) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.spec = spec
+        self.config = vllm_config(spec)
+        configs, sched_config = plan(spec, self.config)
+        for c in (*configs, sched_config):
+            c.hash_block_size = spec.block_size
+        self.workers = Workers(spec, configs)  # register_kv_caches runs here, as in vLLM
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=sched_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=spec.block_size,
+            hash_block_size=spec.block_size,
+            log_stats=True,
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(spec.block_size, sha256)
+        self.aggregator = KVOutputAggregator(spec.tp)
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+        self.params: dict[str, dict[str, Any]] = {}
+        self.bytes_verified = [0] * spec.tp
+        self.mismatches: list[str] = []
+        self.steps = 0
+        self.dead = False
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: Any = None) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": dict(params)} if params else None
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        self.tokens[rid] = []
+        self.scheduler.add_request(Request(rid, list(prompt), sp, None, block_hasher=self.hasher))
+
+    def abort(self, rid: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> bool:
+        """EngineCore.step(): False when the scheduler had nothing (or the engine died)."""
+        if self.dead or not self.scheduler.has_requests():
+            return False
+        so = self.scheduler.schedule()
+        outs = self.workers.run(so)
+        for rank, (_, (verified, bad)) in enumerate(outs):
+            self.bytes_verified[rank] = verified
+            self.mismatches += bad
+        mros = [o for o, _ in outs]
+        mro = self.aggregator.aggregate(mros, 0) if len(mros) > 1 else mros[0]
+        for client in self.scheduler.update_from_output(so, mro).values():
+            for o in client.outputs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = str(o.finish_reason)
+                if o.kv_transfer_params:
+                    self.params[o.request_id] = o.kv_transfer_params
+        self.steps += 1
+        return True
+
+    def held(self) -> int:
+        """Blocks not free (the null block aside)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return int(pool.num_gpu_blocks - 1 - pool.free_block_queue.num_free_blocks)
+
+    def problems(self) -> list[str]:
+        """What an empty scheduler would not have: requests, queued ones, held blocks."""
+        s = self.scheduler
+        out = []
+        if s.requests:
+            out.append(f"requests left: {sorted(s.requests)}")
+        if len(s.waiting) or s.running:
+            out.append(f"queued: {len(s.waiting)} waiting, {len(s.running)} running")
+        if self.held():
+            out.append(f"{self.held()} blocks held")
+        if any(b.ref_cnt for b in s.kv_cache_manager.block_pool.blocks):
+            out.append("blocks with references")
+        return out
+
+    def kill(self) -> None:
+        self.workers.kill()
+        self.dead = True
+
+    def close(self) -> None:
+        if not self.dead:
+            self.workers.stop()
+        self.scheduler.shutdown()
+
+
+def drive(
+    engines: list[Engine], until: Callable[[], bool], max_steps: int = 400, pause: float = 0.0
+) -> int:
+    """Step the engines in turn until ``until()``; returns the rounds it took."""
+    for n in range(max_steps):
+        if until():
+            return n
+        stepped = [e.step() for e in engines]
+        if pause or not any(stepped):
+            time.sleep(pause or 0.02)
+    raise AssertionError(f"not done after {max_steps} rounds")
+
+
+def prefill(p: Engine, rid: str, prompt: list[int]) -> dict[str, Any]:
+    """The router's first leg: one token on the prefill engine, its kv_transfer_params."""
+    p.add(rid, prompt, 1, {"do_remote_decode": True})
+    drive([p], lambda: rid in p.finished)
+    return p.params[rid]
+
+
+def settle(p: Engine, d: Engine, max_steps: int = 400) -> None:
+    """Run both engines until neither has anything left."""
+    drive([p, d], lambda: not (p.scheduler.has_requests() or d.scheduler.has_requests()), max_steps)
