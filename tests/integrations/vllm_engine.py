@@ -13,7 +13,7 @@ from tests.integrations.vllm_rig import Spec, Workers, plan, vllm_config
 class Engine:
     """EngineCore's loop around vLLM's v1 Scheduler; what came out, per request."""
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, wait: bool = True) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -25,7 +25,9 @@ class Engine:
         configs, sched_config = plan(spec, self.config)
         for c in (*configs, sched_config):
             c.hash_block_size = spec.block_size
-        self.workers = Workers(spec, configs)  # register_kv_caches runs here, as in vLLM
+        self.workers = Workers(spec, configs)  # register_kv_caches runs there, as in vLLM
+        if wait:
+            self.workers.ready()
         self.scheduler = Scheduler(
             vllm_config=self.config,
             kv_cache_config=sched_config,
@@ -43,6 +45,8 @@ class Engine:
         self.bytes_verified = [0] * spec.tp
         self.mismatches: list[str] = []
         self.steps = 0
+        self.preempted = 0
+        self.first_computed: dict[str, int] = {}  # tokens a request had when first run
         self.dead = False
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, params: Any = None) -> None:
@@ -64,6 +68,9 @@ class Engine:
         if self.dead or not self.scheduler.has_requests():
             return False
         so = self.scheduler.schedule()
+        self.preempted += len(so.preempted_req_ids or ())
+        for new in so.scheduled_new_reqs:
+            self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
         outs = self.workers.run(so)
         for rank, (_, (verified, bad)) in enumerate(outs):
             self.bytes_verified[rank] = verified
@@ -109,6 +116,19 @@ class Engine:
         self.scheduler.shutdown()
 
 
+def start(specs: list[Spec]) -> list[Engine]:
+    """Engines whose ranks start side by side (start-up is mostly imports)."""
+    engines = [Engine(s, wait=False) for s in specs]
+    try:
+        for e in engines:
+            e.workers.ready()
+    except BaseException:
+        for e in engines:
+            e.kill()
+        raise
+    return engines
+
+
 def drive(
     engines: list[Engine], until: Callable[[], bool], max_steps: int = 400, pause: float = 0.0
 ) -> int:
@@ -132,3 +152,16 @@ def prefill(p: Engine, rid: str, prompt: list[int]) -> dict[str, Any]:
 def settle(p: Engine, d: Engine, max_steps: int = 400) -> None:
     """Run both engines until neither has anything left."""
     drive([p, d], lambda: not (p.scheduler.has_requests() or d.scheduler.has_requests()), max_steps)
+
+
+def room_keys(url: str) -> list[str]:
+    """Every room key in Redis (engine registrations aside)."""
+    import redis
+
+    with redis.Redis.from_url(url) as c:
+        return sorted(k.decode() for k in c.scan_iter("kvstate:*{*"))
+
+
+def ask(p: Engine, d: Engine, rid: str, prompt: list[int], n: int) -> None:
+    """The whole route: prefill, then the decode with the prefill's params."""
+    d.add(rid, prompt, n, prefill(p, rid, prompt))

@@ -268,6 +268,9 @@ class Workers:
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
+
+    def ready(self) -> None:
+        """Wait for every rank's start-up (register_kv_caches included)."""
         for rank, conn in enumerate(self.conns):
             self._recv(rank, conn, READY_TIMEOUT)
 

@@ -32,10 +32,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class KVStateConnectorMetadata(KVConnectorMetadata):
     """One step's work for every worker: rooms to publish into (decode) or to send
-    (prefill), each with the request's block ids."""
+    (prefill), each with the request's block ids, and loads to abort (with why)."""
 
     recv: dict[str, tuple[int, str, list[int]]] = field(default_factory=dict)
     send: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    abort: dict[str, str] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -58,6 +59,7 @@ class SchedulerSide:
         self._store: Store | None = None
         self._recv: dict[str, tuple[int, str, list[int]]] = {}
         self._send: dict[str, tuple[int, list[int]]] = {}
+        self._aborts: dict[str, str] = {}
         self._loading: dict[str, int] = {}  # decode requests whose load has not concluded
 
     def _state(self) -> Store:
@@ -119,6 +121,21 @@ class SchedulerSide:
         self._recv[request.request_id] = (room, str(params["remote_engine_id"]), ids)
         self._loading[request.request_id] = room
 
+    def _decode_finished(self, request: Any) -> None:
+        """A decode request that ends before its load concluded (an abort) fails its
+        room, so the prefill frees its blocks: through the workers' receivers when they
+        have one (a load that concluded meanwhile is left alone), else from here."""
+        rid = request.request_id
+        why = f"request {rid} ended on decode engine {self.engine}"
+        room = self._loading.pop(rid, None)
+        if room is not None and self._recv.pop(rid, None) is None:
+            self._aborts[rid] = why  # its workers hold receivers
+            return
+        if room is None and self._remote(request) is not None:
+            room = int(request.kv_transfer_params["kvstate_room"])  # never scheduled
+        if room is not None:
+            self._abort(room, why)
+
     def update_connector_output(self, connector_output: Any) -> None:
         """Loads the workers concluded leave the pending set."""
         for req_id in connector_output.finished_recving or ():
@@ -126,8 +143,8 @@ class SchedulerSide:
 
     # -- both -------------------------------------------------------------------
     def build_connector_meta(self) -> KVStateConnectorMetadata:
-        meta = KVStateConnectorMetadata(recv=self._recv, send=self._send)
-        self._recv, self._send = {}, {}
+        meta = KVStateConnectorMetadata(recv=self._recv, send=self._send, abort=self._aborts)
+        self._recv, self._send, self._aborts = {}, {}, {}
         return meta
 
     def request_finished(
@@ -135,14 +152,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
         if not self.producer:
-            room = self._loading.pop(request.request_id, None)
-            self._recv.pop(request.request_id, None)
-            if room is None and self._remote(request) is not None:
-                room = int(params["kvstate_room"])  # ended before it was ever scheduled
-            if room is not None:  # ended before its load concluded: free the prefill
-                self._abort(
-                    room, f"request {request.request_id} ended on decode engine {self.engine}"
-                )
+            self._decode_finished(request)
             return False, None
         if not params.get("do_remote_decode") or not block_ids:
             return False, None

@@ -142,6 +142,13 @@ class WorkerSide:
                 continue
             self._loading[req_id] = (rcv, blocks)
             pages[room] = np.asarray(blocks, dtype=np.int64)
+        for req_id, reason in meta.abort.items():
+            if req_id in self._loading:
+                rcv = self._loading[req_id][0]
+                try:
+                    rcv.abort(reason)
+                except KVStateError as exc:  # its timeouts stay the backstop
+                    log.warning("room %s: abort failed: %s", rcv.room, exc)
         if pages:
             try:  # a room not published now is published by its next poll's binding
                 mgr.init_many(pages)
