@@ -15,7 +15,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,16 @@ from typing import Any
 
 HEADS, HEAD_SIZE, LAYERS = 4, 8, 2
 ALL_LAYOUTS = ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"]
+PRELOAD = [
+    "torch",
+    "vllm.config",
+    "vllm.distributed.parallel_state",
+    "vllm.v1.worker.cpu.kv_connector",
+    "vllm.v1.worker.utils",
+    "kvstate.integrations.vllm",
+    "transports.ucx",
+    "tests.integrations.vllm_model",
+]
 READY_TIMEOUT = 180.0  # s: a worker's start-up (imports torch and vLLM)
 MAX_LEN = 128  # tokens: the longest request (blocks x block_size must cover it)
 
@@ -171,13 +181,7 @@ def plan(spec: Spec, config: Any) -> tuple[list[Any], Any]:
     return configs, sched
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def worker_main(spec: Spec, kv_cache_config: Any, rank: int, port: int, conn: Any) -> None:
+def worker_main(spec: Spec, kv_cache_config: Any, rank: int, rendezvous: str, conn: Any) -> None:
     """One TP rank: vLLM's distributed init (gloo), KV transfer group, allocation and
     connector glue; then scheduler outputs in, model runner outputs out."""
     try:
@@ -202,7 +206,7 @@ def worker_main(spec: Spec, kv_cache_config: Any, rank: int, port: int, conn: An
             ps.init_distributed_environment(
                 world_size=spec.tp,
                 rank=rank,
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                distributed_init_method=rendezvous,
                 local_rank=rank,
                 backend="gloo",
             )
@@ -257,13 +261,14 @@ class Workers:
     """An engine's TP ranks, one spawned process each (vLLM's multiproc executor's job)."""
 
     def __init__(self, spec: Spec, configs: list[Any]) -> None:
-        ctx = mp.get_context("spawn")
-        port = free_port()
+        ctx = mp.get_context("forkserver")  # ranks fork from one process that imported vLLM
+        ctx.set_forkserver_preload(PRELOAD)
+        rendezvous = f"file://{tempfile.mkdtemp(prefix='vllm-rig-')}/gloo"
         self.conns, self.procs = [], []
         for rank in range(spec.tp):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=worker_main, args=(spec, configs[rank], rank, port, child), daemon=True
+                target=worker_main, args=(spec, configs[rank], rank, rendezvous, child), daemon=True
             )
             p.start()
             self.conns.append(parent)
