@@ -1,0 +1,89 @@
+"""SIGKILLed engines under the harness (leases of 1 s): a dead decode's room fails on
+the prefill, which frees the blocks; a dead prefill's room fails on the decode, which
+recomputes the prompt (its load reported through get_block_ids_with_load_errors)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.helpers import scaled
+
+pytestmark = pytest.mark.vllm
+FAST = {"lease": 1.0, "transfer_timeout": 5.0}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from kvstate.testing.process import RedisProcess
+
+    proc = RedisProcess(tmp_path_factory.mktemp("vredis"))
+    proc.start()
+    yield proc.unix_url
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from tests.integrations.vllm_engine import start
+    from tests.integrations.vllm_rig import Spec, write_model
+
+    model = write_model(tmp_path_factory.mktemp("model"))
+    names = {"p": "kv_producer", "d1": "kv_consumer", "d2": "kv_consumer"}
+    running = start([Spec(role, f"k-{n}", url, model, extra=FAST) for n, role in names.items()])
+    out = dict(zip(names, running, strict=True))
+    yield out
+    for e in out.values():
+        e.close()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 29 + i * 13) % 977 for i in range(n)]
+
+
+def test_sigkilled_decode_frees_the_prefill_blocks(url: str, engines: dict[str, Any]) -> None:
+    import redis
+
+    from tests.integrations.vllm_engine import drive, prefill, room_keys
+
+    p, d1 = engines["p"], engines["d1"]
+    toks = prompt(1, 15)
+    params = prefill(p, "kill-d", toks)
+    p.step()  # the prefill's sender exists
+    d1.add("kill-d", toks, 5, params)
+    d1.step()  # published
+    d1.kill()
+    t0 = time.monotonic()
+    steps = drive([p], lambda: p.held() == 0, max_steps=1000, pause=scaled(0.02))
+    print(f"prefill freed {time.monotonic() - t0:.2f} s / {steps} steps after the decode died")
+    assert p.problems() == []
+    # what is left is the dead decode's own receiver, under its TTL (the leak backstop)
+    left = room_keys(url)
+    assert left and all("k-d1" in k or ":parts" in k or ":acks:" in k for k in left), left
+    with redis.Redis.from_url(url) as c:
+        assert all(0 < c.ttl(k) <= 900 for k in left)
+        c.delete(*left)
+
+
+def test_sigkilled_prefill_fails_the_load_and_the_decode_recomputes(
+    url: str, engines: dict[str, Any]
+) -> None:
+    from tests.integrations.vllm_engine import drive, prefill, room_keys
+    from tests.integrations.vllm_model import reference
+
+    p, d2 = engines["p"], engines["d2"]
+    toks = prompt(2, 15)
+    params = prefill(p, "kill-p", toks)
+    d2.add("kill-p", toks, 5, params)
+    d2.step()  # published, bound to the prefill's rank 0
+    p.kill()
+    t0 = time.monotonic()
+    drive([d2], lambda: not d2.scheduler.has_requests(), max_steps=1000, pause=scaled(0.02))
+    print(f"decode recomputed {time.monotonic() - t0:.2f} s after the prefill died")
+    assert d2.first_computed["kill-p"] == 0  # its load failed: recomputed
+    assert d2.tokens["kill-p"] == reference(toks, 5)
+    assert d2.mismatches == [] and d2.problems() == []
+    assert room_keys(url) == []
