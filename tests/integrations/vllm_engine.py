@@ -48,6 +48,7 @@ class Engine:
         self.preempted = 0
         self.first_computed: dict[str, int] = {}  # tokens a request had when first run
         self.dead = False
+        self.meta: Any = None
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, params: Any = None) -> None:
         from vllm.sampling_params import SamplingParams
@@ -68,6 +69,7 @@ class Engine:
         if self.dead or not self.scheduler.has_requests():
             return False
         so = self.scheduler.schedule()
+        self.meta = so.kv_connector_metadata  # what this step told the workers
         self.preempted += len(so.preempted_req_ids or ())
         for new in so.scheduled_new_reqs:
             self.first_computed.setdefault(new.req_id, new.num_computed_tokens)

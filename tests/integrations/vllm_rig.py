@@ -211,10 +211,12 @@ def worker_main(spec: Spec, kv_cache_config: Any, rank: int, rendezvous: str, co
                 backend="gloo",
             )
             ps.ensure_model_parallel_initialized(spec.tp, 1)
-            ensure_kv_transfer_initialized(config, kv_cache_config)
             layout = KVCacheLayout[kv_cache_config.kv_cache_layout]
             caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
-            glue = get_kv_connector(config, caches)
+            glue = None  # another connector's worker side (NIXL's needs NIXL): not run
+            if spec.connector == "KVStateConnector":
+                ensure_kv_transfer_initialized(config, kv_cache_config)
+                glue = get_kv_connector(config, caches)
         model = Model(caches, spec.layers, spec.block_size, rank if not spec.mla else 0)
         group = ps.get_tp_group().cpu_group
 
@@ -237,7 +239,10 @@ def worker_main(spec: Spec, kv_cache_config: Any, rank: int, rendezvous: str, co
             return
         try:
             with set_current_vllm_config(config):
-                if so.total_num_scheduled_tokens == 0:
+                if glue is None:
+                    rids, sampled = model.forward(so, all_ok)
+                    out = ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled)
+                elif so.total_num_scheduled_tokens == 0:
                     out = glue.no_forward(so)
                 else:
                     glue.pre_forward(so)
