@@ -113,6 +113,7 @@ class Engine:
         self.dead = True
 
     def close(self) -> None:
+        print(f"engine {self.spec.engine_id}: {sum(self.bytes_verified)} KV bytes read back")
         if not self.dead:
             self.workers.stop()
         self.scheduler.shutdown()
