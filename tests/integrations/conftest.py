@@ -16,5 +16,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except ImportError:
             skip = pytest.mark.skip(reason=f"{module} not installed: {how}")
             for item in items:
-                if marker in item.keywords:
+                if item.get_closest_marker(marker) is not None:
                     item.add_marker(skip)

@@ -44,6 +44,13 @@ class KVStateConnector(KVConnectorBase_V1):
                 vllm_config, kv_cache_config, settings, self.engine, self.producer
             )
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """Workers register the KV cache with UCX: one physical allocation a segment."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.REGISTERS
+
     @property
     def sched(self) -> SchedulerSide:
         assert self._sched is not None, "a scheduler-side call on a worker connector"

@@ -114,7 +114,7 @@ def buffers(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: str) -> 
         views += _footprints(name, _check(name, t, spec, num_blocks, layout), layout)
     runs = _runs(views, layout)
     _check_disjoint(runs, layout)
-    return [_buffer(v, start, stride, num_blocks) for v, start, stride in runs]
+    return [_buffer(v, start, stride, num_blocks, layout) for v, start, stride in runs]
 
 
 def _refuse(name: str, layout: str, what: str) -> LayoutRefusedError:
@@ -202,12 +202,12 @@ def _check_disjoint(runs: list[tuple[_View, int, int]], layout: str) -> None:
             raise _refuse(b, layout, f"its bytes overlap those of layer {a}")
 
 
-def _buffer(view: _View, start: int, stride: int, num_blocks: int) -> Buffer:
+def _buffer(view: _View, start: int, stride: int, num_blocks: int, layout: str) -> Buffer:
     import torch
 
     nbytes = stride * num_blocks
     if start + nbytes > view.base + view.storage.nbytes():
-        raise _refuse(view.name, "?", "its blocks run past the end of its allocation")
+        raise _refuse(view.name, layout, "its blocks run past the end of its allocation")
     flat = torch.empty(0, dtype=torch.uint8, device=view.storage.device)
     flat.set_(view.storage, start - view.base, (nbytes,), (1,))
     return Buffer(flat, stride)
