@@ -1,6 +1,7 @@
-"""SIGKILLed engines under the harness (leases of 1 s): a dead decode's room fails on
-the prefill, which frees the blocks; a dead prefill's room fails on the decode, which
-recomputes the prompt (its load reported through get_block_ids_with_load_errors)."""
+"""SIGKILLed engines under the harness (leases of 2 s, stretched by the time factor):
+a dead decode's room fails on the prefill, which frees the blocks; a dead prefill's
+room fails on the decode, which recomputes the prompt (its load reported through
+get_block_ids_with_load_errors)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from tests.helpers import scaled
 
 pytestmark = pytest.mark.vllm
-FAST = {"lease": 1.0, "transfer_timeout": 5.0}
+FAST = {"lease": scaled(2.0), "transfer_timeout": scaled(5.0)}
 
 
 @pytest.fixture(scope="module")
