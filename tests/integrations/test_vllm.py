@@ -14,20 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import scaled
+from tests.integrations.vllm_rig import module_redis, prompt
 
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Redis of the module's own: engines live across its tests, and the session
-    server's per-test flush would drop their registrations."""
-    from kvstate.testing.process import RedisProcess
-
-    proc = RedisProcess(tmp_path_factory.mktemp("vredis"))
-    proc.start()
-    yield proc.unix_url
-    proc.stop()
+url = pytest.fixture(scope="module")(module_redis)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +52,9 @@ def check(url: str, *engines: object, expect: dict[str, list[int]] | None = None
         assert e.problems() == [], (e.spec.engine_id, e.problems())
     d = engines[-1]
     assert isinstance(d, Engine)
-    for rid, prompt in (expect or {}).items():
-        assert d.tokens[rid] == reference(prompt, len(d.tokens[rid])), rid
+    for rid, toks in (expect or {}).items():
+        assert d.tokens[rid] == reference(toks, len(d.tokens[rid])), rid
     assert room_keys(url) == []
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + i * 17) % 997 for i in range(n)]
 
 
 def test_factory_loads_the_connector_by_module_path_and_by_plugin_name(tmp_path: Path) -> None:

@@ -12,19 +12,13 @@ from typing import Any
 import pytest
 
 from tests.helpers import scaled
+from tests.integrations.vllm_rig import module_redis, prompt
 
 pytestmark = pytest.mark.vllm
 FAST = {"lease": scaled(2.0), "transfer_timeout": scaled(5.0)}
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from kvstate.testing.process import RedisProcess
-
-    proc = RedisProcess(tmp_path_factory.mktemp("vredis"))
-    proc.start()
-    yield proc.unix_url
-    proc.stop()
+url = pytest.fixture(scope="module")(module_redis)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +33,6 @@ def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     yield out
     for e in out.values():
         e.close()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 29 + i * 13) % 977 for i in range(n)]
 
 
 def test_sigkilled_decode_frees_the_prefill_blocks(url: str, engines: dict[str, Any]) -> None:

@@ -11,20 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm_rig import ALL_LAYOUTS
+from tests.integrations.vllm_rig import ALL_LAYOUTS, module_redis, prompt
 
 pytestmark = pytest.mark.vllm
 CASES = [*ALL_LAYOUTS, "MLA"]
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from kvstate.testing.process import RedisProcess
-
-    proc = RedisProcess(tmp_path_factory.mktemp("vredis"))
-    proc.start()
-    yield proc.unix_url
-    proc.stop()
+url = pytest.fixture(scope="module")(module_redis)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +37,6 @@ def pairs(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
     yield {case: (engines[2 * i], engines[2 * i + 1]) for i, case in enumerate(CASES)}
     for e in engines:
         e.close()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 37 + i * 11) % 991 for i in range(n)]
 
 
 @pytest.mark.parametrize("case", CASES)

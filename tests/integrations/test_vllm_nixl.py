@@ -13,17 +13,12 @@ from typing import Any
 
 import pytest
 
+from tests.integrations.vllm_rig import module_redis, prompt
+
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from kvstate.testing.process import RedisProcess
-
-    proc = RedisProcess(tmp_path_factory.mktemp("vredis"))
-    proc.start()
-    yield proc.unix_url
-    proc.stop()
+url = pytest.fixture(scope="module")(module_redis)
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +37,6 @@ def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     yield out
     for e in out.values():
         e.close()
-
-
-def toks(seed: int) -> list[int]:
-    return [(seed * 41 + i * 3) % 967 for i in range(14)]
 
 
 def kvstate_hold(p: Any, until_freed: Any) -> tuple[float, int]:
@@ -69,14 +60,14 @@ def test_block_hold_after_each_kind_of_abort(engines: dict[str, Any]) -> None:
     rows = []
 
     # 1. the decode aborts a request still queued there (never scheduled)
-    params = prefill(kp, "q", toks(1))
-    kd.add("q", toks(1), 4, params)
+    params = prefill(kp, "q", prompt(1, 14))
+    kd.add("q", prompt(1, 14), 4, params)
     kd.abort("q")
     k_s, k_steps = kvstate_hold(kp, lambda: kp.held() == 0)
-    nparams = prefill(np_, "q", toks(1))
+    nparams = prefill(np_, "q", prompt(1, 14))
     np_.step()
     lease = nixl_lease(np_, "q")
-    nd.add("q", toks(1), 4, nparams)
+    nd.add("q", prompt(1, 14), 4, nparams)
     nd.abort("q")
     nd.step()
     [(rid, req)] = nd.meta.reqs_to_recv.items()  # an empty read: "free them" to P
@@ -85,17 +76,17 @@ def test_block_hold_after_each_kind_of_abort(engines: dict[str, Any]) -> None:
     rows.append(("decode abort, request queued on the decode", k_s, k_steps, lease))
 
     # 2. the decode aborts a request whose load started (published / reading)
-    params = prefill(kp, "l", toks(2))
+    params = prefill(kp, "l", prompt(2, 14))
     kp.step()
-    kd.add("l", toks(2), 4, params)
+    kd.add("l", prompt(2, 14), 4, params)
     kd.step()
     kd.abort("l")
     kd.step()
     k_s, k_steps = kvstate_hold(kp, lambda: kp.held() == 0)
-    nparams = prefill(np_, "l", toks(2))
+    nparams = prefill(np_, "l", prompt(2, 14))
     np_.step()
     lease = nixl_lease(np_, "l")
-    nd.add("l", toks(2), 4, nparams)
+    nd.add("l", prompt(2, 14), 4, nparams)
     nd.step()
     nd.abort("l")
     rows.append(("decode abort, load started", k_s, k_steps, lease))

@@ -9,17 +9,12 @@ from typing import Any
 
 import pytest
 
+from tests.integrations.vllm_rig import module_redis, prompt
+
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from kvstate.testing.process import RedisProcess
-
-    proc = RedisProcess(tmp_path_factory.mktemp("vredis"))
-    proc.start()
-    yield proc.unix_url
-    proc.stop()
+url = pytest.fixture(scope="module")(module_redis)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +38,6 @@ def pair(url: str, model: str) -> Iterator[tuple[Any, Any]]:
     yield p, d
     p.close()
     d.close()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 53 + i * 7) % 983 for i in range(n)]
 
 
 def test_same_tp_moves_rank_i_to_rank_i(url: str, pair: tuple[Any, Any]) -> None:

@@ -17,6 +17,7 @@ import os
 import signal
 import tempfile
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,22 @@ class Spec:
     @property
     def layers(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """A test prompt: n token ids, different for each seed."""
+    return [(seed * 131 + i * 17) % 997 for i in range(n)]
+
+
+def module_redis(tmp_path_factory: Any) -> Iterator[str]:
+    """A Redis of the test module's own (the ``url`` fixture): engines live across its
+    tests, and the session server's per-test flush would drop their registrations."""
+    from kvstate.testing.process import RedisProcess
+
+    proc = RedisProcess(tmp_path_factory.mktemp("vredis"))
+    proc.start()
+    yield proc.unix_url
+    proc.stop()
 
 
 def write_model(path: Path) -> str:
