@@ -118,6 +118,7 @@ def test_prefix_cache_hits_on_either_side(url: str, engines: dict[str, object]) 
     # the decode had 16 tokens cached: it loaded the rest of h-longer, and h-same
     # needed no load at all (its room was concluded so the prefill freed its blocks)
     assert d.first_computed["h-longer"] == 24 and d.first_computed["h-same"] == 15
+    assert p.first_computed["h-longer"] == 16  # the prefill's own prefix hit
     check(url, p, d, expect=prompts)
 
 
