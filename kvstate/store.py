@@ -423,12 +423,13 @@ class Store:
             return replies
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def _wait_budget() -> float:
-        """Seconds WAIT may block for: what is left of the call, less a margin for the
-        reply to come back (WAIT 0 would block for ever: never under 1 ms)."""
-        left = time_left() or 0.0
-        return max(0.001, left - max(0.05, left * 0.1))
+    def _wait_budget(self) -> float:
+        """Seconds WAIT may block for: what is left of the call, and no more than one
+        socket wait (its reply is read in one), less a margin for the reply to come
+        back (Redis answered a timed-out WAIT 15-25 ms late on an idle host here, more
+        on a busy one); never under 1 ms (WAIT 0 would block for ever)."""
+        left = min(time_left() or 0.0, self.options.socket_timeout)
+        return max(0.001, left - max(0.25, left * 0.2))
 
     def _check_confirmed(self, confirmed: Any, calls: list[Call], wait_s: float) -> None:
         """Raise unless WAIT says a replica has the batch (and all before it)."""
@@ -1174,14 +1175,14 @@ def connect(
                     f"Redis at {redact(url)} is not a Cluster (cluster mode is not enabled "
                     "on it): use redis:// without +cluster or ?cluster=true"
                 ) from None
+            if refused_for_maxclients(exc):
+                raise StateConnectionError(_maxclients(redact(url))) from None
             late = time_left()
             why = (
                 f"no answer within {opts.call_timeout:g} s: stalled or unreachable"
                 if late is not None and late <= 0
                 else "is the node in the URL up?"
             )
-            if refused_for_maxclients(exc):
-                raise StateConnectionError(_maxclients(redact(url))) from None
             raise StateConnectionError(
                 f"cannot reach the Redis Cluster at {redact(url)} ({exc}); {why} A Cluster "
                 f"client finds the others through it. Set {ENV_URL} or --url"

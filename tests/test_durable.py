@@ -176,11 +176,13 @@ def test_unconfirmed_is_refused_within_call_timeout(
 def test_without_a_replica_or_without_wait_rights(
     redis_server_factory: Callable[..., RedisProcess],
 ) -> None:
-    """Durable mode against a server with no replica says durability was not confirmed;
-    under an engine ACL without +wait it names the ACL (the README's line adds +wait)."""
+    """Durable mode against a server with no replica says durability was not confirmed
+    (WAIT gives up within one socket wait, shorter than the call here); under an engine
+    ACL without +wait it names the ACL (the README's line adds +wait)."""
     server = redis_server_factory(port="auto")
-    ct = scaled(0.5)
-    store = kvstate.connect(f"{server.tcp_url}?durable=true&call_timeout={ct}", namespace="acl")
+    ct = scaled(1.0)
+    query = f"durable=true&call_timeout={ct}&socket_timeout={ct / 2}"
+    store = kvstate.connect(f"{server.tcp_url}?{query}", namespace="acl")
     with kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR) as p:
         snd = p.sender(1)
         snd.poll()
