@@ -12,6 +12,7 @@ acknowledged Success or abort lost).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -114,6 +115,36 @@ def test_wait_rides_in_the_round_trip_it_confirms(
     assert per_mode[True][0] == per_mode[False][0], per_mode
     assert per_mode[False][1] == 0 and per_mode[True][1] == 2, per_mode  # finish, abort
     print(f"\n[durable-round-trips] per_lifecycle_and_abort={per_mode}")
+
+
+def test_durable_scripts_write_even_when_repeated(
+    primary_replica: tuple[RedisProcess, RedisProcess],
+) -> None:
+    """WAIT confirms what the connection has written (docs/design.md, Durable mode): a
+    finish or an abort repeated after an unconfirmed one must still write, or its WAIT
+    could confirm nothing while the first write is not on a replica."""
+    primary, _ = primary_replica
+    store = kvstate.connect(f"{primary.tcp_url}?durable=true", namespace="again")
+
+    def offset() -> int:
+        with primary.client() as c:
+            return int(c.info("replication")["master_repl_offset"])
+
+    p, d = managers(store, lease=600.0)
+    with p, d:
+        snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
+        rcv.init([1])
+        snd.poll()
+        snd.begin_transfer()
+        abort = functools.partial(store.abort, 1, "client went away")
+        for call, again in ((snd.finish_transfer, KVPoll.Success), (abort, 0)):
+            call()
+            before = offset()
+            assert call() == again  # answered again: Success stays, nothing more fails
+            assert offset() > before, call
+        for part in (snd, rcv):
+            part.clear()
+    store.close()
 
 
 def test_unconfirmed_is_refused_within_call_timeout(
