@@ -210,8 +210,7 @@ class Store:
         room_ttl: float = ROOM_TTL,
         options: Options | None = None,
     ) -> None:
-        if isinstance(room_ttl, bool) or not isinstance(room_ttl, (int, float)) or not room_ttl > 0:
-            raise InvalidOptionError(f"room_ttl must be a number of seconds > 0, got {room_ttl!r}")
+        _check_room_ttl(room_ttl)
         self.client = client
         self.url = redact(url)
         self.keys = Keys(namespace)
@@ -1097,6 +1096,11 @@ def _maxclients(url: str) -> str:
     )
 
 
+def _check_room_ttl(room_ttl: object) -> None:
+    if isinstance(room_ttl, bool) or not isinstance(room_ttl, (int, float)) or not room_ttl > 0:
+        raise InvalidOptionError(f"room_ttl must be a number of seconds > 0, got {room_ttl!r}")
+
+
 def _check_reason(reason: object) -> None:
     if not isinstance(reason, str):
         raise InvalidArgumentError(f"a failure reason must be text (str), got {reason!r}")
@@ -1138,6 +1142,7 @@ def connect(
     if namespace is None:
         namespace = os.environ.get(ENV_NAMESPACE) or "default"
     keys = Keys(namespace)  # validate before connecting
+    _check_room_ttl(room_ttl)
     opts = effective_options(url, options)  # also validates the URL and its parameters
     # One deadline for the whole of connect(): the Cluster client asks for the slots
     # when it is made, then PING, then SCRIPT LOAD on every primary.

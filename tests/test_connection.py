@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.exceptions import AuthenticationError
 
+import kvstate
 from kvstate.connection import (
     DeadlineExceeded,
     Options,
@@ -142,6 +143,12 @@ def test_bad_options_name_the_field(field: str, value: object) -> None:
     with pytest.raises(InvalidOptionError, match=f"Options.{field} must be") as info:
         Options(**{field: value})  # type: ignore[arg-type]
     assert isinstance(info.value, KVStateError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("ttl", [0, -1.0, "900", True])
+def test_a_bad_room_ttl_is_refused_before_connecting(ttl: object) -> None:
+    with pytest.raises(InvalidOptionError, match="room_ttl must be"):
+        kvstate.connect("redis://127.0.0.1:1", room_ttl=ttl)  # type: ignore[arg-type]
 
 
 def test_make_client_takes_the_url_settings_without_connecting() -> None:
