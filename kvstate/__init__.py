@@ -3,12 +3,15 @@
 from kvstate.codec import TransferInfo
 from kvstate.connection import Options
 from kvstate.errors import (
+    ClosedError,
     CorruptStateError,
+    DurabilityError,
     EngineNameTakenError,
     ForkedManagerError,
     InvalidArgumentError,
     InvalidIndicesError,
     InvalidNameError,
+    InvalidOptionError,
     InvalidRoomError,
     InvalidStatusError,
     InvalidURLError,
@@ -26,12 +29,15 @@ from kvstate.store import Store, connect
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClosedError",
     "CorruptStateError",
+    "DurabilityError",
     "EngineNameTakenError",
     "ForkedManagerError",
     "InvalidArgumentError",
     "InvalidIndicesError",
     "InvalidNameError",
+    "InvalidOptionError",
     "InvalidRoomError",
     "InvalidStatusError",
     "InvalidURLError",

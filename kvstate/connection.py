@@ -22,13 +22,13 @@ from typing import Any
 from urllib.parse import SplitResult, parse_qs, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import AbstractBackoff, ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError
 from redis.retry import Retry
 
 from kvstate.defaults import CALL_TIMEOUT
-from kvstate.errors import InvalidURLError
+from kvstate.errors import InvalidOptionError, InvalidURLError
 
 ENV_URL = "KVSTATE_REDIS_URL"
 ENV_NAMESPACE = "KVSTATE_NAMESPACE"
@@ -89,6 +89,23 @@ class deadline:  # noqa: N801 - used like a function: ``with deadline(5):``
         if self._token is not None:
             _DEADLINE.reset(self._token)
             self._token = None
+
+
+class paused:  # noqa: N801 - used like a function: ``with paused():``
+    """Stop the current call's clock for a block that waits on something other than
+    Redis (a transport's write, bounded by its own timeout): the call's Redis work
+    before and after it still shares one ``call_timeout``."""
+
+    __slots__ = ("_left", "_token")
+
+    def __enter__(self) -> None:
+        self._left = time_left()
+        self._token = _DEADLINE.set(None)
+
+    def __exit__(self, *exc: object) -> None:
+        _DEADLINE.reset(self._token)
+        if self._left is not None:
+            _DEADLINE.set(time.monotonic() + self._left)
 
 
 def time_left() -> float | None:
@@ -179,7 +196,9 @@ class Options:
     ``call_timeout`` bounds each kvstate call as a whole (every round trip, reconnect,
     retry and backoff in it): past it the call raises StateConnectionError. The socket
     timeouts bound one wait on the network, ``retries`` how often a failed round trip
-    is tried again within the call's time.
+    is tried again within the call's time. ``durable``: a call that records Success or
+    an abort answers only once a replica confirmed it (``WAIT``), else raises
+    DurabilityError (docs/design.md, Durable mode).
     """
 
     socket_timeout: float = 5.0
@@ -189,17 +208,20 @@ class Options:
     backoff_cap: float = 1.0
     health_check_interval: int = 10
     call_timeout: float = CALL_TIMEOUT
+    durable: bool = False
 
     def __post_init__(self) -> None:
         for name in ("socket_timeout", "connect_timeout", "call_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"Options.{name} must be a number > 0, got {value!r}")
+                raise InvalidOptionError(f"Options.{name} must be a number > 0, got {value!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ValueError(f"Options.retries must be an int >= 0, got {self.retries!r}")
+            raise InvalidOptionError(f"Options.retries must be an int >= 0, got {self.retries!r}")
+        if not isinstance(self.durable, bool):
+            raise InvalidOptionError(f"Options.durable must be True or False, got {self.durable!r}")
 
     def retry(self) -> Retry:
-        backoff = ExponentialWithJitterBackoff(self.backoff_cap, self.backoff_base)
+        backoff = _Capped(ExponentialWithJitterBackoff(self.backoff_cap, self.backoff_base))
         return _BoundedRetry(backoff, self.retries, self.call_timeout)
 
 
@@ -207,20 +229,51 @@ def is_tls_refusal(exc: BaseException) -> bool:
     """A TLS handshake that failed (a wrong CA, or a server that does not speak TLS):
     waiting cannot fix it. redis-py keeps the ssl.SSLError as the context of its
     ConnectionError, and its text in the message."""
+    return _in_chain(exc, lambda e: isinstance(e, ssl.SSLError) or "[SSL" in str(e))
+
+
+MAXCLIENTS = "max number of clients reached"  # what Redis answers a connection over maxclients
+
+
+def refused_for_maxclients(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is Redis refusing a new connection
+    at its ``maxclients`` limit."""
+    return _in_chain(exc, lambda e: MAXCLIENTS in str(e))
+
+
+def _in_chain(exc: BaseException, test: Callable[[BaseException], bool]) -> bool:
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, ssl.SSLError) or "[SSL" in str(cur):
+        if test(cur):
             return True
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return False
 
 
+class _Capped(AbstractBackoff):
+    """A backoff never longer than what is left of the call: a pause that outlasts the
+    deadline would only end in DeadlineExceeded, later than ``call_timeout``."""
+
+    def __init__(self, inner: AbstractBackoff) -> None:
+        self.inner = inner
+
+    def reset(self) -> None:
+        self.inner.reset()  # type: ignore[no-untyped-call]
+
+    def compute(self, failures: int) -> float:
+        pause = float(self.inner.compute(failures))
+        left = time_left()
+        return pause if left is None else max(0.0, min(pause, left))
+
+
 class _BoundedRetry(Retry):
     """redis-py's retry, within the call's deadline (one of ``call_timeout`` when none is
     running yet), and never for what waiting cannot fix: a wrong password (redis-py's
-    AuthenticationError is a ConnectionError) or a refused TLS handshake."""
+    AuthenticationError is a ConnectionError) or a refused TLS handshake. A deadline
+    that runs out is raised from the error that was retried (a server at maxclients
+    says so, not only that time ran out)."""
 
     def __init__(self, backoff: Any, retries: int, call_timeout: float) -> None:
         super().__init__(backoff, retries)
@@ -233,8 +286,15 @@ class _BoundedRetry(Retry):
         is_retryable: Any = None,
         with_failure_count: bool = False,
     ) -> Any:
+        last: list[Exception] = []
+
         def retryable(exc: Exception) -> bool:
-            if isinstance(exc, (AuthenticationError, DeadlineExceeded)) or is_tls_refusal(exc):
+            if isinstance(exc, DeadlineExceeded):
+                if last and exc.__cause__ is None:
+                    exc.__cause__ = last[0]
+                return False
+            last[:] = [exc]
+            if isinstance(exc, AuthenticationError) or is_tls_refusal(exc):
                 return False
             left = time_left()
             if left is not None and left <= 0:
@@ -256,7 +316,7 @@ _FLOAT_PARAMS = {
 }
 _TLS_PARAMS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-SUPPORTED_PARAMS = ("cluster", "db", *_FLOAT_PARAMS, "retries", *sorted(_TLS_PARAMS))
+SUPPORTED_PARAMS = ("cluster", "db", "durable", *_FLOAT_PARAMS, "retries", *sorted(_TLS_PARAMS))
 
 
 @dataclass(frozen=True)
@@ -282,11 +342,13 @@ def _query(url: str, parts: SplitResult) -> tuple[bool | None, dict[str, Any], d
             raise InvalidURLError(f"parameter {name!r} appears more than once in {redact(url)}")
         value = values[0]
         bad = InvalidURLError(f"bad value {value!r} for {name!r} in Redis URL {redact(url)}")
-        if name == "cluster" or name == "ssl_check_hostname":
+        if name in ("cluster", "durable", "ssl_check_hostname"):
             if value.lower() not in _BOOLS:
                 raise InvalidURLError(f"{bad}: use true or false")
             if name == "cluster":
                 cluster = _BOOLS[value.lower()]
+            elif name == "durable":
+                options[name] = _BOOLS[value.lower()]
             else:
                 client[name] = _BOOLS[value.lower()]
         elif name in _FLOAT_PARAMS:
@@ -372,6 +434,10 @@ def make_client(url: str, cluster: bool | None = None, options: Options | None =
     # the query is ours (read above); redis-py would let it override these settings
     plain = url.partition("?")[0].replace("+cluster://", "://", 1)
     if parsed.cluster:
+        # A Cluster has database 0 only (checked above): redis-py refuses a ``db``
+        # argument there, and every client made from this one's settings inherits it.
+        common.pop("db", None)
+        plain = urlunsplit(urlsplit(plain)._replace(path=""))
         return RedisCluster.from_url(plain, **common)
     common.pop("connection_pool_class")
     pool = _BoundedPool.from_url(plain, health_check_interval=opts.health_check_interval, **common)

@@ -1,8 +1,10 @@
-"""The private redis-server used when no URL is given (docs/design.md, Zero setup).
+"""The private redis-server a caller asks for by name: ``connect("embedded")``, the demo
+(docs/design.md, Zero setup). Never a fallback for a missing URL.
 
-Started once per process tree on a unix socket in a temporary directory; its URL
-goes into ``$KVSTATE_REDIS_URL`` so spawned workers share it; it stops when the
-process that started it exits (and dies with it on SIGKILL).
+Started once per process (a fork shares its parent's) on a unix socket in a temporary
+directory; it stops when the process that started it exits (and dies with it on
+SIGKILL). Processes that must share it are given its URL explicitly (``ensure_server()``
+answers it); the environment is left as it was.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import logging
 import os
 import threading
 
-from kvstate.connection import ENV_URL
 from kvstate.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,8 @@ _server: RedisServer | None = None
 
 
 def ensure_server() -> str:
-    """URL of this process tree's embedded Redis, starting it on first use."""
+    """URL of this process's embedded Redis (unix socket, no secret in it), starting it
+    on first use."""
     global _server
     with _lock:
         if _server is None:
@@ -38,6 +40,5 @@ def ensure_server() -> str:
 
             atexit.register(stop)
             _server = proc
-            os.environ[ENV_URL] = proc.url
             log.info("started embedded redis-server at %s", proc.url)
         return _server.url

@@ -30,8 +30,21 @@ class InvalidURLError(KVStateError, ValueError):
     """A Redis URL kvstate cannot use."""
 
 
+class InvalidOptionError(KVStateError, ValueError):
+    """An option or parameter out of its range (an ``Options`` field, ``room_ttl``...)."""
+
+
+class ClosedError(KVStateError):
+    """A ``Store`` (or what was made on it) used after its ``close()``."""
+
+
 class StateConnectionError(KVStateError, ConnectionError):
     """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted."""
+
+
+class DurabilityError(StateConnectionError):
+    """Durable mode: Redis applied the write, but no replica confirmed it (``WAIT``)
+    within the call's time; a failover of that primary could still lose it."""
 
 
 class StateOutOfMemoryError(KVStateError):

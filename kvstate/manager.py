@@ -27,7 +27,7 @@ from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.roles import KVReceiver, KVSender, _is_int, _Lookups, _Participant
 from kvstate.stats import TransferRecorder
-from kvstate.store import Call, Store
+from kvstate.store import Call, Store, one_call
 from transports.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -109,13 +109,14 @@ class KVManager:
         )
         # The heartbeat's own client and pool: a workload holding every connection of
         # the shared pool (or a server at maxclients) cannot make the lease lapse.
-        self._hb_store = store.dedicated()
-        self._hb_registry = Registry(self._hb_store)
-        try:
-            self._hb_registry.register(self.info, lease)
-        except BaseException:
-            self._hb_store.close()
-            raise
+        with store.bounded():  # making it (a Cluster's slot map) and registering: one call
+            self._hb_store = store.dedicated()
+            self._hb_registry = Registry(self._hb_store)
+            try:
+                self._hb_registry.register(self.info, lease)
+            except BaseException:
+                self._hb_store.close()
+                raise
         # Opt-in: the counters' key outlives the engine (24 h) so the monitor can read
         # its final totals, which tests and users who count keys left would not expect.
         self.recorder = (
@@ -285,6 +286,7 @@ class KVManager:
                 p._after_clear()
         return dict(failed)
 
+    @one_call
     def _many(
         self,
         rooms: Iterable[object],
@@ -351,6 +353,7 @@ class KVManager:
         return out
 
     # -- peers and leases ------------------------------------------------------------
+    @one_call
     def fail_peer(
         self, bootstrap_addr: str, reason: str, engine: str = "", incarnation: str = ""
     ) -> int:

@@ -1,7 +1,7 @@
 """A private redis-server child process: found, started on a unix socket, dying with us.
 
-What the core needs for its zero-setup default (``kvstate.embedded``), and what
-``kvstate.testing`` builds its servers and clusters on. Imports nothing else
+What the core needs for the private server a caller asks for (``kvstate.embedded``),
+and what ``kvstate.testing`` builds its servers and clusters on. Imports nothing else
 from kvstate.
 
 The binary comes from ``$KVSTATE_REDIS_SERVER`` when set (a path, or

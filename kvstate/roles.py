@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstate import schema
 from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, unpack
+from kvstate.connection import paused
 from kvstate.errors import (
     CorruptStateError,
     InvalidArgumentError,
@@ -24,7 +25,7 @@ from kvstate.errors import (
 from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll
 from kvstate.registry import EngineInfo
-from kvstate.store import Call, Status
+from kvstate.store import Call, Status, one_call
 from transports.base import Target, TransportError
 
 if TYPE_CHECKING:
@@ -131,10 +132,12 @@ class _Participant:
         """The status seen by the last call (no round trip)."""
         return self._status
 
+    @one_call
     def poll(self) -> KVPoll:
         self._run(self._poll_call())
         return self._status
 
+    @one_call
     def fail(self, reason: str | None = None) -> KVPoll:
         """Record a failure of this participant only (Failed is sticky)."""
         self._run(
@@ -142,6 +145,7 @@ class _Participant:
         )
         return self._status
 
+    @one_call
     def abort(self, reason: str | None = "aborted") -> None:
         """Fail every participant of the room, the other side included."""
         if self._cleared:
@@ -151,6 +155,7 @@ class _Participant:
         self.store.abort(self.room, f"{_reason(reason)} (by {self.side}:{self.engine})")
         self.poll()
 
+    @one_call
     def failure_exception(self) -> KVTransferError:
         """The failure as an exception carrying the recorded reason; clears the participant."""
         if not self._cleared and self._created:
@@ -272,6 +277,7 @@ class KVSender(_Participant):
             self.poll()
         return list(self._infos)
 
+    @one_call
     def begin_transfer(self) -> KVPoll:
         """-> Transferring, for callers that move the bytes themselves; Failed instead
         (write nothing then) if a receiver failed or vanished meanwhile, or its engine
@@ -279,11 +285,13 @@ class KVSender(_Participant):
         self._run(self.store.begin(self.room, self.engine, self._receivers()))
         return self._status
 
+    @one_call
     def finish_transfer(self) -> KVPoll:
         """-> Success; acks every receiver, which see Success on their next poll."""
         self._run(self.store.finish(self.room, self.engine, self._receivers()))
         return self._status
 
+    @one_call
     def send(self, kv_indices: object, last: bool = True) -> KVPoll:
         """Move these source pages to every receiver (the next slice of each receiver's
         destination pages), then record the state transition. Any transport or registry
@@ -317,7 +325,8 @@ class KVSender(_Participant):
                 return self._status
             if targets:
                 moved, t0 = transport.stats.bytes_moved, time.perf_counter()
-                transport.write(self.room, src, targets, self.mgr.transfer_timeout)
+                with paused():  # bounded by transfer_timeout, not by the call's Redis time
+                    transport.write(self.room, src, targets, self.mgr.transfer_timeout)
                 if self.mgr.recorder is not None:
                     self.mgr.recorder.observe(
                         transport.stats.bytes_moved - moved, time.perf_counter() - t0
@@ -466,6 +475,7 @@ class KVReceiver(_Participant):
             self.room, self.engine, dict(self._bound), self._payload, self._required
         )
 
+    @one_call
     def init(
         self,
         kv_indices: object,

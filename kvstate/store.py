@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import os
 import re
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from types import TracebackType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
@@ -56,12 +57,17 @@ from kvstate.connection import (
     is_tls_refusal,
     make_client,
     redact,
+    refused_for_maxclients,
     time_left,
 )
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import (
+    ClosedError,
     CorruptStateError,
+    DurabilityError,
     InvalidArgumentError,
+    InvalidOptionError,
+    InvalidURLError,
     KVStateError,
     StateConnectionError,
     StateOutOfMemoryError,
@@ -88,6 +94,10 @@ _REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
 _NODE_TROUBLE = (*_REDIRECTS, redis.ConnectionError, redis.TimeoutError)
 _MULTI = wire.pack(("MULTI",))
 _EXEC = wire.pack(("EXEC",))
+# Durable mode (Options.durable): the scripts whose answer a caller acts on for good (a
+# sender's Success, an abort) are confirmed by a replica (WAIT) in the same round trip.
+DURABLE_SCRIPTS = frozenset({"finish", "abort"})
+EMBEDDED = "embedded"  # connect(EMBEDDED): the private redis-server, asked for by name
 
 
 _LUA_FUNCTION = re.compile(r"^local function (\w+)\(.*?^end$\n?", re.M | re.S)
@@ -137,6 +147,8 @@ class _Bounded:
         self.limit = deadline(store.options.call_timeout)
 
     def __enter__(self) -> None:
+        if self.store.closed:
+            raise self.store.closed_error()
         self.limit.__enter__()
 
     def __exit__(
@@ -198,8 +210,7 @@ class Store:
         room_ttl: float = ROOM_TTL,
         options: Options | None = None,
     ) -> None:
-        if room_ttl <= 0:
-            raise ValueError(f"room_ttl must be positive, got {room_ttl}")
+        _check_room_ttl(room_ttl)
         self.client = client
         self.url = redact(url)
         self.keys = Keys(namespace)
@@ -210,6 +221,7 @@ class Store:
         self._pool: ThreadPoolExecutor | None = None  # Cluster: one pipeline per node at once
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
+        self.closed = False
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "standalone"
@@ -220,13 +232,24 @@ class Store:
         return int(self.room_ttl * 1000)
 
     def close(self) -> None:
+        """Close the connections; every later call on this store (and on what was made
+        on it) raises ClosedError. Idempotent."""
+        self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         self.client.close()
 
+    def closed_error(self) -> ClosedError:
+        return ClosedError(
+            f"this kvstate Store ({self.url}, namespace {self.namespace!r}) was closed: "
+            "make a new kvstate.connect() (and managers on it) to go on"
+        )
+
     def dedicated(self) -> Store:
         """The same Redis, options and namespace over a client with its own connection
         pool: for a heartbeat that the workload's pool must not starve."""
+        if self.closed:
+            raise self.closed_error()
         client: Client
         if self.cluster:
             cluster: Any = self.client  # redis-py's Cluster API is untyped
@@ -248,6 +271,8 @@ class Store:
     def errors(self) -> Iterator[None]:
         """Turn redis-py's connection and auth errors into StateConnectionError that
         names the redacted URL and says what to do next."""
+        if self.closed:
+            raise self.closed_error()
         try:
             yield
         except (redis.RedisError, RedisClusterException) as exc:
@@ -311,6 +336,8 @@ class Store:
 
     def nodes(self) -> list[tuple[str, redis.Redis]]:
         """(name, client) of every primary: where SCAN, SCRIPT LOAD, INFO and CONFIG go."""
+        if self.closed:
+            raise self.closed_error()
         if not self.cluster:
             return [(self.url, self.client)]  # type: ignore[list-item]
         with self.errors():
@@ -353,20 +380,28 @@ class Store:
         the replies read in one loop. ``transaction``: the calls in MULTI/EXEC, one
         block per hash slot on a Cluster (so a node's slots still share the trip).
         NOSCRIPT (restart, failover, SCRIPT FLUSH) sends the batch again with EVAL of
-        the sources, which cannot meet NOSCRIPT: every batch is safe to send twice."""
+        the sources, which cannot meet NOSCRIPT: every batch is safe to send twice.
+        Durable mode: a batch holding a DURABLE_SCRIPTS call ends with WAIT, in the
+        same write, and is answered only when a replica confirmed it."""
         blocks = self._blocks(calls) if transaction else None
+        durable = self.options.durable and any(c.script in DURABLE_SCRIPTS for c in calls)
         for attempt in range(2):
             packed = [self._pack(call, attempt > 0) for call in calls]
-            if blocks is None:
-                raw = wire.roundtrip(conn, b"".join(packed), len(packed))
-                replies = raw
-            else:
-                out: list[bytes] = []
+            out: list[bytes] = packed
+            if blocks is not None:
+                out = []
                 for block in blocks:
                     out.append(_MULTI)
                     out += [packed[i] for i in block]
                     out.append(_EXEC)
-                raw = wire.roundtrip(conn, b"".join(out), len(out))
+            if durable:
+                wait_s = self._wait_budget()
+                out = [*out, wire.pack(("WAIT", 1, int(wait_s * 1000)))]
+            raw = wire.roundtrip(conn, b"".join(out), len(out))
+            confirmed = raw.pop() if durable else None
+            if blocks is None:
+                replies = raw
+            else:
                 replies = [None] * len(calls)
                 at = 0
                 for block in blocks:
@@ -382,8 +417,32 @@ class Store:
                     callback = callbacks.get(call.command)
                     if callback is not None:
                         replies[i] = callback(reply)
+            if durable:
+                self._check_confirmed(confirmed, calls, wait_s)
             return replies
         raise AssertionError("unreachable")
+
+    def _wait_budget(self) -> float:
+        """Seconds WAIT may block for: what is left of the call, and no more than one
+        socket wait (its reply is read in one), less a margin for the reply to come
+        back (Redis answered a timed-out WAIT 15-25 ms late on an idle host here, more
+        on a busy one); never under 1 ms (WAIT 0 would block for ever)."""
+        left = min(time_left() or 0.0, self.options.socket_timeout)
+        return max(0.001, left - max(0.25, left * 0.2))
+
+    def _check_confirmed(self, confirmed: Any, calls: list[Call], wait_s: float) -> None:
+        """Raise unless WAIT says a replica has the batch (and all before it)."""
+        if isinstance(confirmed, Exception):  # NOPERM (+wait missing), or a replica
+            raise self._translate(Call((), (), command="WAIT"), confirmed)
+        if isinstance(confirmed, int) and confirmed >= 1:
+            return
+        done = ", ".join(sorted({c.script or "" for c in calls} & DURABLE_SCRIPTS))
+        raise DurabilityError(
+            f"Redis at {self.url} ran {done}, but no replica confirmed it within "
+            f"{wait_s:.2f} s (WAIT answered {confirmed!r}): durability not confirmed, and a "
+            "failover of that primary could lose the write. Check that the primary has a "
+            "live replica (INFO replication), then call again: the call is idempotent"
+        )
 
     def _blocks(self, calls: list[Call]) -> list[list[int]]:
         """Indices of ``calls`` per MULTI/EXEC block: one block on a standalone server,
@@ -456,6 +515,11 @@ class Store:
             )
             failed: list[int] = []
             for (name, idxs), out in zip(groups.items(), outcomes, strict=True):
+                if isinstance(out, DurabilityError) and partial:  # ran: never sent again
+                    unconfirmed = DurabilityError(f"Cluster node {name}: {out}")
+                    for i in idxs:
+                        replies[i] = unconfirmed
+                    continue
                 if isinstance(out, BaseException):
                     if not isinstance(out, _NODE_TROUBLE):
                         raise out
@@ -969,6 +1033,30 @@ class Store:
         return out
 
 
+class _HasStore(Protocol):
+    store: Store
+
+
+_S = TypeVar("_S", bound=_HasStore)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def one_call(
+    method: Callable[Concatenate[_S, _P], _R],
+) -> Callable[Concatenate[_S, _P], _R]:
+    """Decorate a public method (of an object with a ``store``) that may make several
+    round trips: they share one ``Options.call_timeout`` (the method's own deadline),
+    so a failure recorded after a failed round trip cannot add a second wait."""
+
+    def bounded(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self.store.bounded():
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(bounded, method)
+    return bounded
+
+
 def _pairs(fields: dict[str, Any]) -> list[Any]:
     """A hash's fields as HSET (and the scripts) take them: name, value, name, value..."""
     return [x for item in fields.items() for x in item]
@@ -988,6 +1076,8 @@ def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
             "speak TLS (a plain redis-server), use redis://; if the certificate is "
             "refused, name its CA with ?ssl_ca_certs=/path/ca.pem"
         )
+    if refused_for_maxclients(exc):
+        return _maxclients(url)
     left = time_left()
     if isinstance(exc, DeadlineExceeded) or (left is not None and left <= 0):
         return (
@@ -996,6 +1086,19 @@ def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
             "then retry (the limit is Options.call_timeout or ?call_timeout= in the URL)"
         )
     return f"cannot reach Redis at {url} ({exc}); is redis-server running? Set {ENV_URL} or --url"
+
+
+def _maxclients(url: str) -> str:
+    return (
+        f"Redis at {url} refused a new connection: max number of clients reached (its "
+        "maxclients limit, CONFIG GET maxclients): close idle clients or raise maxclients "
+        "on the server, then retry"
+    )
+
+
+def _check_room_ttl(room_ttl: object) -> None:
+    if isinstance(room_ttl, bool) or not isinstance(room_ttl, (int, float)) or not room_ttl > 0:
+        raise InvalidOptionError(f"room_ttl must be a number of seconds > 0, got {room_ttl!r}")
 
 
 def _check_reason(reason: object) -> None:
@@ -1023,13 +1126,23 @@ def connect(
     cluster: bool | None = None,
     options: Options | None = None,
 ) -> Store:
-    """Open the state store: ``url``, else ``$KVSTATE_REDIS_URL``, else a private
-    redis-server started for this process tree (docs/design.md, Zero setup)."""
+    """Open the state store at ``url``, else ``$KVSTATE_REDIS_URL``; with neither,
+    raise InvalidURLError naming them. ``url="embedded"`` (EMBEDDED) starts this
+    process's private redis-server instead, by choice (docs/design.md, Zero setup)."""
     if url is None:
-        url = os.environ.get(ENV_URL) or embedded.ensure_server()
+        url = os.environ.get(ENV_URL) or None
+        if url is None:
+            raise InvalidURLError(
+                f"no Redis URL: pass kvstate.connect(url) or set ${ENV_URL} (e.g. "
+                "redis://HOST:6379/0) on every engine process; for a private redis-server "
+                f"that only this process tree can see, ask for it: connect({EMBEDDED!r})"
+            )
+    if url == EMBEDDED:
+        url = embedded.ensure_server()
     if namespace is None:
         namespace = os.environ.get(ENV_NAMESPACE) or "default"
     keys = Keys(namespace)  # validate before connecting
+    _check_room_ttl(room_ttl)
     opts = effective_options(url, options)  # also validates the URL and its parameters
     # One deadline for the whole of connect(): the Cluster client asks for the slots
     # when it is made, then PING, then SCRIPT LOAD on every primary.
@@ -1042,6 +1155,10 @@ def connect(
             )
         try:
             client = make_client(url, cluster, opts)
+        except (ValueError, TypeError) as exc:  # redis-py refusing what it read of the URL
+            if isinstance(exc, KVStateError):
+                raise
+            raise InvalidURLError(f"Redis URL {redact(url)} was refused: {exc}") from None
         except (
             NoPermissionError,
             RedisClusterException,
@@ -1063,6 +1180,8 @@ def connect(
                     f"Redis at {redact(url)} is not a Cluster (cluster mode is not enabled "
                     "on it): use redis:// without +cluster or ?cluster=true"
                 ) from None
+            if refused_for_maxclients(exc):
+                raise StateConnectionError(_maxclients(redact(url))) from None
             late = time_left()
             why = (
                 f"no answer within {opts.call_timeout:g} s: stalled or unreachable"
@@ -1083,4 +1202,4 @@ def connect(
     return store
 
 
-__all__ = ["Call", "Status", "Store", "connect"]
+__all__ = ["EMBEDDED", "Call", "Status", "Store", "connect", "one_call"]

@@ -111,7 +111,8 @@ _PROCESS_MODULES = frozenset(
 )
 _PROCESS_TESTS = frozenset(
     {
-        "test_embedded_default_from_a_clean_environment",
+        "test_no_url_is_an_error_naming_the_variable",
+        "test_embedded_by_name_from_a_clean_environment",
         "test_doctor_without_url_uses_an_embedded_server",
         "test_script_flush_storm_is_transparent",
     }

@@ -196,15 +196,49 @@ def test_engine_and_addr_names_checked(store: Store) -> None:
         kvstate.KVManager(store, "router", "ok")
 
 
-def test_embedded_default_from_a_clean_environment(tmp_path) -> None:
-    """No URL anywhere: connect() starts a private redis-server, and it is gone after exit."""
+def test_no_url_is_an_error_naming_the_variable(tmp_path) -> None:
+    """No URL anywhere: a library connect() refuses at once (an engine missing
+    $KVSTATE_REDIS_URL would otherwise run alone on a server nobody else sees), starts
+    no redis-server, and leaves the environment as it was."""
     code = (
         "import kvstate, os\n"
-        "s = kvstate.connect()\n"
+        "try:\n"
+        "    kvstate.connect()\n"
+        "except kvstate.InvalidURLError as exc:\n"
+        "    print(exc)\n"
+        "print('KVSTATE_REDIS_URL' in os.environ)\n"
+        "def ppid(p):\n"
+        "    try:\n"
+        "        return open(f'/proc/{p}/stat').read().rpartition(')')[2].split()[1]\n"
+        "    except OSError:\n"
+        "        return ''\n"
+        "print([p for p in os.listdir('/proc') if p.isdigit() and ppid(p) == str(os.getpid())])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTATE_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+        check=True,
+    ).stdout.splitlines()
+    assert "no Redis URL" in out[0] and "$KVSTATE_REDIS_URL" in out[0], out
+    assert "connect('embedded')" in out[0], out
+    assert out[1:] == ["False", "[]"], out  # no child: no redis-server was started
+
+
+def test_embedded_by_name_from_a_clean_environment(tmp_path) -> None:
+    """connect("embedded") starts a private redis-server, does not publish it in the
+    environment, and it is gone after the process exits."""
+    code = (
+        "import kvstate, os\n"
+        "s = kvstate.connect('embedded')\n"
         "print(s.url)\n"
         "m = kvstate.KVManager(s, 'prefill', 'p0')\n"
         "snd = m.sender(1); print(snd.poll().name); snd.clear(); m.close()\n"
-        "print(os.environ['KVSTATE_REDIS_URL'])\n"
+        "print(kvstate.connect('embedded').url == s.url)\n"  # one per process
+        "print(os.environ.get('KVSTATE_REDIS_URL'))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTATE_")}
     out = subprocess.run(
@@ -215,7 +249,7 @@ def test_embedded_default_from_a_clean_environment(tmp_path) -> None:
         timeout=scaled(60),
         check=True,
     ).stdout.split()
-    assert out[0].startswith("unix://") and out[1] == "Bootstrapping" and out[2] == out[0]
+    assert out[0].startswith("unix://") and out[1:] == ["Bootstrapping", "True", "None"], out
     sock = out[0][len("unix://") :]
     assert not os.path.exists(sock)  # the server stopped with its owner
     with pytest.raises(redis.ConnectionError):

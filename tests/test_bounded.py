@@ -162,6 +162,82 @@ def test_call_timeout_is_an_option_and_a_url_parameter(proxy: Proxy) -> None:
     report("call-timeout-1.5", stalled_poll_s=f"{took:.2f}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["stall", "blackhole"])
+def test_calls_of_fresh_participants_take_one_call_timeout(proxy: Proxy, fault: str) -> None:
+    """Calls that make several round trips (a fresh receiver's registry read, create
+    and publish; an init() that then records its failure; an abort; a fan-out) share
+    ONE call_timeout: none takes a second wait. The bound is relative (1.5x; a second
+    wait would be 2x), so it holds under any time factor."""
+    ct = scaled(1.5)
+    store = kvstate.connect(proxy.url(query=f"call_timeout={ct}"), namespace="fresh")
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=60.0)
+    d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=60.0)
+    receivers = [d.receiver(r, PREFILL_ADDR) for r in (20, 21)]
+    getattr(proxy, fault)()
+    ops: dict[str, Callable[[], object]] = {
+        "init (fresh receiver)": lambda: d.receiver(1, PREFILL_ADDR).init([1]),
+        "init (named senders)": lambda: d.receiver(2, PREFILL_ADDR, senders=["p0"]).init([1]),
+        "poll (fresh receiver)": lambda: d.receiver(3, PREFILL_ADDR).poll(),
+        "abort (fresh receiver)": lambda: d.receiver(4, PREFILL_ADDR).abort("x"),
+        "fail (fresh sender)": lambda: p.sender(5).fail("x"),
+        "begin_transfer (fresh sender)": lambda: p.sender(6).begin_transfer(),
+        "finish_transfer (fresh sender)": lambda: p.sender(7).finish_transfer(),
+        "init_many": lambda: d.init_many({20: [1], 21: [2]}),
+        "fail_peer": lambda: d.fail_peer(PREFILL_ADDR, "x"),
+        "KVManager": lambda: kvstate.KVManager(store, "prefill", "p9"),
+        "connect": lambda: kvstate.connect(proxy.url(query=f"call_timeout={ct}")),
+    }
+    took, raised = run_all(ops)
+    for name, exc in raised.items():
+        assert isinstance(exc, StateConnectionError), (name, repr(exc))
+        assert took[name] < 1.5 * ct, f"{name} took {took[name]:.2f} s (call_timeout {ct:g} s)"
+    proxy.passthrough()
+    for m in (p, d):
+        m.close()
+    store.close()
+    assert receivers
+    longest = max(took, key=took.__getitem__)
+    report(
+        f"fresh-{fault}",
+        call_timeout_s=ct,
+        longest_call=longest,
+        longest_s=f"{took[longest]:.2f}",
+        **{k.translate(NAME) + "_s": f"{v:.2f}" for k, v in took.items()},
+    )
+
+
+NAME = str.maketrans(" ", "_", "()")
+
+
+def test_maxclients_is_named(redis_server_factory: Callable[..., Any]) -> None:
+    """A server at its maxclients limit refuses every new connection: the error says
+    so (not "did not answer"), within call_timeout; connections already open go on."""
+    server = redis_server_factory(port="auto")
+    ct = scaled(2.0)
+    store = kvstate.connect(f"{server.tcp_url}?call_timeout={ct}", namespace="full")
+    with kvstate.KVManager(store, "prefill", "p0") as p:
+        snd = p.sender(1)
+        with server.client() as admin:
+            admin.config_set("maxclients", 1)  # the connections open now stay
+            ops: dict[str, Callable[[], object]] = {
+                "connect": lambda: kvstate.connect(f"{server.tcp_url}?call_timeout={ct}"),
+                "KVManager": lambda: kvstate.KVManager(store, "decode", "d0"),
+            }
+            took, raised = run_all(ops)
+            assert snd.poll() == KVPoll.Bootstrapping  # its pooled connection still works
+            admin.config_set("maxclients", 10000)
+        for name, exc in raised.items():
+            assert isinstance(exc, StateConnectionError), (name, repr(exc))
+            text = str(exc)
+            assert "max number of clients reached" in text and "maxclients" in text, text
+            assert "did not answer" not in text, text
+            assert took[name] < 1.5 * ct, (name, took[name])
+        snd.clear()
+    store.close()
+    report("maxclients", **{f"{k}_s": f"{v:.2f}" for k, v in took.items()})
+
+
 def test_delayed_network_still_works(proxy: Proxy) -> None:
     """A slow network (every chunk 50 ms late) is not a fault: calls succeed."""
     store = kvstate.connect(proxy.url(), namespace="bounded")

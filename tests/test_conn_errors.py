@@ -19,6 +19,7 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
+from kvstate.ops.ledger import Monitor
 from kvstate.store import Store
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled
@@ -87,6 +88,48 @@ def test_cluster_true_parameter(redis_cluster_url: str, redis_tcp_url: str) -> N
     store.close()
     with pytest.raises(StateConnectionError, match="is not a Cluster"):
         kvstate.connect(f"{redis_tcp_url}?cluster=true")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    "form, cluster",
+    [
+        ("redis://{hp}/0", True),
+        ("redis+cluster://{hp}/0", None),
+        ("redis://{hp}/0?cluster=true", None),
+        ("redis://{hp}?db=0&cluster=1", None),
+    ],
+)
+def test_cluster_urls_with_database_0(
+    redis_cluster_url: str, form: str, cluster: bool | None
+) -> None:
+    """A Cluster URL written the usual way (with /0, a Cluster's only database) works
+    end to end: every client kvstate makes from it (the heartbeat's own, the monitor's
+    subscriptions) takes it, not only the first."""
+    url = form.format(hp=redis_cluster_url.partition("://")[2])
+    store = kvstate.connect(url, namespace="db0", cluster=cluster)
+    assert store.cluster
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=1.0)
+    d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:8998", lease=1.0)
+    with p, d:
+        snd, rcv = p.sender(5), d.receiver(5, PREFILL_ADDR)
+        rcv.init([1])
+        assert snd.begin_transfer() == KVPoll.Transferring
+        snd.finish_transfer()
+        assert rcv.poll() == KVPoll.Success
+        time.sleep(1.5)  # past one lease: only the heartbeats (own clients) kept them
+        for m in (p, d):
+            info = m.registry.get(m.engine)
+            assert info is not None and info.incarnation == m.incarnation
+        mon = Monitor(store, interval=0.1)
+        assert "notifications on" in mon.start()  # a subscription per primary
+        mon.sweep()
+        assert len(mon.known) == 2
+        mon.events.close()
+        snd.clear()
+        rcv.clear()
+    assert keys_of(store) == []
+    store.close()
 
 
 def test_tls_against_a_plain_port_fails_fast(redis_tcp_url: str) -> None:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.exceptions import AuthenticationError
 
+import kvstate
 from kvstate.connection import (
     DeadlineExceeded,
     Options,
@@ -22,10 +23,12 @@ from kvstate.connection import (
     effective_options,
     is_tls_refusal,
     make_client,
+    paused,
     redact,
+    refused_for_maxclients,
     time_left,
 )
-from kvstate.errors import InvalidURLError
+from kvstate.errors import InvalidOptionError, InvalidURLError, KVStateError
 from tests.helpers import scaled
 
 # --------------------------------------------------------------------------- redaction
@@ -95,6 +98,7 @@ def test_check_url_says_whether_it_is_a_cluster(url: str, cluster: bool) -> None
         ("rediss://h?ssl_cert_reqs=maybe", "none, optional or required"),
         ("redis://h?retries=-1", "integer >= 0"),
         ("redis://h?connect_timeout=0", "seconds > 0"),
+        ("redis://h?durable=maybe", "use true or false"),
     ],
 )
 def test_bad_urls_are_one_line_that_hides_the_password(url: str, says: str) -> None:
@@ -118,6 +122,8 @@ def test_url_parameters_override_options_field_by_field() -> None:
     assert (got.connect_timeout, got.retries, got.call_timeout) == (1.5, 0, 3.0)
     assert got.socket_timeout == 9.0  # not in the URL: the caller's
     assert effective_options("redis://h") == Options()
+    assert effective_options("redis://h?durable=true").durable is True
+    assert effective_options("redis://h?durable=no", Options(durable=True)).durable is False
 
 
 @pytest.mark.parametrize(
@@ -130,11 +136,19 @@ def test_url_parameters_override_options_field_by_field() -> None:
         ("retries", -1),
         ("retries", 1.5),
         ("retries", False),
+        ("durable", "yes"),
     ],
 )
 def test_bad_options_name_the_field(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=f"Options.{field} must be"):
+    with pytest.raises(InvalidOptionError, match=f"Options.{field} must be") as info:
         Options(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(info.value, KVStateError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("ttl", [0, -1.0, "900", True])
+def test_a_bad_room_ttl_is_refused_before_connecting(ttl: object) -> None:
+    with pytest.raises(InvalidOptionError, match="room_ttl must be"):
+        kvstate.connect("redis://127.0.0.1:1", room_ttl=ttl)  # type: ignore[arg-type]
 
 
 def test_make_client_takes_the_url_settings_without_connecting() -> None:
@@ -164,6 +178,21 @@ def test_deadline_bounds_a_block_and_nests_to_the_earlier_end() -> None:
             assert short is not None and short <= 0.5
         again = time_left()
         assert again is not None and again > 1.0
+    assert time_left() is None
+
+
+def test_paused_stops_the_call_clock_for_a_block() -> None:
+    """What a transport's write takes inside send() does not count against the call's
+    Redis time; the time left before the block is left after it."""
+    with paused():  # outside a call: nothing to stop
+        assert time_left() is None
+    with deadline(0.5):
+        before = time_left()
+        with paused():
+            assert time_left() is None
+            time.sleep(0.6)  # longer than the whole deadline
+        after = time_left()
+        assert before is not None and after is not None and 0 < after <= before
     assert time_left() is None
 
 
@@ -203,6 +232,28 @@ def test_retries_stop_at_the_deadline() -> None:
     t0 = time.monotonic()
     calls = _attempts(opts, redis.ConnectionError("reset"), within=0.2)
     assert calls < 1000 and time.monotonic() - t0 < 0.2 + scaled(5.0)
+
+
+def test_a_deadline_says_what_was_being_retried() -> None:
+    """A server at maxclients answers every new connection with an error, retried until
+    the call's time runs out: the DeadlineExceeded raised then carries that error, so
+    the message can name the limit instead of only the time."""
+    refusals = 0
+
+    def do() -> None:
+        nonlocal refusals
+        left = time_left()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded("no answer within the call's time limit")
+        refusals += 1
+        raise redis.ConnectionError("max number of clients reached")
+
+    with pytest.raises(DeadlineExceeded) as info, deadline(0.2):
+        Options(retries=1000, backoff_base=0.01, backoff_cap=0.01).retry().call_with_retry(
+            do, lambda _: None
+        )
+    assert refusals > 1 and refused_for_maxclients(info.value)
+    assert not refused_for_maxclients(DeadlineExceeded("late"))
 
 
 def test_tls_refusal_is_found_in_the_cause_chain() -> None:

@@ -149,3 +149,8 @@ def test_bench_quick_reports_every_figure() -> None:
             assert step["poll_many"] <= nodes and step["begin_many"] <= nodes, step
     assert "ping_raw_tcp_per_s" in res["standalone"]
     assert "scale_out_3_vs_1" in res
+    for deployment in ("standalone", "cluster3_with_replicas"):  # durable mode's cost
+        r = res["durable"][deployment]
+        assert r["durable_round_trips_per_lifecycle"] == r["plain_round_trips_per_lifecycle"]
+        for key in ("single_durable_vs_plain_median", "durable_redis_cmd_us_per_lifecycle"):
+            assert r[key] > 0, (deployment, key)

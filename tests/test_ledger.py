@@ -153,6 +153,41 @@ def test_without_notifications_the_deadline_rule_applies(redis_url: str) -> None
     store.close()
 
 
+@pytest.mark.parametrize("enable", [True, False], ids=["notify", "no-notify"])
+def test_notifications_turned_off_mid_run(redis_url: str, enable: bool) -> None:
+    """The monitor started with expiry events; an operator (or a restart) turns them
+    off. The subscription stays open but silent: participants that vanished at their
+    deadline meanwhile are still recorded, by the deadline rule, including one held a
+    sweep for its event when they went off; with --notify the monitor turns them back
+    on, with --no-notify it leaves them off."""
+    store = kvstate.connect(redis_url)
+    store.client.config_set("notify-keyspace-events", "Ex")
+    mon = Monitor(store, interval=0.1, notifications=enable)
+    assert "notifications on" in mon.start()
+    s, mgrs = make_room(redis_url, 26)
+    mon.sweep()
+    held_key = next(k for k in mon.known if ":tx:" in k)
+    store.client.config_set("notify-keyspace-events", "")
+    for key in list(mon.known):
+        expire_now(store, key)
+    entries: list[Entry] = []
+    assert wait_for(lambda: bool(entries.extend(mon.sweep())) or len(entries) >= 2, 5.0)
+    assert sorted((e.room, e.side, e.status) for e in entries) == [
+        (26, "rx", "WaitingForInput"),
+        (26, "tx", "WaitingForInput"),
+    ]
+    assert all("deadline" in e.detail for e in entries), entries
+    assert {e.key for e in Ledger(store).recent(10)} >= {held_key}
+    mon.sweep()  # the next sweep sees to the flags again
+    flags = store.client.config_get("notify-keyspace-events")["notify-keyspace-events"]
+    assert (set("Ex") <= set(flags)) is enable, flags
+    for m in mgrs:
+        m.close()
+    s.close()
+    store.close()
+    mon.events.close()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

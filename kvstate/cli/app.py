@@ -32,7 +32,7 @@ from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError
 from kvstate.ops.views import fmt_ms, holds_keys, namespaces
 from kvstate.redis_server import RedisServerError
-from kvstate.store import Store, connect
+from kvstate.store import EMBEDDED, Store, connect
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -115,8 +115,8 @@ class Ctx:
         if need_url and not self.url:
             self._find_demo()
         options = None if patient else Options(retries=2, backoff_cap=0.2)
-        try:
-            return connect(self.url, self.namespace, room_ttl, options=options)
+        try:  # no URL here only for `doctor`, which then asks for a private server
+            return connect(self.url or EMBEDDED, self.namespace, room_ttl, options=options)
         except (ValueError, TypeError) as exc:  # redis-py reading the URL's query string
             if isinstance(exc, KVStateError):
                 raise

@@ -32,7 +32,7 @@ from kvstate.demo.summary import (
     take_transfer_counters,
     wait_for_no_keys,
 )
-from kvstate.store import Store
+from kvstate.store import EMBEDDED, Store
 
 __all__ = ["EXIT_CHECK_FAILED", "discovery_path", "run_router", "run_worker"]
 
@@ -116,16 +116,17 @@ def _banner(
 def run_router(
     opts: Options, url: str | None, namespace: str, base: WorkerConfig, as_json: bool
 ) -> int:
-    """The whole run; returns the exit status (0 only if every check held)."""
-    real_url = url or embedded.ensure_server()
+    """The whole run; returns the exit status (0 only if every check held). Without a
+    URL (or with ``embedded``) the demo asks for its own private redis-server, and hands
+    its URL to every worker it spawns."""
+    real_url = url if url is not None and url != EMBEDDED else embedded.ensure_server()
+    own = real_url != url
     store = kvstate.connect(real_url, namespace, base.room_ttl)
     cfg = WorkerConfig(**{**asdict(base), "url": real_url, "namespace": store.namespace})
     err = console(stderr=True)
-    announce = (
-        _announced(real_url, store.namespace) if url is None else contextlib.nullcontext(None)
-    )
+    announce = _announced(real_url, store.namespace) if own else contextlib.nullcontext(None)
     with announce as record, Signals() as signals:
-        _banner(store, cfg, opts, url is None, record)
+        _banner(store, cfg, opts, own, record)
         rtr = Router(opts, cfg, store, signals)
         counts: dict[str, int] = {}
         seconds = 0.0

@@ -19,9 +19,11 @@ disappearance:
   other connection), then counted as *cleared* and forgotten. An event for a
   key never seen (created and expired between two sweeps) is recorded with
   status ``unknown``.
-* Without notifications (CONFIG denied, or the subscription dropped): a
-  participant that vanished at or after its last seen TTL deadline (minus
-  ``slack``) is counted as reaped, one that vanished earlier as cleared. Limit:
+* Without notifications (CONFIG denied, the subscription dropped, or the flags
+  turned off since: each sweep reads them back): a participant that vanished at
+  or after its last seen TTL deadline (minus ``slack``) is counted as reaped, one
+  that vanished earlier as cleared; so is one held for its event when the sweep
+  finds notifications gone. Limit:
   a participant whose TTL was refreshed after the last sweep and that was then
   cleared after the old deadline is misread as reaped; keep ``interval`` well
   below the room TTL. A participant created and reaped between two sweeps is
@@ -137,6 +139,15 @@ class Seen:
         return cls(p.room, p.side, p.engine, p.status or "unknown", p.created_ms, deadline)
 
 
+NOTIFY_SETTING = "notify-keyspace-events"
+
+
+def _has_expiry_flags(flags: str) -> bool:
+    """Whether a notify-keyspace-events value sends keyevent expiry events (E and x,
+    or E and A, which includes x)."""
+    return "E" in flags and ("x" in flags or "A" in flags)
+
+
 class _Events:
     """Expiry notifications from every primary; ``healthy`` turns False when a
     subscription breaks, so the monitor knows its attribution has a gap."""
@@ -164,20 +175,36 @@ class _Events:
         self.note = "expiry notifications on"
         return True
 
+    def still_on(self) -> bool:
+        """Whether every primary still has the flags: an operator (or a restart) may
+        have turned them off since, and a subscription then stays open but silent.
+        Marks the events unhealthy when not, so the next ``start()`` sees to them."""
+        if not self.healthy:
+            return False
+        try:
+            for name, client in self.store.nodes():
+                if not _has_expiry_flags(self.store.node_config(client, NOTIFY_SETTING)):
+                    log.warning("notify-keyspace-events lost Ex on %s", name)
+                    self.healthy = False
+        except (redis.RedisError, OSError, KVStateError) as exc:
+            log.warning("cannot read notify-keyspace-events back: %s", exc)
+            self.healthy = False
+        return self.healthy
+
     def _ensure_flags(self, name: str, client: redis.Redis) -> bool:
         try:
-            flags = self.store.node_config(client, "notify-keyspace-events")
+            flags = self.store.node_config(client, NOTIFY_SETTING)
         except redis.RedisError as exc:
             self.note = f"cannot read notify-keyspace-events on {name} ({exc})"
             return False
-        if "E" in flags and ("x" in flags or "A" in flags):
+        if _has_expiry_flags(flags):
             return True
         if not self.enable:
             self.note = f"notify-keyspace-events lacks Ex on {name} (--no-notify: not changing it)"
             return False
         wanted = "".join(sorted(set(flags) | {"E", "x"}))
         try:
-            self.store.set_node_config(client, "notify-keyspace-events", wanted)
+            self.store.set_node_config(client, NOTIFY_SETTING, wanted)
         except redis.RedisError as exc:
             self.note = f"cannot enable notify-keyspace-events Ex on {name} ({exc})"
             return False
@@ -253,12 +280,13 @@ class Monitor:
         current = {p.key: p for p in scan_participants(self.store)}
         expired |= self.events.drain()
         now = self.store.server_time_ms()
-        covered = covered and self.events.healthy
+        covered = covered and self.events.still_on()
         entries = self._expired(expired, current, now)
-        # Keys held in _gone a sweep ago and still without an event were cleared.
-        self._gone = {}
-        for key, seen in self.known.items():
-            if key in current:
+        # Covered: keys held a sweep ago and still without an event were cleared. Not
+        # covered (events lost meanwhile), they are judged by their deadline as well.
+        held, self._gone = self._gone, {}
+        for key, seen in [*held.items(), *self.known.items()]:
+            if key in current or (covered and key in held):
                 continue
             if covered:
                 self._gone[key] = seen  # its event may still be in flight: wait a sweep
