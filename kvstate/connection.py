@@ -52,7 +52,7 @@ def redact(url: str) -> str:
                 f"{k}{eq}***" if "pass" in k.lower() else f"{k}{eq}{v}" for k, eq, v in pairs
             )
         parts = urlsplit(base)
-        if parts.password is not None:
+        if parts.password:  # an empty one is no secret: shown as given
             host = parts.netloc.rpartition("@")[2]
             base = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
         return base + mark + query
@@ -325,6 +325,12 @@ def _check(url: object, cluster: bool | None) -> _Parsed:
         port = parts.port
     except ValueError as exc:
         raise InvalidURLError(f"malformed Redis URL {redact(url)}: {exc}") from None
+    if "sentinel" in parts.scheme:
+        raise InvalidURLError(
+            f"Redis Sentinel ({redact(url)}) is not supported: kvstate does not follow a "
+            "Sentinel failover. Give the current primary's redis:// URL, or use a Redis "
+            "Cluster (redis+cluster://), which kvstate follows across failovers"
+        )
     if parts.scheme not in _SCHEMES:
         raise InvalidURLError(
             f"unsupported scheme in {redact(url)}; use redis://, rediss://, unix:// "
