@@ -32,6 +32,9 @@ from kvstate.errors import InvalidURLError
 
 ENV_URL = "KVSTATE_REDIS_URL"
 ENV_NAMESPACE = "KVSTATE_NAMESPACE"
+# The password for a URL that has none: a secret with `@`, `/` or `:` in it cannot be
+# pasted into a URL unescaped (docker-compose passes it this way).
+ENV_PASSWORD = "KVSTATE_REDIS_PASSWORD"
 _SCHEMES = {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}
 
 Client = redis.Redis | RedisCluster
@@ -377,6 +380,8 @@ def make_client(url: str, cluster: bool | None = None, options: Options | None =
     }
     # the query is ours (read above); redis-py would let it override these settings
     plain = url.partition("?")[0].replace("+cluster://", "://", 1)
+    if os.environ.get(ENV_PASSWORD) and not urlsplit(plain).password:
+        common["password"] = os.environ[ENV_PASSWORD]
     if parsed.cluster:
         return RedisCluster.from_url(plain, **common)
     common.pop("connection_pool_class")

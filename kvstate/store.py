@@ -46,6 +46,7 @@ from redis.exceptions import (
 from kvstate import embedded, schema, wire
 from kvstate.connection import (
     ENV_NAMESPACE,
+    ENV_PASSWORD,
     ENV_URL,
     Client,
     DeadlineExceeded,
@@ -268,11 +269,13 @@ class Store:
         if isinstance(exc, AuthenticationError):
             if "NOAUTH" in str(exc) or "required" in str(exc):
                 return StateConnectionError(
-                    f"Redis at {self.url} requires a password and none was given: put it "
-                    f"in the URL (redis://:PASSWORD@HOST:PORT; {URL_SOURCE})"
+                    f"Redis at {self.url} requires a password and none was given: set "
+                    f"${ENV_PASSWORD}, or put it in the URL (redis://:PASSWORD@HOST:PORT; "
+                    f"{URL_SOURCE})"
                 )
             return StateConnectionError(
-                f"authentication to Redis at {self.url} failed: check the user and password"
+                f"authentication to Redis at {self.url} failed: check the user and password "
+                f"(the URL's, else ${ENV_PASSWORD})"
             )
         if isinstance(exc, NoPermissionError) or (
             isinstance(exc, ExecAbortError) and "NOPERM" in str(exc)

@@ -615,3 +615,30 @@ def test_long_engine_names_are_not_cut_at_80_columns(store: Store, redis_url: st
         assert names[0] + names[1] in column, result.output
     for m in mgrs:
         m.close()
+
+
+# --------------------------------------------------------------------------- issue 21, item 5
+
+
+def test_engines_show_rooms_in_flight_by_side_and_status(store: Store, redis_url: str) -> None:
+    """The census `top` counts, per engine: what a router needs to pick engines."""
+    p, d, snd, rcv = live_room(store, 151)
+    snd2, rcv2 = p.sender(152), d.receiver(152, ADDR)
+    rcv2.init(np.arange(8))
+    assert snd2.poll() == KVPoll.WaitingForInput
+    p.sender(153).poll()  # a sender alone: Bootstrapping
+    rcv.abort("gone")  # room 151 fails, both sides: not in flight any more
+    try:
+        doc = json.loads(run("--url", redis_url, "engines", "--json").stdout)
+        load = {e["engine"]: e["inflight"] for e in doc["engines"]}
+        assert load["prefill-a.tp0"] == {
+            "total": 2,
+            "by_status": {"tx:Bootstrapping": 1, "tx:WaitingForInput": 1},
+        }, load
+        assert load["decode-b.tp0"] == {"total": 1, "by_status": {"rx:WaitingForInput": 1}}
+        table = run("--url", redis_url, "engines").output
+        assert "2: tx Bootstrapping 1, tx WaitingForInput 1" in table, table
+        assert "1: rx WaitingForInput 1" in table, table
+    finally:
+        p.close()
+        d.close()

@@ -29,7 +29,7 @@ import click
 import redis
 from redis.exceptions import NoPermissionError
 
-from kvstate.connection import ENV_NAMESPACE, ENV_URL, Options, redact
+from kvstate.connection import ENV_NAMESPACE, ENV_PASSWORD, ENV_URL, Options, redact
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError
 from kvstate.ops.durations import DurationSyntaxError, fmt_ms, parse_seconds
@@ -102,14 +102,16 @@ class Ctx:
 
     @property
     def secrets(self) -> list[str]:
-        """The URL's password (as written and decoded), only to scrub it from errors."""
-        if not self.url:
-            return []
+        """The passwords in play (the URL's, as written and decoded, and
+        $KVSTATE_REDIS_PASSWORD), only to scrub them from errors."""
+        found = {os.environ.get(ENV_PASSWORD) or ""}
         try:
-            pw = urlsplit(self.url).password
+            pw = urlsplit(self.url or "").password
         except ValueError:
-            return []
-        return sorted({pw, unquote(pw)}, key=len, reverse=True) if pw else []
+            pw = None
+        if pw:
+            found |= {pw, unquote(pw)}
+        return sorted(found - {""}, key=len, reverse=True)
 
     def store(
         self, need_url: bool = True, room_ttl: float = ROOM_TTL, patient: bool = False

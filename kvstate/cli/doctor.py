@@ -269,7 +269,9 @@ def _gpu_checks(checks: list[Check]) -> None:
 @click.pass_obj
 def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
     """Check Redis (reachable, version, eviction policy, ACL rights), UCX and GPUs.
-    Exit status 1 when a check fails. Without a URL it tries the embedded server."""
+    Exit status 1 when a check fails, 2 when Redis cannot be checked at all (down, or
+    the password refused), as for every command. Without a URL it tries the embedded
+    server."""
     checks: list[Check] = []
     unreachable = False  # no Redis to check (down, or the password refused): exit 2
     if not obj.url:
