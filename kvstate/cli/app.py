@@ -256,6 +256,8 @@ class KVGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:  # `kvstate ls | head`: click quiets it, no error line
+            raise
         except (KVStateError, redis.RedisError, RedisServerError, OSError) as exc:
             obj = ctx.find_object(Ctx)
             raise Failure(scrub(describe(exc), obj.secrets if obj else [])) from None

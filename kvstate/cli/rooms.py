@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from rich.table import Table
@@ -302,7 +302,6 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) ->
                 f"room {r}: already aborted ({view.aborted}); left as is, mark "
                 f"expires in {fmt_ms(view.aborted_ttl_ms)}",
             )
-            return
         _refuse_what_abort_cannot_reach(r, view)
         if not view.members and not pre_emptive:
             _said(
@@ -350,7 +349,7 @@ def _refuse_what_abort_cannot_reach(room: int, view: RoomView) -> None:
             )
 
 
-def _said(doc: dict[str, Any], as_json: bool, text: str, code: int = EXIT_OK) -> None:
+def _said(doc: dict[str, Any], as_json: bool, text: str, code: int = EXIT_OK) -> NoReturn:
     """Print what abort did (or why it did nothing), as text or JSON; exit with ``code``."""
     if as_json:
         emit_json({**doc, "message": text})

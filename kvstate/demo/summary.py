@@ -244,7 +244,8 @@ def summary(
 
 
 def _print_stripped(out: Any, table: Any) -> None:
-    """Print ``table``; not to a terminal, each line without rich's cell padding."""
+    """Print ``table``; not to a terminal, each line without rich's cell padding (as the
+    CLI's console does: the demo sits below the CLI and does not import it)."""
     if out.is_terminal:
         out.print(table)
         return
@@ -328,7 +329,7 @@ def print_summary(doc: dict[str, Any]) -> None:
             "Redis executed (script internals included)",
         )
     if doc["keys_left"] is None:
-        t.add_row("keys left", "not checked: stopped by a second signal")
+        t.add_row("keys left", "not checked: a signal stopped the wait for them")
     else:
         t.add_row(
             "keys left",

@@ -315,7 +315,7 @@ class Auditor:
     def _dead_engines(self, parts: list[Participant], report: Report) -> None:
         """Receivers bound to a peer whose lease is gone or whose incarnation changed
         (dead_engine), and participants whose own engine holds no lease (dead_owner):
-        nobody will ever move them again. One finding per participant at most."""
+        nobody will ever move them again. At most one of the two per participant."""
         # already named as stuck or corrupt (their repair fails them); a missing TTL
         # is repaired apart, so it hides nothing (else a second --fix would find more)
         flagged = {f.key for f in report.findings if f.kind != "no_ttl"}
