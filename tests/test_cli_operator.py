@@ -609,9 +609,11 @@ def test_long_engine_names_are_not_cut_at_80_columns(store: Store, redis_url: st
         lines = result.output.splitlines()
         assert max(len(line) for line in lines) <= 80
         head = next(i for i, line in enumerate(lines) if re.search(r"\bengine\b", line))
-        start = lines[head].index("engine")
+        found = re.search(r"\bengine\s+", lines[head])
+        assert found is not None
+        start, end = found.start(), found.end()  # to where the next column starts
         # the engine column read down: both names whole (wrapped, never cut)
-        column = "".join(line[start : start + 20].strip() for line in lines[head + 1 :])
+        column = "".join(line[start:end].strip() for line in lines[head + 1 :])
         assert names[0] + names[1] in column, result.output
     for m in mgrs:
         m.close()
