@@ -118,6 +118,17 @@ def plant_unindexed(store: Store) -> str:
     return key
 
 
+def corrupt_room(store: Store, room: int = 13) -> tuple[str, str]:
+    """A room whose sender's status holds garbage, next to a healthy receiver."""
+    tx = create(store, room, "tx", "prefill-a")
+    rx = create(store, room, "rx", "decode-b")
+    store.client.hset(tx, "status", "Weird")
+    for engine, role in (("prefill-a", "prefill"), ("decode-b", "decode")):  # both alive
+        store.client.hset(store.keys.engine(engine), mapping={"role": role, "incarnation": "i"})
+        store.client.pexpire(store.keys.engine(engine), 60_000)
+    return tx, rx
+
+
 FIXABLE: dict[str, Callable[[Store], str]] = {
     "no_ttl": plant_no_ttl,
     "stuck": plant_stuck,
@@ -127,6 +138,7 @@ FIXABLE: dict[str, Callable[[Store], str]] = {
     "dead_engine/restarted": plant_restarted_engine,
     "dead_owner": plant_dead_owner,
     "unindexed": plant_unindexed,
+    "corrupt": lambda store: corrupt_room(store)[0],
 }
 
 
@@ -239,17 +251,6 @@ def test_live_rooms_are_clean_and_untouched(store: Store, state_url: str) -> Non
         assert {k: store.client.hgetall(k) for k in before} == before
         snd.clear()
         rcv.clear()
-
-
-def corrupt_room(store: Store, room: int = 13) -> tuple[str, str]:
-    """A room whose sender's status holds garbage, next to a healthy receiver."""
-    tx = create(store, room, "tx", "prefill-a")
-    rx = create(store, room, "rx", "decode-b")
-    store.client.hset(tx, "status", "Weird")
-    for engine, role in (("prefill-a", "prefill"), ("decode-b", "decode")):  # both alive
-        store.client.hset(store.keys.engine(engine), mapping={"role": role, "incarnation": "i"})
-        store.client.pexpire(store.keys.engine(engine), 60_000)
-    return tx, rx
 
 
 def test_corrupt_participant_advice_works_as_printed(store: Store, state_url: str) -> None:

@@ -131,9 +131,11 @@ def test_a_dead_servers_socket_directory_means_gone(
     assert "will not come back" in err.read_text()
 
 
-@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "second, as_json", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["json", "table"]
+)
 def test_second_signal_cuts_the_wait_and_still_summarises(
-    redis_url: str, tmp_path: Path, second: signal.Signals
+    redis_url: str, tmp_path: Path, second: signal.Signals, as_json: bool
 ) -> None:
     """While the demo waits for its keys to go, a second signal printed `Aborted!`, exited
     1 (the table's "findings") and wrote no summary, not even with --json."""
@@ -143,7 +145,7 @@ def test_second_signal_cuts_the_wait_and_still_summarises(
     out_file = (tmp_path / "out").open("w+")
     proc = subprocess.Popen(
         [str(KVSTATE_BIN), "demo", "--url", redis_url, "--namespace", ns, "--requests", "500"]
-        + ["--hold", "1", "--json", *SMALL],
+        + ["--hold", "1", *(["--json"] if as_json else []), *SMALL],
         stdout=out_file,
         stderr=(tmp_path / "err").open("w"),
         text=True,
@@ -172,7 +174,12 @@ def test_second_signal_cuts_the_wait_and_still_summarises(
     text = err.read_text()
     assert proc.returncode == 128 + second, text
     assert "Aborted" not in text and "Traceback" not in text
-    doc = json.loads(Path(out_file.name).read_text())
+    out = Path(out_file.name).read_text()
+    if not as_json:
+        assert "INTERRUPTED" in out and "by SIGINT" in out, out
+        assert "not checked: a signal stopped the wait for them" in out, out
+        return
+    doc = json.loads(out)
     assert doc["interrupted"] == "SIGINT" and doc["ok"] is False
     assert doc["keys_left"] is None  # not checked: the signal stopped the wait
     assert doc["outcomes"]["interrupted"] >= 1
