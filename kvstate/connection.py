@@ -32,6 +32,9 @@ from kvstate.errors import InvalidOptionError, InvalidURLError
 
 ENV_URL = "KVSTATE_REDIS_URL"
 ENV_NAMESPACE = "KVSTATE_NAMESPACE"
+# The password for a URL that has none: a secret with `@`, `/` or `:` in it cannot be
+# pasted into a URL unescaped (docker-compose passes it this way).
+ENV_PASSWORD = "KVSTATE_REDIS_PASSWORD"
 _SCHEMES = {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}
 
 Client = redis.Redis | RedisCluster
@@ -52,7 +55,7 @@ def redact(url: str) -> str:
                 f"{k}{eq}***" if "pass" in k.lower() else f"{k}{eq}{v}" for k, eq, v in pairs
             )
         parts = urlsplit(base)
-        if parts.password is not None:
+        if parts.password:  # an empty one is no secret: shown as given
             host = parts.netloc.rpartition("@")[2]
             base = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
         return base + mark + query
@@ -387,6 +390,12 @@ def _check(url: object, cluster: bool | None) -> _Parsed:
         port = parts.port
     except ValueError as exc:
         raise InvalidURLError(f"malformed Redis URL {redact(url)}: {exc}") from None
+    if "sentinel" in parts.scheme:
+        raise InvalidURLError(
+            f"Redis Sentinel ({redact(url)}) is not supported: kvstate does not follow a "
+            "Sentinel failover. Give the current primary's redis:// URL, or use a Redis "
+            "Cluster (redis+cluster://), which kvstate follows across failovers"
+        )
     if parts.scheme not in _SCHEMES:
         raise InvalidURLError(
             f"unsupported scheme in {redact(url)}; use redis://, rediss://, unix:// "
@@ -433,6 +442,8 @@ def make_client(url: str, cluster: bool | None = None, options: Options | None =
     }
     # the query is ours (read above); redis-py would let it override these settings
     plain = url.partition("?")[0].replace("+cluster://", "://", 1)
+    if os.environ.get(ENV_PASSWORD) and not urlsplit(plain).password:
+        common["password"] = os.environ[ENV_PASSWORD]
     if parsed.cluster:
         # A Cluster has database 0 only (checked above): redis-py refuses a ``db``
         # argument there, and every client made from this one's settings inherits it.

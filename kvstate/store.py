@@ -47,6 +47,7 @@ from redis.exceptions import (
 from kvstate import embedded, schema, wire
 from kvstate.connection import (
     ENV_NAMESPACE,
+    ENV_PASSWORD,
     ENV_URL,
     Client,
     DeadlineExceeded,
@@ -92,6 +93,8 @@ _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
 _SCRIPT_WRAPPER = re.compile(r"^Error running script \(call to f_[0-9a-f]+\): (@\w+:? ?\d+: )*-?")
 _REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
 _NODE_TROUBLE = (*_REDIRECTS, redis.ConnectionError, redis.TimeoutError)
+# Where a URL comes from, as library errors name it (the CLI names its --url instead).
+URL_SOURCE = f"connect(url=...) or ${ENV_URL}"
 _MULTI = wire.pack(("MULTI",))
 _EXEC = wire.pack(("EXEC",))
 # Durable mode (Options.durable): the scripts whose answer a caller acts on for good (a
@@ -289,8 +292,15 @@ class Store:
     def translate_error(self, exc: BaseException) -> BaseException:
         """The KVStateError to raise for a redis-py error (``exc`` itself if none fits)."""
         if isinstance(exc, AuthenticationError):
+            if "NOAUTH" in str(exc) or "required" in str(exc):
+                return StateConnectionError(
+                    f"Redis at {self.url} requires a password and none was given: set "
+                    f"${ENV_PASSWORD}, or put it in the URL (redis://:PASSWORD@HOST:PORT; "
+                    f"{URL_SOURCE})"
+                )
             return StateConnectionError(
-                f"authentication to Redis at {self.url} failed: check the user and password"
+                f"authentication to Redis at {self.url} failed: check the user and password "
+                f"(the URL's, else ${ENV_PASSWORD})"
             )
         if isinstance(exc, NoPermissionError) or (
             isinstance(exc, ExecAbortError) and "NOPERM" in str(exc)
@@ -304,8 +314,8 @@ class Store:
             return StateConnectionError(self._unreachable(exc))
         if isinstance(exc, ReadOnlyError):
             return StateConnectionError(
-                f"Redis at {self.url} is a read-only replica: point {ENV_URL} or --url at "
-                "its primary (redis+cluster:// for a Cluster)"
+                f"Redis at {self.url} is a read-only replica: give the URL of its primary "
+                f"({URL_SOURCE}; redis+cluster:// for a Cluster)"
             )
         if isinstance(exc, (AskError, TryAgainError)):
             slot = getattr(exc, "slot_id", None)
@@ -1085,7 +1095,10 @@ def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
             "stalled, overloaded or unreachable; check redis-server and the network, "
             "then retry (the limit is Options.call_timeout or ?call_timeout= in the URL)"
         )
-    return f"cannot reach Redis at {url} ({exc}); is redis-server running? Set {ENV_URL} or --url"
+    return (
+        f"cannot reach Redis at {url} ({exc}); is redis-server running? Check the URL "
+        f"({URL_SOURCE})"
+    )
 
 
 def _maxclients(url: str) -> str:
@@ -1125,10 +1138,13 @@ def connect(
     *,
     cluster: bool | None = None,
     options: Options | None = None,
+    preload_scripts: bool = True,
 ) -> Store:
     """Open the state store at ``url``, else ``$KVSTATE_REDIS_URL``; with neither,
     raise InvalidURLError naming them. ``url="embedded"`` (EMBEDDED) starts this
-    process's private redis-server instead, by choice (docs/design.md, Zero setup)."""
+    process's private redis-server instead, by choice (docs/design.md, Zero setup).
+    ``preload_scripts=False`` skips SCRIPT LOAD, for readers (a read-only ACL user):
+    a script still runs on first use, by EVAL after NOSCRIPT."""
     if url is None:
         url = os.environ.get(ENV_URL) or None
         if url is None:
@@ -1190,12 +1206,13 @@ def connect(
             )
             raise StateConnectionError(
                 f"cannot reach the Redis Cluster at {redact(url)} ({exc}); {why} A Cluster "
-                f"client finds the others through it. Set {ENV_URL} or --url"
+                f"client finds the others through it. Check the URL ({URL_SOURCE})"
             ) from None
         store = Store(client, url, keys.namespace, room_ttl, opts)
         try:
             store.ping()
-            store.load_scripts()
+            if preload_scripts:
+                store.load_scripts()
         except BaseException:
             store.close()
             raise

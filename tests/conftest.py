@@ -67,11 +67,12 @@ def _short_dir(path: Path) -> Path | None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_ambient_redis_url() -> Iterator[None]:
-    """Keep tests off any Redis named by the developer's environment."""
-    saved = os.environ.pop("KVSTATE_REDIS_URL", None)
+    """Keep tests off any Redis named by the developer's environment (and its password)."""
+    saved = {k: os.environ.pop(k, None) for k in ("KVSTATE_REDIS_URL", "KVSTATE_REDIS_PASSWORD")}
     yield
-    if saved is not None:
-        os.environ["KVSTATE_REDIS_URL"] = saved
+    for k, v in saved.items():
+        if v is not None:
+            os.environ[k] = v
 
 
 # --------------------------------------------------------------------------- tiers

@@ -4,6 +4,7 @@ what is safe (exit 0 after) and never touches a live room."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from click.testing import CliRunner, Result
 import kvstate
 from kvstate.cli import main
 from kvstate.codec import TransferInfo
+from kvstate.errors import CorruptStateError
 from kvstate.ops.ledger import Entry, Ledger
 from kvstate.poll import KVPoll
 from kvstate.store import Store
@@ -116,6 +118,17 @@ def plant_unindexed(store: Store) -> str:
     return key
 
 
+def corrupt_room(store: Store, room: int = 13) -> tuple[str, str]:
+    """A room whose sender's status holds garbage, next to a healthy receiver."""
+    tx = create(store, room, "tx", "prefill-a")
+    rx = create(store, room, "rx", "decode-b")
+    store.client.hset(tx, "status", "Weird")
+    for engine, role in (("prefill-a", "prefill"), ("decode-b", "decode")):  # both alive
+        store.client.hset(store.keys.engine(engine), mapping={"role": role, "incarnation": "i"})
+        store.client.pexpire(store.keys.engine(engine), 60_000)
+    return tx, rx
+
+
 FIXABLE: dict[str, Callable[[Store], str]] = {
     "no_ttl": plant_no_ttl,
     "stuck": plant_stuck,
@@ -125,6 +138,7 @@ FIXABLE: dict[str, Callable[[Store], str]] = {
     "dead_engine/restarted": plant_restarted_engine,
     "dead_owner": plant_dead_owner,
     "unindexed": plant_unindexed,
+    "corrupt": lambda store: corrupt_room(store)[0],
 }
 
 
@@ -239,13 +253,74 @@ def test_live_rooms_are_clean_and_untouched(store: Store, state_url: str) -> Non
         rcv.clear()
 
 
-def test_corrupt_participant_is_named(store: Store, state_url: str) -> None:
-    key = create(store, 13, "tx", "prefill-a")
-    store.client.hset(key, "status", "Weird")
+def test_corrupt_participant_advice_works_as_printed(store: Store, state_url: str) -> None:
+    """The audit says `kvstate abort 13`; run as printed, it fails the room (garbage
+    status included) and the audit is clean after. It used to exit 2 pointing back at
+    `kvstate abort`, after writing the room's abort mark."""
+    tx, rx = corrupt_room(store)
+    result, doc = audit(state_url)
+    assert result.exit_code == 1 and kinds(doc) == ["corrupt"], doc
+    detail = doc["findings"][0]["detail"]
+    command = re.search(r"kvstate abort \d+", detail)
+    assert command is not None and command[0] == "kvstate abort 13", detail
+    result = CliRunner().invoke(main, ["--url", state_url, *command[0].split()[1:]])
+    assert result.exit_code == 0, result.output
+    assert "failed 2 of 2" in result.output
+    for key in (tx, rx):
+        assert store.client.hget(key, "status") == b"Failed"
+    result, doc = audit(state_url)
+    assert result.exit_code == 0 and doc["findings"] == [], doc
+
+
+def test_fix_aborts_the_room_of_a_corrupt_participant(store: Store, state_url: str) -> None:
+    tx, rx = corrupt_room(store)
+    result, doc = audit(state_url, "--fix")
+    assert result.exit_code == 0, doc
+    assert kinds(doc) == ["corrupt"] and "aborted room 13" in doc["findings"][0]["fixed"]
+    assert store.client.hget(tx, "status") == store.client.hget(rx, "status") == b"Failed"
+    assert b"corrupt" in store.client.hget(rx, "reason")
+    result, doc = audit(state_url)
+    assert result.exit_code == 0 and doc["findings"] == [], doc
+
+
+def test_abort_writes_nothing_when_it_cannot_finish(store: Store, state_url: str) -> None:
+    """A participant key that is not a hash: abort (the library's and the command's)
+    refuses before writing anything, no abort mark, the other side untouched; the
+    command and the audit name the way out (delete it, then abort)."""
+    tx, rx = corrupt_room(store)
+    store.client.delete(tx)
+    store.client.set(tx, "written by hand", px=600_000)
+    with pytest.raises(CorruptStateError):
+        store.abort(13, "operator")
+    assert store.client.exists(store.keys.aborted(13)) == 0
+    assert store.client.hget(rx, "status") == b"Bootstrapping"
+    result = CliRunner().invoke(main, ["--url", state_url, "abort", "13"])
+    assert result.exit_code == 2 and f"redis-cli DEL {tx}" in result.output, result.output
+    assert "nothing written" in result.output
+    assert store.client.exists(store.keys.aborted(13)) == 0
     result, doc = audit(state_url, "--fix")
     assert result.exit_code == 1
-    assert kinds(doc) == ["corrupt"]
-    assert store.client.hget(key, "status") == b"Weird"
+    (finding,) = [f for f in doc["findings"] if f["key"] == tx]
+    assert f"redis-cli DEL {tx}" in finding["left"], finding
+    store.client.delete(tx)  # as advised
+    result = CliRunner().invoke(main, ["--url", state_url, "abort", "13"])
+    assert result.exit_code == 0, result.output
+    assert store.client.hget(rx, "status") == b"Failed"
+
+
+def test_one_fix_pass_leaves_nothing_for_a_second(store: Store, state_url: str) -> None:
+    """A participant of a dead engine that also lost its TTL: one --fix repairs both (the
+    missing TTL used to hide the dead owner until a second pass)."""
+    key = plant_dead_owner(store)
+    store.client.persist(key)
+    result, doc = audit(state_url, "--fix")
+    assert result.exit_code == 0, doc
+    assert sorted((f["kind"], bool(f["fixed"])) for f in doc["findings"]) == [
+        ("dead_owner", True),
+        ("no_ttl", True),
+    ], doc
+    result, doc = audit(state_url, "--fix")
+    assert result.exit_code == 0 and doc["findings"] == [], doc
 
 
 def test_eviction_policy_is_a_finding(redis_url: str) -> None:

@@ -24,9 +24,9 @@ import redis
 from click.testing import CliRunner, Result
 
 import kvstate
-from kvstate.cli import OPERATOR_ACL, main
+from kvstate.cli import OPERATOR_ACL, READER_ACL, main
 from kvstate.ops.audit import Auditor, Report
-from kvstate.ops.ledger import Monitor
+from kvstate.ops.ledger import Entry, Ledger, Monitor
 from kvstate.ops.metrics import Metrics
 from kvstate.poll import KVPoll
 from kvstate.store import Store
@@ -260,7 +260,7 @@ def test_url_and_namespace_after_every_subcommand(store: Store, redis_url: str) 
         (["engines"], 0),
         (["audit"], 0),
         (["doctor", "--no-ucx"], 0),
-        (["monitor", "--duration", "0.2", "--interval", "0.1"], 0),
+        (["monitor", "--duration", "200ms", "--interval", "100ms"], 0),
         (["abort", "31"], 0),
     ]
     for args, code in cases:
@@ -386,7 +386,7 @@ def test_top_waits_for_redis_across_a_restart(
     err = (tmp_path / "err").open("w+")
     env = {k: v for k, v in os.environ.items() if k != "KVSTATE_REDIS_URL"}
     proc = subprocess.Popen(
-        [str(KVSTATE_BIN), "top", "--url", server.tcp_url, "--interval", "0.2"],
+        [str(KVSTATE_BIN), "top", "--url", server.tcp_url, "--interval", "200ms"],
         stdout=subprocess.PIPE,
         stderr=err,
         text=True,
@@ -416,7 +416,7 @@ def test_top_waits_for_redis_across_a_restart(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, Path(err.name).read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, Path(err.name).read_text()
     assert "Traceback" not in Path(err.name).read_text()
     assert "kvstate top" in out
 
@@ -514,11 +514,11 @@ def test_engine_user_degrades_operator_user_does_it_all(acl_users: tuple[str, st
         ["ls"],
         ["engines"],
         ["top", "--once"],
-        ["monitor", "--duration", "0.3", "--interval", "0.1"],
+        ["monitor", "--duration", "300ms", "--interval", "100ms"],
     ):
         result = run("--url", operator, *args)
         assert result.exit_code == 0, (args, result.output)
-    result = run("--url", operator, "monitor", "--duration", "0.3", "--interval", "0.1")
+    result = run("--url", operator, "monitor", "--duration", "300ms", "--interval", "100ms")
     assert "expiry notifications on" in result.output
     p.close()
     d.close()
@@ -527,6 +527,63 @@ def test_engine_user_degrades_operator_user_does_it_all(acl_users: tuple[str, st
 
 def test_operator_acl_line_is_in_the_readme() -> None:
     assert OPERATOR_ACL in README.read_text()
+    assert READER_ACL in README.read_text()
+
+
+def test_read_only_operator_reads_everything_with_read_commands(
+    redis_server_factory: Callable[..., RedisProcess],
+) -> None:
+    """The README's reader line allows no command that writes (COMMAND INFO says so);
+    as that user, ls, show, top, engines and audit answer in full: no ACL refusal (they
+    used to SCRIPT LOAD first), no degraded check, nothing in the server's ACL LOG."""
+    server = redis_server_factory(port="auto")
+    admin = redis.Redis(host="127.0.0.1", port=server.port)
+    line = READER_ACL.replace("PASSWORD", "rd-Pw_3").replace("NAMESPACE", "default")
+    admin.execute_command(*line.split())
+    allowed = {t[1:].partition("|")[0] for t in line.split() if t.startswith("+")}
+    writes = {c.decode() for c in admin.execute_command("ACL", "CAT", "write")}
+    assert allowed and not allowed & writes, allowed & writes
+    for attempt in (  # what a write would take (ACL DRYRUN: Redis 7+)
+        ["SET", "kvstate:default:x", "1"],
+        ["HSET", "kvstate:default:x", "f", "1"],
+        ["SCRIPT", "LOAD", "return 1"],
+        ["EVAL", "return 1", "0"],
+        ["CONFIG", "SET", "maxmemory", "1"],
+        ["XADD", "kvstate:default:ledger", "*", "f", "1"],
+    ):
+        try:
+            answer = admin.execute_command("ACL", "DRYRUN", "kvstate-reader", *attempt)
+        except redis.ResponseError as exc:
+            assert "unknown subcommand" in str(exc).lower() or "DRYRUN" in str(exc), exc
+            break  # Redis 6.2: no DRYRUN
+        assert answer != b"OK", attempt
+    store = kvstate.connect(server.tcp_url)
+    p, d, snd, rcv = live_room(store, 141)
+    Ledger(store).append([Entry("test", None, "", "", "", None, "")])
+    admin.execute_command("ACL", "LOG", "RESET")
+    reader = f"redis://kvstate-reader:rd-Pw_3@127.0.0.1:{server.port}"
+    for args in (
+        ["ls"],
+        ["ls", "--json"],
+        ["show", "141"],
+        ["show", "141", "--json"],
+        ["top", "--once"],
+        ["top", "--json"],
+        ["engines"],
+        ["engines", "--json"],
+        ["audit"],
+    ):
+        result = run("--url", reader, *args)
+        assert result.exit_code == 0, (args, result.output)
+        assert "ACL" not in result.output and "note:" not in result.output, (args, result.output)
+    doc = json.loads(run("--url", reader, "audit", "--json").stdout)
+    assert doc["clean"] and doc["notes"] == [] and doc["ledger"], doc
+    assert json.loads(run("--url", reader, "ls", "--json").stdout)["count"] == 2
+    assert admin.execute_command("ACL", "LOG") == []  # nothing was refused
+    p.close()
+    d.close()
+    store.close()
+    admin.close()
 
 
 def test_interval_floor(redis_url: str) -> None:
@@ -552,9 +609,38 @@ def test_long_engine_names_are_not_cut_at_80_columns(store: Store, redis_url: st
         lines = result.output.splitlines()
         assert max(len(line) for line in lines) <= 80
         head = next(i for i, line in enumerate(lines) if re.search(r"\bengine\b", line))
-        start = lines[head].index("engine")
+        found = re.search(r"\bengine\s+", lines[head])
+        assert found is not None
+        start, end = found.start(), found.end()  # to where the next column starts
         # the engine column read down: both names whole (wrapped, never cut)
-        column = "".join(line[start : start + 20].strip() for line in lines[head + 1 :])
+        column = "".join(line[start:end].strip() for line in lines[head + 1 :])
         assert names[0] + names[1] in column, result.output
     for m in mgrs:
         m.close()
+
+
+# --------------------------------------------------------------------------- issue 21, item 5
+
+
+def test_engines_show_rooms_in_flight_by_side_and_status(store: Store, redis_url: str) -> None:
+    """The census `top` counts, per engine: what a router needs to pick engines."""
+    p, d, snd, rcv = live_room(store, 151)
+    snd2, rcv2 = p.sender(152), d.receiver(152, ADDR)
+    rcv2.init(np.arange(8))
+    assert snd2.poll() == KVPoll.WaitingForInput
+    p.sender(153).poll()  # a sender alone: Bootstrapping
+    rcv.abort("gone")  # room 151 fails, both sides: not in flight any more
+    try:
+        doc = json.loads(run("--url", redis_url, "engines", "--json").stdout)
+        load = {e["engine"]: e["inflight"] for e in doc["engines"]}
+        assert load["prefill-a.tp0"] == {
+            "total": 2,
+            "by_status": {"tx:Bootstrapping": 1, "tx:WaitingForInput": 1},
+        }, load
+        assert load["decode-b.tp0"] == {"total": 1, "by_status": {"rx:WaitingForInput": 1}}
+        table = run("--url", redis_url, "engines").output
+        assert "2: tx Bootstrapping 1, tx WaitingForInput 1" in table, table
+        assert "1: rx WaitingForInput 1" in table, table
+    finally:
+        p.close()
+        d.close()

@@ -4,17 +4,22 @@ exists in the CLI with those options."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import scaled
+from tests.helpers import scaled, wait_for
 
 yaml = pytest.importorskip("yaml")
 
@@ -88,7 +93,7 @@ def test_workers_attach_to_the_router(services: dict[str, dict[str, Any]]) -> No
         assert sorted(engines) == [f"{role}-{i}" for i in range(want)]
     for name in cmds:
         env = services[name]["environment"]
-        assert env["KVSTATE_REDIS_URL"].endswith("@redis:6379}"), name
+        assert env["KVSTATE_REDIS_URL"] == "${KVSTATE_REDIS_URL:-redis://redis:6379}", name
         assert env["KVSTATE_NAMESPACE"] == "demo"
 
 
@@ -147,7 +152,10 @@ def test_secrets_come_from_the_user(services: dict[str, dict[str, Any]]) -> None
         env = svc.get("environment") or {}
         if argv(svc)[:1] == ["kvstate"]:
             assert _required(env["KVSTATE_DEMO_AUTHKEY"], "KVSTATE_DEMO_AUTHKEY"), name
-            assert "${KVSTATE_REDIS_PASSWORD:?" in env["KVSTATE_REDIS_URL"], name
+            assert _required(env["KVSTATE_REDIS_PASSWORD"], "KVSTATE_REDIS_PASSWORD"), name
+            # never pasted into a URL: a character such as @ / : in it would break it
+            assert "@" not in env["KVSTATE_REDIS_URL"], name
+            assert "PASSWORD" not in env["KVSTATE_REDIS_URL"], name
         cmd = " ".join(argv(svc))
         if "redis-server" in cmd:
             assert _required(env["REDIS_PASSWORD"], "KVSTATE_REDIS_PASSWORD"), name
@@ -155,20 +163,20 @@ def test_secrets_come_from_the_user(services: dict[str, dict[str, Any]]) -> None
             assert "requirepass" in cmd and "--requirepass" not in cmd, name  # not in argv
 
 
-def test_redis_command_requires_the_password(tmp_path: Path) -> None:
-    """Run the redis service's own command with the real redis-server (on a free port
-    and a temp file): without the password every command is refused."""
+@contextmanager
+def compose_redis(tmp_path: Path, password: str) -> Iterator[int]:
+    """The redis service's own command, run with the real redis-server on a free port
+    (its config file in a temp folder); yields the port once it answers."""
+    import redis
+
     from kvstate.testing import find_redis_server, free_port
 
-    doc = yaml.safe_load(COMPOSE.read_text())
-    cmd = argv(doc["services"]["redis"])
+    cmd = argv(yaml.safe_load(COMPOSE.read_text())["services"]["redis"])
     assert cmd[:2] == ["sh", "-c"]
-    conf = tmp_path / "auth.conf"
-    script = cmd[2].replace("/tmp/redis-auth.conf", str(conf))
+    script = cmd[2].replace("/tmp/redis-auth.conf", str(tmp_path / "auth.conf"))
     script = script.replace("exec redis-server", f"exec {find_redis_server()}")
     port = free_port()
     script += f" --port {port} --bind 127.0.0.1 --dir {tmp_path}"
-    password = "pw-" + tmp_path.name
     proc = subprocess.Popen(
         ["sh", "-c", script],
         env={"REDIS_PASSWORD": password, "PATH": "/usr/bin:/bin"},
@@ -176,8 +184,6 @@ def test_redis_command_requires_the_password(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        import redis
-
         deadline = time.monotonic() + scaled(20)
         while True:
             try:
@@ -188,6 +194,19 @@ def test_redis_command_requires_the_password(tmp_path: Path) -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_redis_command_requires_the_password(tmp_path: Path) -> None:
+    """Without the password every command is refused."""
+    import redis
+
+    password = "pw-" + tmp_path.name
+    with compose_redis(tmp_path, password) as port:
         with (
             redis.Redis(port=port, socket_timeout=2) as c,
             pytest.raises(redis.AuthenticationError),
@@ -195,10 +214,149 @@ def test_redis_command_requires_the_password(tmp_path: Path) -> None:
             c.ping()
         with redis.Redis(port=port, password=password, socket_timeout=2) as c:
             assert c.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
-        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+
+
+def _health(service: dict[str, Any]) -> list[str]:
+    """A healthcheck's command as Docker runs it: CMD-SHELL through sh -c, CMD as is."""
+    test = [str(t).replace("$$", "$") for t in service["healthcheck"]["test"]]
+    if test[0] == "CMD-SHELL":
+        return ["sh", "-c", test[1]]
+    assert test[0] == "CMD", test
+    return test[1:]
+
+
+def test_redis_healthcheck_fails_on_noauth(
+    services: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """`redis-cli ping` exits 0 on a NOAUTH reply: the old check passed with a wrong or
+    missing password. The check must fail then, and pass with the right one."""
+    password = "pw-" + tmp_path.name
+    with compose_redis(tmp_path, password) as port:
+        for name in ("redis", "redis-cluster-1"):
+            check = _health(services[name])
+            assert "redis-cli" in " ".join(check), name
+            for auth, healthy in ((password, True), ("wrong-password", False), (None, False)):
+                env = {"PATH": "/usr/bin:/bin", "PORT": str(port)}
+                if auth is not None:
+                    env["REDISCLI_AUTH"] = auth
+                got = subprocess.run(check, env=env, capture_output=True, timeout=scaled(20))
+                assert (got.returncode == 0) == healthy, (name, auth, got)
+        old = subprocess.run(
+            ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, timeout=20
+        )
+        assert old.returncode == 0 and "NOAUTH" in old.stdout  # why status alone is no check
+
+
+def test_router_and_monitor_healthchecks_work(
+    services: dict[str, dict[str, Any]], redis_server_factory: Any, tmp_path: Path
+) -> None:
+    """The router's check passes once its queue port listens; the monitor's only while
+    its metrics say kvstate_up 1 (a monitor that cannot read Redis is not healthy)."""
+    from kvstate.testing import free_port
+
+    router = _health(services["router"])
+    port = free_port()
+    check = [a.replace("7070", str(port)) for a in router]
+    assert subprocess.run(check, capture_output=True, timeout=scaled(20)).returncode != 0
+    with socket.create_server(("127.0.0.1", port)):
+        assert subprocess.run(check, capture_output=True, timeout=scaled(20)).returncode == 0
+
+    monitor = _health(services["monitor"])
+    server = redis_server_factory(port="auto")
+    metrics = free_port()
+    check = [a.replace("9108", str(metrics)) for a in monitor]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstate.cli", "--url", server.tcp_url, "monitor"]
+        + ["--metrics-port", str(metrics), "--metrics-addr", "127.0.0.1", "--interval", "200ms"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+
+    def healthy() -> bool:
+        return subprocess.run(check, capture_output=True, timeout=scaled(20)).returncode == 0
+
+    try:
+        assert wait_for(healthy, 60)
+        server.kill()
+        assert wait_for(lambda: not healthy(), 60)
+        server.restart()
+        assert wait_for(healthy, 60)
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(scaled(30))
+
+
+def test_restart_policies(services: dict[str, dict[str, Any]]) -> None:
+    """Redis and the monitor come back unless stopped; the run (router, workers) and the
+    one-shot cluster init say explicitly that they do not."""
+    for name, svc in services.items():
+        assert "restart" in svc, f"{name} has no restart policy"
+        serving = name.startswith("redis-cluster-") and name != "redis-cluster-init"
+        if name in ("redis", "monitor") or serving:
+            assert svc["restart"] == "unless-stopped", name
+        else:
+            assert svc["restart"] == "no", name
+    for name in ("redis", "router", "monitor"):
+        assert services[name].get("healthcheck"), f"{name} has no healthcheck"
+    for name, svc in services.items():  # workers start once the router takes them
+        if "--worker" in argv(svc):
+            assert svc["depends_on"]["router"]["condition"] == "service_healthy", name
+
+
+def _header() -> list[str]:
+    lines = []
+    for line in COMPOSE.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:])
+    return lines
+
+
+def _host_commands() -> list[str]:
+    """The header's block of commands to run from the host."""
+    lines = _header()
+    start = next(i for i, line in enumerate(lines) if "tests/test_compose.py runs" in line)
+    block = []
+    for line in lines[start + 2 :]:
+        if not line.strip():
+            break
+        block.append(line.strip())
+    return block
+
+
+def test_header_commands_work_as_written(tmp_path: Path) -> None:
+    """The header's own lines: its printf writes .env; its host block reads the password
+    from there (the old one exported a URL built from a variable that lived only in
+    .env) and reaches the compose Redis (here on a free port instead of 6379)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not on PATH (the header makes the secrets with it)")
+    (printf,) = [line.strip() for line in _header() if line.strip().startswith("printf ")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTATE_")}
+    subprocess.run(["bash", "-c", printf], cwd=tmp_path, env=env, check=True, timeout=30)
+    dotenv = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().split())
+    assert len(dotenv["KVSTATE_REDIS_PASSWORD"]) == 32 and len(dotenv["KVSTATE_DEMO_AUTHKEY"]) == 32
+    block = _host_commands()
+    assert block[0].startswith("set -a; . ./.env; set +a")
+    assert any(line.startswith("kvstate top") for line in block)
+    (tmp_path / "redis-data").mkdir()
+    with compose_redis(tmp_path / "redis-data", dotenv["KVSTATE_REDIS_PASSWORD"]) as port:
+        script = "set -e\n" + "\n".join(
+            line.replace(":6379", f":{port}")
+            for line in block
+            if not line.startswith("kvstate top")
+        )
+        env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+        got = subprocess.run(
+            ["bash", "-c", script],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(120),
+        )
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "redis" in got.stdout and dotenv["KVSTATE_REDIS_PASSWORD"] not in got.stdout + got.stderr
 
 
 @pytest.mark.skipif(shutil.which("docker") is None, reason="docker is not installed")

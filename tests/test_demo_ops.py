@@ -137,6 +137,22 @@ def test_hold_keeps_rooms_visible_to_the_cli() -> None:
     doc = json.loads(out)
     assert doc["outcomes"]["done"] == 4 and doc["config"]["hold_s"] == hold
     assert not record.exists()
+    # figures that would time the hold itself are not given as kvstate's
+    assert doc["gb_per_s"] is None and doc["latency_ms"] is None
+    assert doc["redis"]["round_trips_per_room"] is None and doc["write_gb_per_s"] > 0
+
+
+def test_held_summary_prints_no_meaningless_figures_and_no_padding() -> None:
+    """With --hold the summary printed `end to end 0.000 GB/s`, `p50 30065.8 ms` and
+    `2253.1 round trips` (the hold, timed); piped, each line was padded to 120 columns."""
+    proc = _start("--requests", "2", "--hold", "0.5", *SMALL)
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err
+    assert "not measured: each room waited 0.5 s on purpose (--hold)" in out, out
+    for meaningless in ("GB/s: verified bytes", "p50", "round trips from the workers"):
+        assert meaningless not in out, out
+    assert "data plane" in out and "keys left" in out
+    assert [line for line in out.splitlines() if line != line.rstrip()] == [], out
 
 
 def test_a_password_url_stays_out_of_output_and_records(redis_server_factory: Any) -> None:

@@ -215,11 +215,11 @@ def test_monitor_subprocess_ledger_and_metrics(redis_url: str) -> None:
             "--metrics-addr",
             "127.0.0.1",
             "--interval",
-            "0.2",
+            "200ms",
             "--audit-interval",
             "0",
             "--duration",
-            "30",
+            "30s",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -258,7 +258,8 @@ def test_monitor_subprocess_ledger_and_metrics(redis_url: str) -> None:
         out, err = proc.communicate(timeout=scaled(10))
     assert "reaped by TTL: room 31" in out, (out, err)
     assert "Traceback" not in err, err
-    assert proc.returncode == 0 and "monitor stopped" in err, (proc.returncode, err)
+    # SIGTERM: the sweep finishes, then 128 + 15, as the demo and `top` exit
+    assert proc.returncode == 143 and "monitor stopped" in err, (proc.returncode, err)
 
 
 def test_monitor_thread_with_metrics(store: Store, state_url: str) -> None:

@@ -4,11 +4,13 @@ and the HTTP endpoint."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from kvstate.ops.ledger import Monitor
 from kvstate.ops.metrics import Metrics, MetricsPortError, read_transfer_totals
 from kvstate.poll import KVPoll
 from kvstate.stats import STATS_TTL_S
-from tests.helpers import scaled
+from tests.helpers import scaled, wait_for
 
 ADDR = "10.0.0.1:8998"
 
@@ -181,7 +183,7 @@ def test_busy_metrics_port_is_a_clear_error(redis_url: str) -> None:
                 "--metrics-addr",
                 "127.0.0.1",
                 "--duration",
-                "1",
+                "1s",
             ],
             capture_output=True,
             text=True,
@@ -231,4 +233,75 @@ def test_http_endpoint_serves_the_registry() -> None:
     finally:
         server.shutdown()
     assert 'kvstate_rooms_reaped_total{status="Transferring"} 3.0' in text
-    assert "python_gc" not in text  # not the global registry
+    assert "process_cpu_seconds_total" in text  # the standard collectors
+    assert text.count("# TYPE kvstate_rooms_reaped_total counter") == 1
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=scaled(5)) as resp:
+        return str(resp.read().decode())
+
+
+def _value(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_a_failed_sweep_reads_as_down_not_as_the_last_counts(
+    redis_server_factory: Any, tmp_path: Any
+) -> None:
+    """With Redis stopped under `kvstate monitor --metrics-port`, the endpoint kept
+    answering the last gauges (`kvstate_participants{...} 1.0`) and nothing said the
+    sweep failed. Now `kvstate_up` is 0, the gauges read from Redis are gone, the time of
+    the last good sweep stays, and the process_* metrics are there; all back once Redis
+    is."""
+    server = redis_server_factory(port="auto")
+    store = kvstate.connect(server.tcp_url)
+    p = kvstate.KVManager(store, "prefill", "prefill-a", ADDR)
+    p.sender(3).poll()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstate.cli", "--url", server.tcp_url, "monitor"]
+        + ["--metrics-port", str(port), "--metrics-addr", "127.0.0.1", "--interval", "200ms"],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "err").open("w"),
+        stdin=subprocess.DEVNULL,
+    )
+    texts: list[str] = []
+
+    def scraped(pred: Any) -> bool:
+        try:
+            texts.append(_scrape(port))
+        except OSError:
+            return False
+        return bool(pred(texts[-1]))
+
+    try:
+        assert wait_for(lambda: scraped(lambda t: _value(t, "kvstate_up") == 1), 60)
+        up = texts[-1]
+        assert 'kvstate_participants{side="tx",status="Bootstrapping"} 1.0' in up
+        assert _value(up, "process_cpu_seconds_total") is not None
+        assert _value(up, "process_resident_memory_bytes") is not None
+        good = _value(up, "kvstate_last_good_sweep_timestamp_seconds")
+        assert good is not None and abs(good - time.time()) < scaled(30)
+        server.kill()
+        assert wait_for(lambda: scraped(lambda t: _value(t, "kvstate_up") == 0), 60)
+        down = texts[-1]
+        assert "kvstate_participants{" not in down and "kvstate_engines_alive{" not in down
+        assert "kvstate_inflight_participants{" not in down
+        assert (_value(down, "kvstate_monitor_sweep_failures_total") or 0) >= 1
+        stale = _value(down, "kvstate_last_good_sweep_timestamp_seconds")
+        assert stale is not None and good <= stale < time.time()
+        server.restart()
+        assert wait_for(lambda: scraped(lambda t: _value(t, "kvstate_up") == 1), 60)
+        assert 'kvstate_participants{side="tx",status="Bootstrapping"} 0.0' in texts[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=scaled(30))
+        p.close()
+        store.close()
+    assert proc.returncode == 128 + signal.SIGTERM

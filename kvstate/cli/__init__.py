@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from kvstate.cli import audit, doctor, engines, monitor, rooms, top
 from kvstate.cli.app import main
-from kvstate.cli.doctor import OPERATOR_ACL
+from kvstate.cli.doctor import OPERATOR_ACL, READER_ACL
 
-__all__ = ["OPERATOR_ACL", "main"]
+__all__ = ["OPERATOR_ACL", "READER_ACL", "main"]
 _COMMANDS = (audit, doctor, engines, monitor, rooms, top)  # imported to register them
 
 try:  # the demo's own dependencies missing must not take the operator commands down

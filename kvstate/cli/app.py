@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from collections.abc import Callable, Iterator
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,18 +29,19 @@ import click
 import redis
 from redis.exceptions import NoPermissionError
 
-from kvstate.connection import ENV_NAMESPACE, ENV_URL, Options, redact
+from kvstate.connection import ENV_NAMESPACE, ENV_PASSWORD, ENV_URL, Options, redact
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError
-from kvstate.ops.views import fmt_ms, holds_keys, namespaces
+from kvstate.ops.durations import DurationSyntaxError, fmt_ms, parse_seconds
+from kvstate.ops.views import holds_keys, namespaces
 from kvstate.redis_server import RedisServerError
-from kvstate.store import EMBEDDED, Store, connect
+from kvstate.store import EMBEDDED, URL_SOURCE, Store, connect
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+# click >= 8.2 raises this for a group called without a command (8.1 prints the help)
+_NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
 DEMO_RECORD = "kvstate-demo-*.json"  # written by a running `kvstate demo`, removed at exit
 
 if TYPE_CHECKING:  # generic since click 8.2; a subscript would fail at run time on 8.1
@@ -60,8 +63,9 @@ class Failure(click.ClickException):
 
 
 class Duration(_ParamType):
-    """``30s``, ``5m``, ``1h``, ``250ms``; a bare number is seconds. ``minimum`` (seconds)
-    refuses periods that would hammer Redis (``--interval 0`` is a busy loop)."""
+    """``30s``, ``1m30s``, ``250ms``: what the tables print (kvstate.ops.durations); a
+    number needs its unit. ``minimum`` (seconds) refuses periods that would hammer
+    Redis (``--interval 0`` is a busy loop)."""
 
     name = "duration"
 
@@ -71,13 +75,13 @@ class Duration(_ParamType):
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
     ) -> float:
-        if isinstance(value, int | float):
+        if isinstance(value, int | float):  # a default, in seconds
             seconds = float(value)
         else:
-            m = _DURATION.match(str(value))
-            if not m:
-                self.fail(f"{value!r} is not a duration (examples: 30s, 5m, 1h, 250ms)", param, ctx)
-            seconds = float(m[1]) * _UNITS[m[2]]
+            try:
+                seconds = parse_seconds(str(value))
+            except DurationSyntaxError as exc:
+                self.fail(str(exc), param, ctx)
         if seconds < self.minimum:
             self.fail(
                 f"{value!r} is too short: at least {fmt_ms(int(self.minimum * 1000))}", param, ctx
@@ -94,29 +98,39 @@ class Ctx:
     url: str | None = None
     namespace: str | None = "default"
     namespace_given: bool = False  # -n or $KVSTATE_NAMESPACE: a found demo's does not apply
+    demo_pid: int | None = None  # the running demo whose embedded server is in use
 
     @property
     def secrets(self) -> list[str]:
-        """The URL's password (as written and decoded), only to scrub it from errors."""
-        if not self.url:
-            return []
+        """The passwords in play (the URL's, as written and decoded, and
+        $KVSTATE_REDIS_PASSWORD), only to scrub them from errors."""
+        found = {os.environ.get(ENV_PASSWORD) or ""}
         try:
-            pw = urlsplit(self.url).password
+            pw = urlsplit(self.url or "").password
         except ValueError:
-            return []
-        return sorted({pw, unquote(pw)}, key=len, reverse=True) if pw else []
+            pw = None
+        if pw:
+            found |= {pw, unquote(pw)}
+        return sorted(found - {""}, key=len, reverse=True)
 
     def store(
         self, need_url: bool = True, room_ttl: float = ROOM_TTL, patient: bool = False
     ) -> Store:
         """Connect. One-shot commands retry twice (an operator waits for an answer, and
         a wrong password is never going to work); ``patient`` ones (monitor) keep the
-        engines' retry policy."""
+        engines' retry policy. No SCRIPT LOAD: the views read with plain read commands
+        (a read-only ACL user runs them), and a repair's script loads on first use."""
         if need_url and not self.url:
             self._find_demo()
         options = None if patient else Options(retries=2, backoff_cap=0.2)
         try:  # no URL here only for `doctor`, which then asks for a private server
-            return connect(self.url or EMBEDDED, self.namespace, room_ttl, options=options)
+            return connect(
+                self.url or EMBEDDED,
+                self.namespace,
+                room_ttl,
+                options=options,
+                preload_scripts=False,
+            )
         except (ValueError, TypeError) as exc:  # redis-py reading the URL's query string
             if isinstance(exc, KVStateError):
                 raise
@@ -136,6 +150,7 @@ class Ctx:
                 "would be empty)"
             )
         self.url = record["url"]
+        self.demo_pid = record["pid"]
         if not self.namespace_given:
             self.namespace = record["namespace"]
         click.echo(
@@ -143,6 +158,27 @@ class Ctx:
             f"at {redact(self.url)}, namespace {self.namespace}",
             err=True,
         )
+
+    def gone(self) -> str | None:
+        """Why the Redis this command watches is gone for good (not restarting), if it
+        is: the demo that ran its embedded server exited, or the directory of its unix
+        socket was removed (an embedded server's, at its exit). None: it may come back."""
+        if self.demo_pid is not None and not _alive(self.demo_pid):
+            return (
+                f"the kvstate demo (pid {self.demo_pid}) that ran this embedded Redis has "
+                "exited, and its server with it; start another demo, or pass --url"
+            )
+        try:
+            parts = urlsplit(self.url or "")
+        except ValueError:
+            return None
+        if parts.scheme == "unix" and parts.path and not Path(parts.path).parent.is_dir():
+            return (
+                f"the directory of the unix socket {parts.path} is gone (an embedded "
+                "server's, removed at its exit): that Redis will not come back; pass "
+                "the --url of a running one"
+            )
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -190,19 +226,53 @@ def scrub(text: str, secrets: list[str]) -> str:
 
 
 class KVGroup(click.Group):
-    """Turns kvstate and redis-py errors into one line and exit status 2."""
+    """Turns kvstate and redis-py errors, and click's usage errors, into one line and
+    exit status 2; Ctrl-C into exit status 130 (click would print ``Aborted!``, exit 1)."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except _NO_ARGS as exc:  # `kvstate` alone: the help, as click prints it
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "kvstate"
+            click.echo(f"kvstate: error: {exc.format_message()} (`{where} -h` for help)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort as exc:
+            interrupted = isinstance(exc.__cause__, KeyboardInterrupt)
+            click.echo("kvstate: interrupted" if interrupted else "kvstate: aborted", err=True)
+            sys.exit(128 + signal.SIGINT if interrupted else EXIT_FINDINGS)
+        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:  # `kvstate ls | head`: click quiets it, no error line
+            raise
         except (KVStateError, redis.RedisError, RedisServerError, OSError) as exc:
             obj = ctx.find_object(Ctx)
             raise Failure(scrub(describe(exc), obj.secrets if obj else [])) from None
 
 
+CLI_URL_SOURCE = f"--url or ${ENV_URL}"
+
+
 def describe(exc: BaseException) -> str:
     if isinstance(exc, KVStateError):
-        return str(exc)
+        return str(exc).replace(URL_SOURCE, CLI_URL_SOURCE)
     if isinstance(exc, NoPermissionError):
         return f"Redis refused a command under its ACL ({exc}); use a user with more rights"
     if isinstance(exc, redis.RedisError):
@@ -210,6 +280,38 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, RedisServerError):
         return f"embedded redis-server: {exc} (install redis-server or pass --url)"
     return f"{type(exc).__name__}: {exc}"
+
+
+class Stopper:
+    """SIGINT (Ctrl-C) and SIGTERM for a live command (``top``, ``monitor``): either one
+    sets ``event``, so the loop ends its step and stops; ``exit_code`` is then 128 + the
+    signal (130 / 143, as the demo's), 0 when nothing stopped it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Stopper:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._on)
+        return self
+
+    def _on(self, signum: int, _frame: Any) -> None:
+        self.signum = self.signum or signum
+        self.event.set()
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def wait(self, seconds: float) -> bool:
+        return self.event.wait(seconds)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum else EXIT_OK
 
 
 @contextmanager

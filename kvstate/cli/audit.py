@@ -22,9 +22,9 @@ from kvstate.cli.output import console, emit_json, styled
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor, Report, acl_refused
+from kvstate.ops.durations import fmt_ms
 from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import Entry, Ledger
-from kvstate.ops.views import fmt_ms
 from kvstate.store import Store
 
 

@@ -18,7 +18,17 @@ import redis
 from redis.exceptions import NoPermissionError
 from rich.table import Table
 
-from kvstate.cli.app import EXIT_FINDINGS, EXIT_OK, Ctx, common, describe, main, opened, scrub
+from kvstate.cli.app import (
+    EXIT_ERROR,
+    EXIT_FINDINGS,
+    EXIT_OK,
+    Ctx,
+    common,
+    describe,
+    main,
+    opened,
+    scrub,
+)
 from kvstate.cli.output import console, emit_json, styled
 from kvstate.connection import ENV_URL
 from kvstate.errors import KVStateError
@@ -118,6 +128,18 @@ OPERATOR_ACL = (
     "+hset +hdel +hkeys +hlen +hexists +sadd +scard +smembers +zadd +zrange +zrem "
     "+zremrangebyscore +info +config|get +config|set +object|idletime +xadd +xrevrange "
     "+subscribe +unsubscribe +acl|whoami"
+)
+
+
+# A read-only operator: `ls`, `show`, `top`, `engines` and `audit` (without --fix) read
+# with these plain read commands only (no script, no write; tests/test_cli_operator.py
+# runs them as this user). MULTI/EXEC group two reads; INFO, CONFIG GET, OBJECT IDLETIME
+# and XREVRANGE are the audit's server, idle-time and ledger checks.
+READER_ACL = (
+    "ACL SETUSER kvstate-reader reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
+    "-@all +ping +client|setname +time +scan +multi +exec +exists +pttl +get +hget +hmget "
+    "+hgetall +hkeys +hexists +smembers +zrange +object|idletime +xrevrange +info "
+    "+config|get +acl|whoami"
 )
 
 
@@ -247,8 +269,11 @@ def _gpu_checks(checks: list[Check]) -> None:
 @click.pass_obj
 def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
     """Check Redis (reachable, version, eviction policy, ACL rights), UCX and GPUs.
-    Exit status 1 when a check fails. Without a URL it tries the embedded server."""
+    Exit status 1 when a check fails, 2 when Redis cannot be checked at all (down, or
+    the password refused), as for every command. Without a URL it tries the embedded
+    server."""
     checks: list[Check] = []
+    unreachable = False  # no Redis to check (down, or the password refused): exit 2
     if not obj.url:
         checks.append(
             Check(
@@ -262,6 +287,7 @@ def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
             _redis_checks(store, checks)
     except (KVStateError, redis.RedisError, RedisServerError) as exc:
         checks.append(Check("redis", "fail", scrub(describe(exc), obj.secrets)))
+        unreachable = not any(c.name == "redis" and c.state == "ok" for c in checks)
     if not no_ucx:
         _ucx_checks(checks)
     _gpu_checks(checks)
@@ -277,4 +303,4 @@ def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
         for c in checks:
             t.add_row(c.name, styled(c.state, style[c.state]), c.detail)
         out.print(t)
-    sys.exit(EXIT_FINDINGS if failed else EXIT_OK)
+    sys.exit(EXIT_ERROR if unreachable else EXIT_FINDINGS if failed else EXIT_OK)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import signal
+import sys
 import threading
 
 import click
 
-from kvstate.cli.app import DURATION, PERIOD, Ctx, common, main, opened
+from kvstate.cli.app import DURATION, PERIOD, Ctx, Failure, Stopper, common, main, opened
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor
+from kvstate.ops.durations import fmt_ms
 from kvstate.ops.ledger import Entry, Monitor
 from kvstate.ops.metrics import Metrics
-from kvstate.ops.views import fmt_ms
 
 
 @main.command()
@@ -99,17 +99,32 @@ def monitor(
             f"monitoring namespace {store.namespace} at {store.url} every {interval:g}s: {note}",
             err=as_json,
         )
-        stop = threading.Event()
-        previous = None
-        if threading.current_thread() is threading.main_thread():  # SIGTERM: finish the sweep
-            previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            mon.run(stop, duration)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            if server is not None and hasattr(server, "shutdown"):
-                server.shutdown()
+        with Stopper() as stopper:
+            gone = _watch_gone(obj, stopper.event, interval)
+            try:
+                mon.run(stopper.event, duration)
+            finally:
+                stopper.event.set()  # ends the watch
+                if server is not None and hasattr(server, "shutdown"):
+                    server.shutdown()
         click.echo(f"monitor stopped after {mon.sweeps} sweep(s)", err=True)
+    if gone:
+        raise Failure(gone[0])
+    sys.exit(stopper.exit_code)
+
+
+def _watch_gone(obj: Ctx, stop: threading.Event, interval: float) -> list[str]:
+    """Stop the monitor once its Redis is gone for good (a demo's embedded server after
+    the demo exited): a restart is waited for, that never comes back. Returns the
+    list the reason lands in."""
+    found: list[str] = []
+
+    def watch() -> None:
+        while not stop.wait(interval):
+            why = obj.gone()
+            if why is not None:
+                found.append(why)
+                stop.set()
+
+    threading.Thread(target=watch, name="kvstate-monitor-gone", daemon=True).start()
+    return found

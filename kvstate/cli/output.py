@@ -13,12 +13,25 @@ from rich.console import Console
 from rich.text import Text
 
 
+class _Console(Console):
+    """Rich's console; when not a terminal, each line without the spaces rich pads table
+    cells with (a pipe or a file gets no trailing blanks)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        if self.is_terminal:
+            super().print(*objects, **kwargs)
+            return
+        with self.capture() as captured:
+            super().print(*objects, **kwargs)
+        self.file.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
+
+
 def console() -> Console:
     """Rich output on stdout; wide when piped so keys are not cut. Markup is off: engine
     names, reasons and URLs are printed as written (``[`` and ``]`` are legal in them);
     styles come from Text objects only."""
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-    return Console(width=width, highlight=False, soft_wrap=False, markup=False)
+    return _Console(width=width, highlight=False, soft_wrap=False, markup=False)
 
 
 def styled(text: str, style: str) -> Text:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import click
 from rich.table import Table
@@ -24,7 +25,16 @@ from kvstate.cli.app import (
 from kvstate.cli.output import console, emit_json, name_width, status_style, styled
 from kvstate.codec import TransferInfo
 from kvstate.keys import parse_room_text
-from kvstate.ops.views import Participant, fmt_ms, info_json, room_view, scan_participants
+from kvstate.ops.durations import fmt_ms
+from kvstate.ops.views import (
+    WRONG_TYPE,
+    Participant,
+    RoomView,
+    fmt_ranges,
+    info_json,
+    room_view,
+    scan_participants,
+)
 from kvstate.poll import KVPoll
 
 
@@ -67,7 +77,7 @@ def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
         "receiver",
         "pages",
         "runs",
-        "first..last",
+        "pages at",
         "aux",
         "prefix",
         "dummy",
@@ -85,7 +95,7 @@ def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
                 receiver,
                 str(j["pages"]),
                 str(j["runs"]),
-                f"{j['first_page']}..{j['last_page']}",
+                fmt_ranges(j["ranges"]),
                 str(j["aux_index"]),
                 str(j["prefix_len"]),
                 str(j["dummy"]),
@@ -181,6 +191,15 @@ class _Filter:
         )
 
 
+def _by_room(parts: list[Participant]) -> list[Participant]:
+    """Oldest room first, a room's participants together (senders, then receivers):
+    sides created a millisecond apart must not be split by another room's rows."""
+    oldest: dict[int, int] = {}
+    for p in parts:
+        oldest[p.room] = max(oldest.get(p.room, 0), p.age_ms or 0)
+    return sorted(parts, key=lambda p: (-oldest[p.room], p.room, p.side != "tx", p.engine))
+
+
 @main.command(name="ls")
 @common
 @click.option(
@@ -222,7 +241,7 @@ def ls(
         found = [p for p in scan_participants(store) if wanted.matches(p)]
         note = None if found else empty_namespace_note(store)
         doc_empty = empty_json(store, note) if note and as_json else {}
-    found.sort(key=lambda p: (-(p.age_ms or 0), p.room, p.side, p.engine))
+    found = _by_room(found)
     shown = found[:limit]
     if as_json:
         emit_json({"count": len(found), "participants": [p.to_json() for p in shown], **doc_empty})
@@ -256,49 +275,84 @@ def ls(
     "before either side joined): whoever joins within the room TTL starts "
     "Failed. Without it, aborting an empty room is refused (exit 1).",
 )
+@click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
 @click.pass_obj
-def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool) -> None:
-    """Fail every participant of ROOM; each side sees Failed with REASON on its next
-    poll, and a participant created later (within the room TTL) starts Failed. A room
-    already aborted keeps its first reason. Exit status 1 when there is nothing to
-    abort (finished and cleared, mistyped, or another namespace)."""
+def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) -> None:
+    """Fail every participant of ROOM (one whose status is garbage too); each side sees
+    Failed with REASON on its next poll, and a participant created later (within the
+    room TTL) starts Failed. A room already aborted keeps its first reason. Exit status
+    1 when there is nothing to abort (finished and cleared, mistyped, or another
+    namespace)."""
     r = parse_room_text(room)
     with opened(obj) as store:
         view = room_view(store, r)
+        doc: dict[str, Any] = {
+            "room": r,
+            "namespace": store.namespace,
+            "participants": view.members,
+            "reason": reason,
+            "failed": 0,
+            "marked": False,
+            "already_aborted": view.aborted,
+        }
         if view.aborted is not None:
-            click.echo(
+            _said(
+                doc,
+                as_json,
                 f"room {r}: already aborted ({view.aborted}); left as is, mark "
-                f"expires in {fmt_ms(view.aborted_ttl_ms)}"
+                f"expires in {fmt_ms(view.aborted_ttl_ms)}",
             )
-            return
-        if not view.members and view.participants:
-            raise Failure(
-                f"room {r} has participants its parts index does not list; "
-                "run `kvstate audit --fix` to re-index them, then abort again"
-            )
+        _refuse_what_abort_cannot_reach(r, view)
         if not view.members and not pre_emptive:
-            click.echo(
+            _said(
+                doc,
+                as_json,
                 f"room {r}: nothing to abort in namespace {store.namespace} (no "
                 "participant: finished and cleared, reaped, mistyped, or another "
                 "namespace); nothing written. To fail whoever joins later, pass "
                 "--pre-emptive",
-                err=True,
+                EXIT_FINDINGS,
             )
-            sys.exit(EXIT_FINDINGS)
-        n = store.abort(r, reason)
+        doc["failed"] = n = store.abort(r, reason)
+        doc["marked"] = True
     if not view.members:
-        click.echo(
+        text = (
             f"room {r}: no participants yet; marked aborted, so either side that "
             f"joins within the room TTL starts Failed; reason: {reason}"
         )
-        return
-    if not n:
-        click.echo(
+    elif not n:
+        text = (
             f"room {r}: its {len(view.members)} participant(s) had already failed "
             f"({', '.join(view.members)}); marked aborted; reason: {reason}"
         )
-        return
-    click.echo(
-        f"room {r}: failed {n} of {len(view.members)} participant(s) "
-        f"({', '.join(view.members)}); reason: {reason}"
-    )
+    else:
+        text = (
+            f"room {r}: failed {n} of {len(view.members)} participant(s) "
+            f"({', '.join(view.members)}); reason: {reason}"
+        )
+    _said(doc, as_json, text)
+
+
+def _refuse_what_abort_cannot_reach(room: int, view: RoomView) -> None:
+    """Say, before anything is written, what an abort of this room cannot get past."""
+    if not view.members and view.participants:
+        raise Failure(
+            f"room {room} has participants its parts index does not list; "
+            "run `kvstate audit --fix` to re-index them, then abort again"
+        )
+    for p in view.participants:
+        if p.status == WRONG_TYPE:
+            raise Failure(
+                f"room {room}: {p.key} is not a hash (no kvstate code wrote it), so abort "
+                f"cannot fail it; nothing written. Delete it (redis-cli DEL {p.key}), "
+                "then abort again"
+            )
+
+
+def _said(doc: dict[str, Any], as_json: bool, text: str, code: int = EXIT_OK) -> NoReturn:
+    """Print what abort did (or why it did nothing), as text or JSON; exit with ``code``."""
+    if as_json:
+        emit_json({**doc, "message": text})
+    else:
+        click.echo(text, err=code != EXIT_OK)
+    sys.exit(code)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -19,6 +18,8 @@ from kvstate.cli.app import (
     EXIT_OK,
     PERIOD,
     Ctx,
+    Failure,
+    Stopper,
     common,
     empty_json,
     empty_namespace_note,
@@ -98,43 +99,44 @@ def top(obj: Ctx, once: bool, interval: float, as_json: bool) -> None:
         if once:
             out.print(_top_view(store, census, roles, note))
             sys.exit(EXIT_FINDINGS if note else EXIT_OK)
-        _live_top(store, out, interval, (census, roles, note))
+        with Stopper() as stopper:
+            _live_top(store, out, interval, (census, roles, note), stopper, obj.gone)
+    sys.exit(stopper.exit_code)
 
 
 def _live_top(
-    store: Store, out: Console, interval: float, first: tuple[Census, dict[str, int], str | None]
+    store: Store,
+    out: Console,
+    interval: float,
+    first: tuple[Census, dict[str, int], str | None],
+    stopper: Stopper,
+    gone: Callable[[], str | None],
 ) -> None:
     """Refresh until Ctrl-C or SIGTERM; a lost Redis is shown and waited for, not fatal
-    (a restart or failover must not end the operator's view)."""
-    stop = threading.Event()
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    (a restart or failover must not end the operator's view), unless it is gone for
+    good (``gone``: a demo's embedded server whose demo exited)."""
     last, lost_since = first, None
-    try:
-        with Live(_top_view(store, *last), console=out, auto_refresh=False) as live:
-            while not stop.wait(interval):
-                trouble = None
-                try:
-                    last = _census(store)
-                    if lost_since is not None:
-                        click.echo(
-                            f"kvstate top: Redis at {store.url} is back after "
-                            f"{time.monotonic() - lost_since:.1f}s",
-                            err=True,
-                        )
-                        lost_since = None
-                except KVStateError as exc:
-                    if lost_since is None:
-                        lost_since = time.monotonic()
-                        click.echo(f"kvstate top: {exc}; waiting for it (Ctrl-C to stop)", err=True)
-                    trouble = (
-                        f"Redis unreachable for {time.monotonic() - lost_since:.0f}s "
-                        "(showing the last counts); retrying"
+    with Live(_top_view(store, *last), console=out, auto_refresh=False) as live:
+        while not stopper.wait(interval):
+            trouble = None
+            try:
+                last = _census(store)
+                if lost_since is not None:
+                    click.echo(
+                        f"kvstate top: Redis at {store.url} is back after "
+                        f"{time.monotonic() - lost_since:.1f}s",
+                        err=True,
                     )
-                live.update(_top_view(store, *last, trouble=trouble), refresh=True)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+                    lost_since = None
+            except KVStateError as exc:
+                why = gone()
+                if why is not None:
+                    raise Failure(why) from None
+                if lost_since is None:
+                    lost_since = time.monotonic()
+                    click.echo(f"kvstate top: {exc}; waiting for it (Ctrl-C to stop)", err=True)
+                trouble = (
+                    f"Redis unreachable for {time.monotonic() - lost_since:.0f}s "
+                    "(showing the last counts); retrying"
+                )
+            live.update(_top_view(store, *last, trouble=trouble), refresh=True)

@@ -21,6 +21,7 @@ from kvstate.demo.queues import ENV_AUTHKEY, authkey
 from kvstate.demo.router import Options
 from kvstate.demo.run import run_router, run_worker
 from kvstate.errors import KVStateError
+from kvstate.store import URL_SOURCE
 
 __all__ = ["EXIT_ERROR", "demo"]
 
@@ -33,14 +34,19 @@ NO_UCX = (
 )
 
 
+_PAGES = "--pages-per-request"
+
+
 def _pages_range(value: str) -> tuple[int, int]:
     lo, sep, hi = value.partition("-")
     try:
         a, b = int(lo), int(hi if sep else lo)
     except ValueError:
-        raise click.BadParameter(f"expected MIN-MAX page counts, got {value!r}") from None
+        raise click.BadParameter(
+            f"expected MIN-MAX page counts, got {value!r}", param_hint=_PAGES
+        ) from None
     if a < 1 or b < a:
-        raise click.BadParameter(f"need 1 <= MIN <= MAX, got {value!r}")
+        raise click.BadParameter(f"need 1 <= MIN <= MAX, got {value!r}", param_hint=_PAGES)
     return a, b
 
 
@@ -51,9 +57,14 @@ def _size(value: str) -> int:
     try:
         n = int(num) * units[text[len(num) :]]
     except (ValueError, KeyError):
-        raise click.BadParameter(f"expected a size like 16384, 16k or 1m, got {value!r}") from None
+        raise click.BadParameter(
+            f"expected a size like 16384, 16k or 1m, got {value!r}", param_hint="--page-bytes"
+        ) from None
     if n < 64 or n % 64:
-        raise click.BadParameter(f"page size must be a positive multiple of 64 bytes, got {n}")
+        raise click.BadParameter(
+            f"page size must be a positive multiple of 64 bytes, got {n}",
+            param_hint="--page-bytes",
+        )
     return n
 
 
@@ -69,7 +80,7 @@ def _errors(url: str | None) -> Iterator[None]:
     try:
         yield
     except (KVStateError, OSError) as exc:
-        text = str(exc)
+        text = str(exc).replace(URL_SOURCE, f"--url or ${ENV_URL}")
         if url:
             text = text.replace(url, redact(url))
         raise _Failure(text) from None

@@ -71,10 +71,14 @@ class Interrupted(Exception):
 class Signals:
     """SIGINT (Ctrl-C) and SIGTERM (``docker stop``) in the router: the first one asks
     for an orderly stop (workers clear their rooms in flight, a partial summary is
-    printed, the exit status is 128 + the signal); a second one stops waiting."""
+    printed, the exit status is 128 + the signal); a second one, or any one once the
+    rooms are over (``urgent``: the checks after the run), stops waiting: it raises
+    KeyboardInterrupt where the router waits, and ``last`` says which signal it was."""
 
     def __init__(self) -> None:
         self.got = 0
+        self.last = 0
+        self.urgent = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> Signals:
@@ -84,9 +88,11 @@ class Signals:
         return self
 
     def _on(self, signum: int, _frame: Any) -> None:
-        if self.got:
+        again = bool(self.got)
+        self.got = self.got or signum
+        self.last = signum
+        if again or self.urgent:
             raise KeyboardInterrupt
-        self.got = signum
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():

@@ -138,25 +138,54 @@ def run_router(
                 seconds = _progress(rtr, err, counts, as_json)
             except Interrupted:
                 pass
+            signals.urgent = True  # from here on, a signal stops the waiting at once
             rtr.stop()
+        except KeyboardInterrupt:  # a second signal: no more waiting for the workers
+            rtr.interrupted = rtr.interrupted or signals.got
         except BaseException:
             rtr.terminate()
             raise
+        finally:
+            signals.urgent = True
         rtr.terminate()  # a worker that did not say goodbye in time
-        after = store.command_counts() if before else {}
-        counters = take_transfer_counters(store, rtr)
-        wait = cfg.room_ttl + cfg.lease + 5 if rtr.killed else cfg.lease + 2
-        left, waited = wait_for_no_keys(store, wait)
-        audit = run_audit(store) if not rtr.interrupted else {"result": "skipped (interrupted)"}
-        doc = summary(opts, cfg, rtr, seconds, before, after, left, waited, audit, counters)
+        doc = _checked(store, opts, cfg, rtr, seconds, before, signals)
     store.close()
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
         print_summary(doc)
-    if rtr.interrupted:
-        return 128 + rtr.interrupted
+    if signals.last:
+        return 128 + signals.last
     return 0 if doc["ok"] else EXIT_CHECK_FAILED
+
+
+def _checked(
+    store: Store,
+    opts: Options,
+    cfg: WorkerConfig,
+    rtr: Router,
+    seconds: float,
+    before: dict[str, int],
+    signals: Signals,
+) -> dict[str, Any]:
+    """The checks after the run (keys gone, audit, counters) and the summary. A signal
+    here stops the waiting: what was not checked yet says so, the summary still comes."""
+    after: dict[str, int] = {}
+    counters: dict[str, dict[str, Any]] = {}
+    left: list[str] | None = None
+    waited = 0.0
+    audit: dict[str, Any] = {"result": "skipped (interrupted)"}
+    try:
+        after = store.command_counts() if before else {}
+        counters = take_transfer_counters(store, rtr)
+        wait = cfg.room_ttl + cfg.lease + 5 if rtr.killed else cfg.lease + 2
+        left, waited = wait_for_no_keys(store, wait)
+        if not rtr.interrupted:
+            audit = run_audit(store)
+    except KeyboardInterrupt:
+        audit = {"result": f"skipped ({signal.Signals(signals.last).name})"}
+    cut = signal.Signals(signals.last).name if signals.last and not rtr.interrupted else None
+    return summary(opts, cfg, rtr, seconds, before, after, left, waited, audit, counters, cut)
 
 
 def _progress(rtr: Router, err: Any, counts: dict[str, int], as_json: bool) -> float:

@@ -145,10 +145,10 @@ def _redis_figures(
         # calls to Store.execute by the workers (one round trip each on a standalone
         # server): both sides, polls while waiting and heartbeats included
         "round_trips": trips,
-        "round_trips_per_room": round(trips / dispatched, 1),
+        "round_trips_per_room": None if cfg.hold else round(trips / dispatched, 1),
         # commands Redis executed (INFO commandstats), those inside scripts included
         "commands": calls,
-        "commands_per_room": round(calls / dispatched, 1),
+        "commands_per_room": None if cfg.hold else round(calls / dispatched, 1),
         "by_command": by_command,
     }
 
@@ -160,12 +160,17 @@ def summary(
     seconds: float,
     before: dict[str, int],
     after: dict[str, int],
-    left: list[str],
+    left: list[str] | None,
     waited: float,
     audit: dict[str, Any],
     counters: dict[str, dict[str, Any]],
+    cut: str | None = None,
 ) -> dict[str, Any]:
-    """The run as one JSON document: what ``--json`` prints and the table is made of."""
+    """The run as one JSON document: what ``--json`` prints and the table is made of.
+    ``left`` is None when a signal (``cut``, or the one that interrupted the run) stopped
+    the checks before the keys were read. With ``--hold`` the figures that would time the
+    hold (throughput, room latency, calls per room: each room waited on purpose) are
+    None, not numbers that measure kvstate."""
     r = _Rooms(rtr)
     outcomes, nbytes, send_s, write_s = r.outcomes, r.nbytes, r.send_s, r.write_s
     injected = [t.abort for t in rtr.tracks.values() if t.abort]
@@ -176,10 +181,12 @@ def summary(
     }
     unexpected = outcomes["failed"] + outcomes["corrupt"]
     verified = all(x["verified"] for x in r.rooms if x["decode_status"] == "Success")
-    ok = verified and not left and unexpected == 0 and not rtr.interrupted
+    ok = verified and left == [] and unexpected == 0 and not rtr.interrupted and not cut
+    held = cfg.hold > 0
     return {
         "ok": ok,
         "interrupted": signal.Signals(rtr.interrupted).name if rtr.interrupted else None,
+        "checks_cut_short_by": cut,
         "requests": opts.requests,
         "dispatched": len(rtr.tracks),
         "outcomes": outcomes,
@@ -189,7 +196,7 @@ def summary(
         "seconds": round(seconds, 3),
         # verified bytes over the run's wall time (waiting, pattern filling and
         # verifying included): what the whole pipeline sustained
-        "gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds else 0.0,
+        "gb_per_s": None if held else round(nbytes / seconds / 1e9, 3) if seconds else 0.0,
         # the same bytes over the time prefill workers spent inside send(): the write
         # plus the two state transitions (begin, finish) in Redis
         "send_gb_per_s": round(nbytes / send_s / 1e9, 3) if send_s else 0.0,
@@ -200,15 +207,17 @@ def summary(
         # share of the time inside send() that was not the write: the state's cost
         "state_share_of_send": round(1 - write_s / send_s, 3) if send_s and write_s else 0.0,
         "verify_s": round(r.verify_s, 3),
-        "latency_ms": {
+        "latency_ms": None
+        if held
+        else {
             "p50": round(_percentile(r.latencies, 50), 2),
             "p99": round(_percentile(r.latencies, 99), 2),
             "max": round(max(r.latencies, default=0.0), 2),
         },
         "redis": _redis_figures(cfg, rtr, before, after),
         "transfer_counters": counters,
-        "keys_left": len(left),
-        "keys_left_sample": left[:10],
+        "keys_left": None if left is None else len(left),
+        "keys_left_sample": (left or [])[:10],
         "waited_for_keys_s": round(waited, 2),
         "audit": audit,
         "killed": rtr.killed,
@@ -232,6 +241,17 @@ def summary(
         },
         "rooms": r.rooms,
     }
+
+
+def _print_stripped(out: Any, table: Any) -> None:
+    """Print ``table``; not to a terminal, each line without rich's cell padding (as the
+    CLI's console does: the demo sits below the CLI and does not import it)."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    with out.capture() as captured:
+        out.print(table)
+    out.file.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
 
 
 def console(stderr: bool = False) -> Any:
@@ -268,11 +288,13 @@ def print_summary(doc: dict[str, Any]) -> None:
         f"{doc['bytes_verified'] / 1e6:.1f} MB "
         f"({'all successful rooms match' if doc['all_success_verified'] else 'MISMATCH'})",
     )
-    t.add_row(
-        "end to end",
-        f"{doc['gb_per_s']:.3f} GB/s: verified bytes / {doc['seconds']:.2f} s "
-        "of wall time (waiting, filling and verifying pages included)",
-    )
+    hold = doc["config"]["hold_s"]
+    if doc["gb_per_s"] is not None:
+        t.add_row(
+            "end to end",
+            f"{doc['gb_per_s']:.3f} GB/s: verified bytes / {doc['seconds']:.2f} s "
+            "of wall time (waiting, filling and verifying pages included)",
+        )
     path = _PATHS.get(doc["write_path"], doc["write_path"])
     t.add_row(
         "data plane",
@@ -285,25 +307,39 @@ def print_summary(doc: dict[str, Any]) -> None:
         f"send() = that write + 2 Redis state transitions; "
         f"{doc['state_share_of_send']:.0%} of it outside the write",
     )
-    lat = doc["latency_ms"]
-    t.add_row(
-        "room latency",
-        f"p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms "
-        "(router dispatch to both sides' results)",
-    )
-    r = doc["redis"]
-    t.add_row(
-        "redis per room",
-        f"{r['round_trips_per_room']} round trips from the workers "
-        "(both sides; polls while waiting and heartbeats included, a poll_many shared "
-        f"by the rooms it covers; one room alone: 7); {r['commands_per_room']} commands "
-        "Redis executed (script internals included)",
-    )
-    t.add_row(
-        "keys left",
-        f"{doc['keys_left']}"
-        + (f" after {doc['waited_for_keys_s']:.1f} s" if doc["waited_for_keys_s"] >= 0.5 else ""),
-    )
+    lat, r = doc["latency_ms"], doc["redis"]
+    if lat is None:
+        t.add_row(
+            "timing",
+            f"not measured: each room waited {hold:g} s on purpose (--hold), so "
+            "throughput, latency and Redis calls per room would time the wait; run "
+            "without --hold for them",
+        )
+    else:
+        t.add_row(
+            "room latency",
+            f"p50 {lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms "
+            "(router dispatch to both sides' results)",
+        )
+        t.add_row(
+            "redis per room",
+            f"{r['round_trips_per_room']} round trips from the workers "
+            "(both sides; polls while waiting and heartbeats included, a poll_many shared "
+            f"by the rooms it covers; one room alone: 7); {r['commands_per_room']} commands "
+            "Redis executed (script internals included)",
+        )
+    if doc["keys_left"] is None:
+        t.add_row("keys left", "not checked: a signal stopped the wait for them")
+    else:
+        t.add_row(
+            "keys left",
+            f"{doc['keys_left']}"
+            + (
+                f" after {doc['waited_for_keys_s']:.1f} s"
+                if doc["waited_for_keys_s"] >= 0.5
+                else ""
+            ),
+        )
     t.add_row("audit", escape(doc["audit"]["result"]))
     if doc["killed"]:
         lost = [r for r in doc["rooms"] if r["outcome"] == "killed"]
@@ -315,10 +351,16 @@ def print_summary(doc: dict[str, Any]) -> None:
             f"[yellow]INTERRUPTED[/yellow] by {doc['interrupted']}: partial "
             f"run, {o['interrupted']} room(s) in flight cleared",
         )
+    elif doc["checks_cut_short_by"]:
+        t.add_row(
+            "result",
+            f"[yellow]CHECKS CUT SHORT[/yellow] by {doc['checks_cut_short_by']}: every "
+            "room ran; the checks after it did not finish",
+        )
     else:
         t.add_row("result", "[green]OK[/green]" if doc["ok"] else "[red]FAILED[/red]")
     out = console()
-    out.print(t)
+    _print_stripped(out, t)
     for room in doc["rooms"]:
         if room["outcome"] in ("failed", "corrupt"):
             out.print(

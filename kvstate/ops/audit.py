@@ -29,10 +29,11 @@ from kvstate import schema
 from kvstate.defaults import AUDIT_GRACE
 from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.keys import RoomKey
+from kvstate.ops.durations import fmt_ms
 from kvstate.ops.findings import NAMES as FINDING_KINDS
 from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger
-from kvstate.ops.views import BATCH, Participant, fmt_ms, read_participants
+from kvstate.ops.views import BATCH, WRONG_TYPE, Participant, read_participants
 from kvstate.poll import KVPoll
 from kvstate.registry import Registry
 from kvstate.schema import Side
@@ -105,6 +106,13 @@ def _locate(f: Finding, parsed: RoomKey | None) -> None:
         f.room = parsed.room
         if parsed.side is not None:
             f.side, f.engine = parsed.side, parsed.rest
+
+
+def _delete_then_abort(key: str, room: int) -> str:
+    return (
+        f"no kvstate code wrote it, so nothing repairs it: look at it (redis-cli TYPE "
+        f"{key}), delete it (redis-cli DEL {key}), then kvstate abort {room}"
+    )
 
 
 def _about(kind: str, p: Participant, detail: str) -> Finding:
@@ -264,14 +272,19 @@ class Auditor:
 
     def _participants(self, parts: list[Participant], now: int, report: Report) -> None:
         for p in parts:
+            if p.status == WRONG_TYPE:
+                report.findings.append(
+                    _about("corrupt", p, f"not a hash: {_delete_then_abort(p.key, p.room)}")
+                )
+                continue
             if not p.valid or p.since_ms is None:
                 report.findings.append(
                     _about(
                         "corrupt",
                         p,
-                        f"status {p.status!r} / since_ms {p.fields.get(schema.SINCE_MS)!r} do not "
-                        f"parse; inspect with redis-cli HGETALL, fail the room with "
-                        f"kvstate abort {p.room}",
+                        f"status {p.status!r} / since_ms {p.fields.get(schema.SINCE_MS)!r} do "
+                        f"not parse: no poll of it can succeed; kvstate abort {p.room} (or "
+                        "--fix) fails it with the rest of its room",
                     )
                 )
                 continue
@@ -302,8 +315,10 @@ class Auditor:
     def _dead_engines(self, parts: list[Participant], report: Report) -> None:
         """Receivers bound to a peer whose lease is gone or whose incarnation changed
         (dead_engine), and participants whose own engine holds no lease (dead_owner):
-        nobody will ever move them again. One finding per participant at most."""
-        flagged = {f.key for f in report.findings}
+        nobody will ever move them again. At most one of the two per participant."""
+        # already named as stuck or corrupt (their repair fails them); a missing TTL
+        # is repaired apart, so it hides nothing (else a second --fix would find more)
+        flagged = {f.key for f in report.findings if f.kind != "no_ttl"}
         live = [p for p in parts if p.valid and not p.terminal and p.key not in flagged]
         engines = sorted({e for p in live for e in p.bindings} | {p.engine for p in live})
         if not engines:
@@ -442,7 +457,9 @@ class Auditor:
     # -- repairs -----------------------------------------------------------------
     def _fix(self, report: Report) -> None:
         done: list[Finding] = []
-        for f in report.findings:
+        # re-index first: an abort (the repair of a corrupt participant) reaches a room's
+        # participants through its index
+        for f in sorted(report.findings, key=lambda f: f.kind != "unindexed"):
             try:
                 self._fix_one(f)
             except KVStateError as exc:
@@ -571,6 +588,19 @@ class Auditor:
             f.fixed = f"failed it: {reason}"
         else:
             f.resolved = f"it moved on ({st2.status.name if st2.status else 'gone'})"
+
+    def _fix_corrupt(self, f: Finding) -> None:
+        """Abort the room: abort.lua fails a garbage status like any other (no poll of it
+        could ever succeed, so its room cannot finish). A key that is not a hash was not
+        written by kvstate: that one needs an operator's look first."""
+        assert f.room is not None
+        if f.status == WRONG_TYPE:
+            f.left = _delete_then_abort(f.key, f.room)
+            return
+        n = self._store_for(f.room).abort(
+            f.room, f"{f.side}:{f.engine} held a corrupt status; failed by kvstate audit"
+        )
+        f.fixed = f"aborted room {f.room}: {n} participant(s) failed"
 
     def _fix_unindexed(self, f: Finding) -> None:
         s = self.store

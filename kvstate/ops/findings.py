@@ -93,9 +93,12 @@ KINDS: tuple[FindingKind, ...] = (
     ),
     FindingKind(
         "corrupt",
-        check="a participant whose `status` or `since_ms` does not parse",
-        hint="inspect; kvstate abort",
-        left="inspect it, then kvstate abort {room}",
+        check="a participant whose `status` or `since_ms` does not parse (no poll of it "
+        "can succeed), or whose key is not a hash",
+        hint="--fix aborts its room",
+        fix="aborts its room, as `kvstate abort ROOM` does (a garbage status is failed "
+        "like any other); a key that is not a hash is left: no kvstate code wrote it, "
+        "delete it after a look, then `kvstate abort ROOM`",
     ),
     FindingKind(
         "server_setting",

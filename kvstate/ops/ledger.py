@@ -339,7 +339,7 @@ class Monitor:
                 if role is not None:
                     roles[role] = roles.get(role, 0) + 1
         m.set_engines(roles)
-        m.sweeps.inc()
+        m.sweep_succeeded()
 
     def _maybe_audit(self) -> None:
         if self.audit is None or self.metrics is None:
@@ -362,6 +362,9 @@ class Monitor:
                 except KVStateError as exc:
                     log.warning("monitor sweep failed: %s", exc)
                     self.events.healthy = False
+                    if self.metrics is not None:
+                        self.metrics.sweep_failed()  # drops the audit's gauges too:
+                        self._last_audit = float("-inf")  # audit again once back
                 if end is not None and time.monotonic() >= end:
                     break
                 wait = (

@@ -21,11 +21,20 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 
@@ -132,7 +141,41 @@ class Metrics:
         self._local = TransferTotals()
         r.register(self._transfers)
         self.sweeps = Counter("kvstate_monitor_sweeps", "Monitor sweeps done", registry=r)
+        self.up = Gauge(
+            "kvstate_up",
+            "1 when the monitor's last sweep of Redis succeeded, 0 when it failed (the "
+            "gauges read from Redis are then absent, not stale)",
+            registry=r,
+        )
+        self.last_good = Gauge(
+            "kvstate_last_good_sweep_timestamp_seconds",
+            "Unix time of the monitor's last sweep that succeeded",
+            registry=r,
+        )
+        self.sweep_failures = Counter(
+            "kvstate_monitor_sweep_failures",
+            "Monitor sweeps that failed (Redis unreachable, stalled or refusing)",
+            registry=r,
+        )
+        # The standard process_* and python_* metrics, as the default registry has them.
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(standard)
         self._reaped_rooms: OrderedDict[int, None] = OrderedDict()
+
+    def sweep_succeeded(self) -> None:
+        """A sweep read Redis and set the gauges: the monitor is up."""
+        self.sweeps.inc()
+        self.up.set(1)
+        self.last_good.set(time.time())
+
+    def sweep_failed(self) -> None:
+        """A sweep failed: ``kvstate_up`` 0, and the gauges read from Redis go (a scrape
+        must not show the last counts as if they were current); they come back with the
+        next good sweep, the audit's with the next audit."""
+        self.up.set(0)
+        self.sweep_failures.inc()
+        for gauge in (self.participants, self.inflight, self.engines, self.findings):
+            gauge.clear()
 
     def set_census(self, census: Census) -> None:
         """Replace the participant gauges (labels absent from the census go to 0)."""

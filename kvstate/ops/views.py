@@ -28,6 +28,7 @@ AGE_BUCKETS: tuple[tuple[int | None, str], ...] = (
     (None, ">5m"),
 )
 STATUSES: tuple[str, ...] = tuple(KVPoll.__members__)
+WRONG_TYPE = "<wrong Redis type>"  # the status shown for a participant key that is no hash
 
 
 def age_bucket(age_ms: int) -> str:
@@ -152,7 +153,7 @@ def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[Pa
                     raw += store.execute(_reads(store, key))
                 except CorruptStateError:
                     pttl = store.execute([store.key_ttl(key)])[0]
-                    raw += [{schema.STATUS.encode(): b"<wrong Redis type>"}, pttl]
+                    raw += [{schema.STATUS.encode(): WRONG_TYPE.encode()}, pttl]
         for i, key in enumerate(chunk):
             h, pttl = raw[2 * i], raw[2 * i + 1]
             parsed = store.keys.parse_room_key(key)
@@ -183,10 +184,12 @@ def scan_participants(store: Store) -> Iterator[Participant]:
 
 @dataclass
 class Census:
-    """Counts of participants by (side, status) and of non-terminal ones by age bucket."""
+    """Counts of participants by (side, status), and of non-terminal (in flight) ones by
+    age bucket and by engine (engine -> (side, status) -> count: an engine's load)."""
 
     by_status: dict[tuple[str, str], int] = field(default_factory=dict)
     inflight_by_age: dict[str, int] = field(default_factory=dict)
+    inflight_by_engine: dict[str, dict[tuple[str, str], int]] = field(default_factory=dict)
     total: int = 0
 
     def add(self, p: Participant) -> None:
@@ -196,6 +199,16 @@ class Census:
         if p.valid and not p.terminal:
             b = age_bucket(p.age_ms or 0)
             self.inflight_by_age[b] = self.inflight_by_age.get(b, 0) + 1
+            load = self.inflight_by_engine.setdefault(p.engine, {})
+            load[k] = load.get(k, 0) + 1
+
+    def load_json(self, engine: str) -> dict[str, Any]:
+        """One engine's rooms in flight: their total and a count per side:status."""
+        load = self.inflight_by_engine.get(engine, {})
+        return {
+            "total": sum(load.values()),
+            "by_status": {f"{s}:{st}": n for (s, st), n in sorted(load.items())},
+        }
 
     @classmethod
     def of(cls, participants: Iterable[Participant]) -> Census:
@@ -265,11 +278,13 @@ class RoomView:
 
 def info_json(info: TransferInfo) -> dict[str, Any]:
     kv = info.kv_indices
+    ranges = page_ranges(kv)
     return {
         "pages": int(kv.size),
         "first_page": int(kv[0]) if kv.size else None,
         "last_page": int(kv[-1]) if kv.size else None,
-        "runs": _runs(kv),
+        "runs": len(ranges),
+        "ranges": ranges,
         "aux_index": info.aux_index,
         "state_pages": None if info.state_indices is None else int(info.state_indices.size),
         "prefix_len": info.prefix_len,
@@ -278,10 +293,20 @@ def info_json(info: TransferInfo) -> dict[str, Any]:
     }
 
 
-def _runs(kv: Any) -> int:
+def page_ranges(kv: Any) -> list[list[int]]:
+    """The page indices as runs of consecutive pages, in order: [[first, last], ...]."""
     if not kv.size:
-        return 0
-    return int(1 + ((kv[1:] - kv[:-1]) != 1).sum())
+        return []
+    breaks = [int(i) + 1 for i in (kv[1:] - kv[:-1] != 1).nonzero()[0]]
+    starts, ends = [0, *breaks], [*breaks, int(kv.size)]
+    return [[int(kv[a]), int(kv[b - 1])] for a, b in zip(starts, ends, strict=True)]
+
+
+def fmt_ranges(ranges: list[list[int]], shown: int = 3) -> str:
+    """``128..4223``; scattered pages as their first runs: ``928..929, 12, 5 +1 run``."""
+    text = ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in ranges[:shown])
+    more = len(ranges) - shown
+    return (text or "-") + (f" +{more} run{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 def room_view(store: Store, room: int) -> RoomView:
@@ -360,21 +385,3 @@ def namespaces(store: Store, max_keys: int = 200_000) -> tuple[list[str], bool]:
         if ns is not None:
             found.add(ns)
     return sorted(found), False
-
-
-def fmt_ms(ms: int | None) -> str:
-    """A duration for people: 850ms, 12.3s, 4m05s, 2h10m."""
-    if ms is None:
-        return "-"
-    if ms < 0:
-        return {-1: "none", -2: "gone"}.get(ms, str(ms))
-    if ms < 1000:
-        return f"{ms}ms"
-    s = ms / 1000
-    if s < 60:
-        return f"{s:.1f}s"
-    m, sec = divmod(int(s), 60)
-    if m < 60:
-        return f"{m}m{sec:02d}s"
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m"

@@ -1,9 +1,9 @@
 -- abort.lua: fail every participant of a room with a reason, Success included
--- (the explicit abort of design rule 3), and leave an abort mark so that a participant
--- created later (the other side had not joined yet) starts Failed; every clear
--- deletes the mark, so a fully cleared room leaves no key. The caller read the parts
--- hash first; if it changed since (a participant joined or cleared), nothing is
--- written and -1 is returned so the caller reads it again.
+-- (the explicit abort of design rule 3), and one whose status is garbage; leave an
+-- abort mark so that a participant created later (the other side had not joined yet)
+-- starts Failed; every clear deletes the mark, so a fully cleared room leaves no key.
+-- The caller read the parts hash first; if it changed since (a participant joined or
+-- cleared), nothing is written and -1 is returned so the caller reads it again.
 -- KEYS[1] room parts hash
 -- KEYS[2] room abort mark (string: the reason)
 -- KEYS[2+i] (i = 1..n) participant hash of parts member i
@@ -17,14 +17,19 @@ if redis.call('HLEN', parts) ~= n then return -1 end
 for i = 1, n do
   if redis.call('HEXISTS', parts, ARGV[2 + i]) == 0 then return -1 end
 end
+-- Read every participant before writing anything (a script's writes stay when it
+-- errors): a key of the wrong type raises here, with nothing written. A status that
+-- does not parse is failed like any other: the operator's way out of a corrupt room.
+local statuses = {}
+for i = 1, n do
+  statuses[i] = redis.call('HGET', KEYS[2 + i], F_STATUS)
+end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
 local now = now_ms()
 local failed = 0
 for i = 1, n do
-  local key = KEYS[2 + i]
-  local cur = read_status(key)
-  if cur[1] ~= '' and cur[1] ~= 'Failed' then
-    set_status(key, 'Failed', now, ARGV[1], ARGV[2])
+  if statuses[i] and statuses[i] ~= 'Failed' then
+    set_status(KEYS[2 + i], 'Failed', now, ARGV[1], ARGV[2])
     failed = failed + 1
   end
 end
