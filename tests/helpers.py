@@ -40,8 +40,7 @@ def scaled(seconds: float) -> float:
 def is_mark(store: Store, key: str) -> bool:
     """A room's failure mark: intended state that outlives clear() (with its own TTL),
     not a participant's key left behind."""
-    parsed = store.keys.parse_room_key(key)
-    return parsed is not None and parsed.kind == "aborted" and not parsed.rest
+    return store.keys.is_mark(key)
 
 
 def keys_of(store: Store, pattern: str | None = None, marks: bool = False) -> list[str]:

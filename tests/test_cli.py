@@ -187,8 +187,7 @@ def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str
     assert "nothing to abort" in refused.output and "--pre-emptive" in refused.output
     left = [k for k in store.scan(store.keys.all_pattern) if ":engines_at:" not in k]
     assert sorted(left) == sorted(  # the live engines' registrations and the mark
-        [store.keys.aborted(77)]
-        + [store.keys.engine(e) for e in ("decode-b.tp0", "prefill-a.tp0")]
+        [store.keys.aborted(77)] + [store.keys.engine(e) for e in ("decode-b.tp0", "prefill-a.tp0")]
     )
     late = snd.mgr.sender(77)  # a participant that joins after both cleared: Failed
     assert late.poll() == KVPoll.Failed

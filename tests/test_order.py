@@ -367,9 +367,7 @@ def test_a_corrupt_room_fails_alone_in_every_batch(store: Store) -> None:
         for r in rooms:
             p.sender(r)
             d.receiver(r, PREFILL_ADDR)
-        assert set(d.init_many(dict.fromkeys(rooms, [1, 2])).values()) == {
-            KVPoll.WaitingForInput
-        }
+        assert set(d.init_many(dict.fromkeys(rooms, [1, 2])).values()) == {KVPoll.WaitingForInput}
         store.client.hset(store.keys.participant(bad, "rx", d.engine), "status", "Bogus")
         out = d.poll_many(rooms)
         assert set(out) == set(rooms) - {bad}

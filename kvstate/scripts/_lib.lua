@@ -71,7 +71,10 @@ end
 -- before the calling script wrote anything: design rule 7).
 local function read_mark(mark)
   local v = redis.pcall('GET', mark)
-  if type(v) == 'table' and v.err then corrupt(mark, '*', 'not a string') end
+  if type(v) == 'table' and v.err then
+    if string.find(v.err, 'WRONGTYPE', 1, true) then corrupt(mark, '*', 'not a string') end
+    error(v)  -- anything else (the ACL refusing GET...) as it is
+  end
   return v
 end
 

@@ -28,11 +28,14 @@ for i = 1, n do
 end
 -- the room's first failure reason stays: participants fail with it
 local reason = ARGV[2]
-local kind = redis.call('TYPE', KEYS[2])['ok']
-if kind == 'string' then
-  reason = redis.call('GET', KEYS[2])
+local first = redis.pcall('GET', KEYS[2])
+if type(first) == 'table' and not string.find(first.err, 'WRONGTYPE', 1, true) then
+  error(first)  -- the ACL refusing GET...: as it is
+end
+if type(first) == 'string' then
+  reason = first
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
-else  -- none, or a corrupt mark (replaced)
+else  -- none, or a corrupt mark (SET replaces a key of any type)
   redis.call('SET', KEYS[2], reason, 'PX', ARGV[3])
 end
 local now = now_ms()

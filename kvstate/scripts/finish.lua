@@ -24,7 +24,7 @@ if cur[1] == '' or cur[1] == 'Failed' then return cur end
 local mark = read_mark(KEYS[3])
 local why = nil
 local m = (#KEYS - 3) / 2
-local waiting = {}  -- receivers to ack: {key, acks key, peers, acks after this one}
+local waiting = {}  -- receivers to ack: {key, acks key, peers, acks before this one}
 if cur[1] == 'Transferring' then
   for j = 1, m do
     local rx, acks = KEYS[2 * j + 2], KEYS[2 * j + 3]
@@ -36,8 +36,10 @@ if cur[1] == 'Transferring' then
       why = why or ('receiver ' .. ARGV[3 + j] .. ' failed before the transfer finished: ' .. (r[3] or ''))
     elseif rank ~= 4 then
       local n = redis.pcall('SCARD', acks)
-      if type(n) == 'table' then corrupt(acks, '*', 'not a set') end
-      if redis.call('SISMEMBER', acks, ARGV[2]) == 0 then n = n + 1 end
+      if type(n) == 'table' then
+        if string.find(n.err, 'WRONGTYPE', 1, true) then corrupt(acks, '*', 'not a set') end
+        error(n)  -- anything else (the ACL refusing SCARD...) as it is
+      end
       waiting[#waiting + 1] = {rx, acks, number_of(rx, F_PEERS, r[2]), n}
     end
   end
@@ -54,9 +56,9 @@ if cur[1] ~= 'Success' then set_status(tx, 'Success', now_ms(), ttl, nil) end
 if cur[1] == 'Success' then redis.call('PEXPIRE', tx, ttl) end
 touch(KEYS[2], ttl)
 for _, w in ipairs(waiting) do
-  redis.call('SADD', w[2], ARGV[2])
+  local acked = w[4] + redis.call('SADD', w[2], ARGV[2])  -- + 1 unless acked before
   redis.call('PEXPIRE', w[2], ttl)
-  if w[3] >= 1 and w[4] >= w[3] then
+  if w[3] >= 1 and acked >= w[3] then
     set_status(w[1], 'Success', now_ms(), ttl, nil)
   end
 end
