@@ -474,3 +474,18 @@ def test_failure_exception_of_a_live_room_is_none(store: Store) -> None:
         assert snd.begin_transfer() == KVPoll.Transferring
         snd.clear()
         rcv.clear()
+
+
+def test_the_audit_does_not_report_failure_marks(store: Store) -> None:
+    """A cleared room's failure mark is intended state with a TTL, not a leak."""
+    from kvstate.ops.audit import Auditor
+
+    p, d = managers(store)
+    with p, d:
+        snd, rcv = ready_room(p, d, 30)
+        rcv.abort("client went away")
+        snd.clear()
+        rcv.clear()
+        assert room_keys(store, 30, marks=True) == [store.keys.aborted(30)]
+        report = Auditor(store, grace=0.0).run()
+        assert report.findings == [], report.findings
