@@ -207,14 +207,26 @@ class KVManager:
         meanwhile, so it must not write Success (design rule 3)."""
         if self._taken is not None:
             return f"engine {self.engine}'s lease was taken by another process"
-        late = time.monotonic() - self._lease_until
-        if late > 0:
-            return (
-                f"engine {self.engine} may have lost its lease ({self.lease:g} s): no renewal "
-                f"confirmed for {late + self.lease:.1f} s (stopped, or cut off from Redis); "
-                "its peers may have failed the room, so it cannot succeed"
-            )
-        return ""
+        started = time.monotonic()
+        late = started - self._lease_until
+        if late <= 0:
+            return ""
+        # No renewal confirmed within a lease (a starved heartbeat, or a stop): ask Redis
+        # whether the registration outlived it, one round trip in this rare case only.
+        try:
+            claim = self._hb_registry.renew(self.info, self.lease)
+        except KVStateError as exc:
+            claim = None
+            log.warning("lease check of %s: %s", self.engine, exc)
+        if claim is not None and claim.answer == "renewed":  # it never lapsed
+            self._lease_until = started + self.lease
+            return ""
+        return (
+            f"engine {self.engine} lost its lease ({self.lease:g} s): no renewal confirmed "
+            f"for {late + self.lease:.1f} s (stopped, or cut off from Redis), and Redis "
+            f"answered {claim.answer if claim else 'nothing'}; its peers may have failed "
+            "the room, so it cannot succeed"
+        )
 
     def _keep(self, p: _P) -> _P:
         with self._lock:
@@ -349,6 +361,7 @@ class KVManager:
                 f"{op}_many is for a {'decode' if side == 'rx' else 'prefill'} manager's "
                 f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
             )
+        lapsed = self._lease_lapsed() if op == "finish" else ""  # once for the batch
         plan: list[tuple[int, _Participant | None, int]] = []
         calls: list[Call] = []
         lookups: _Lookups = {}  # receivers still binding: one registry read per address
@@ -367,7 +380,7 @@ class KVManager:
                 if prepare is not None:
                     prepare(p)
                 step = (
-                    p._step_call(op)
+                    p._step_call(op, lapsed)
                     if isinstance(p, (KVSender, KVReceiver)) and op != "poll"
                     else None
                 )

@@ -292,7 +292,7 @@ class KVSender(_Participant):
             raise InvalidIndicesError(f"num_kv_indices must be an int >= 0, got {num_kv_indices!r}")
         self._num_pages = num_kv_indices
 
-    def _step_call(self, op: str) -> Call:
+    def _step_call(self, op: str, lapsed: str = "") -> Call:
         """begin or finish for a batch (KVManager.begin_many / finish_many), with the
         receivers of the last poll; a poll while none has published yet."""
         if not self._infos:
@@ -300,7 +300,7 @@ class KVSender(_Participant):
         receivers = list(self._infos)
         if op == "begin":
             return self.store.begin(self.room, self.engine, receivers)
-        return self._finish_call(receivers)
+        return self._finish_call(receivers, lapsed)
 
     def _receivers(self) -> list[str]:
         """The receivers that published to this sender (polling once if none has yet):
@@ -340,11 +340,12 @@ class KVSender(_Participant):
             )
         return self._status
 
-    def _finish_call(self, receivers: list[str]) -> Call:
+    def _finish_call(self, receivers: list[str], lapsed: str | None = None) -> Call:
         """finish.lua, unless this engine's lease may have lapsed (a process stopped or
         cut off past its lease, whose peers may have failed the room): then the sender
         fails instead, and the room with it (the failure mark), never Success."""
-        lapsed = self.mgr._lease_lapsed()
+        if lapsed is None:  # a batch asks once for all its rooms
+            lapsed = self.mgr._lease_lapsed()
         if lapsed:
             return self.store.update(self.room, "tx", self.engine, KVPoll.Failed, lapsed)
         return self.store.finish(self.room, self.engine, receivers)
@@ -529,7 +530,7 @@ class KVReceiver(_Participant):
         )
         self._payload = info.encode()
 
-    def _step_call(self, op: str) -> Call:
+    def _step_call(self, op: str, lapsed: str = "") -> Call:
         """The publish of ``init`` for a batch (KVManager.init_many)."""
         return self.store.publish(
             self.room, self.engine, dict(self._bound), self._payload, self._required

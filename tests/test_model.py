@@ -14,11 +14,11 @@ finish, abort (either side, or another process through the Store), clear,
 and at rest (the end of each example, every live participant polled) one outcome per
 room: once any participant is Failed, every one is.
 
-A lease lapse is its two effects, each through the real code: the prefill's heartbeat
-stops and its lease clock runs out (``_lease_until``, as the monotonic clock would
-after a stop longer than the lease), and the decode's fan-out fails the receivers
-bound to it (what its heartbeat does once it sees the lease gone), so an example
-need not sleep for a lease.
+A lease lapse is its effects, each through the real code: the prefill's heartbeat
+stops, its lease clock runs out (``_lease_until``, as the monotonic clock would after a
+stop longer than the lease) and its registration is gone (as its TTL would have it),
+and the decode's fan-out fails the receivers bound to it (what its heartbeat does once
+it sees the lease gone), so an example need not sleep for a lease.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class RoomMachine(RuleBasedStateMachine):
         self.cleared: set[str] = set()  # participant keys this example cleared
         self.seen: dict[str, KVPoll] = {}  # participant key -> last status in Redis
         self.closed: set[str] = set()
-        self.lapsed = False
+        self.lapsed: str = ""  # "pending" once its lease lapsed, "done" once a finish saw it
         self.steps = 0
 
     def teardown(self) -> None:
@@ -187,8 +187,11 @@ class RoomMachine(RuleBasedStateMachine):
         got = self._call("tx", snd.finish_transfer, NotReadyError)
         if got is None and "tx" not in self.closed and not snd._cleared:
             assert snd.status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
-        if self.lapsed and got is not None:
+        if self.lapsed == "pending" and got is not None and not snd._cleared:
+            # the first finish after the lapse finds the registration gone: Failed (it
+            # registers again, as its heartbeat would: later ones may succeed)
             assert got == KVPoll.Failed, "a process past its lease wrote Success"
+            self.lapsed = "done"
 
     def op_abort(self, i: int, s: str, why: str) -> None:
         part = self._participant(i, s)
@@ -213,10 +216,11 @@ class RoomMachine(RuleBasedStateMachine):
     def op_lease_lapse(self, i: int, s: str, why: str) -> None:
         if self.lapsed or "tx" in self.closed or self.steps < LATE:
             return
-        self.lapsed = True
+        self.lapsed = "pending"
         self.p._stop.set()
         self.p._thread.join()
         self.p._lease_until = 0.0  # the monotonic clock past the lease
+        self.store.execute([self.store.delete(self.store.keys.engine(self.p.engine))])
         if "rx" not in self.closed:  # the decode's heartbeat, once it sees it
             self.d.fail_peer(
                 self.addr, f"peer {self.p.engine} lost its lease", engine=self.p.engine

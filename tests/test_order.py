@@ -121,8 +121,8 @@ def test_a_process_past_its_lease_cannot_write_success(store: Store) -> None:
         p._thread.join()
         time.sleep(lease * 1.2)
         assert snd.finish_transfer() == KVPoll.Failed
-        assert "may have lost its lease" in snd._reason
-        assert rcv.poll() == KVPoll.Failed and "may have lost its lease" in rcv._reason
+        assert "p-lapse2 lost its lease" in snd._reason and "lapsed" in snd._reason
+        assert rcv.poll() == KVPoll.Failed and "p-lapse2 lost its lease" in rcv._reason
 
 
 @pytest.mark.parametrize("how", ["abort", "fail", "timeout", "fail_peer"])
