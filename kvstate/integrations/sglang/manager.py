@@ -114,9 +114,15 @@ class _Adapter:
         with self._lock:
             reason = self._local_reason
             if self._part is not None:
-                exc = self._part.failure_exception()  # None: not Failed in Redis
-                self._part.clear()
-                reason = reason or (exc.reason if exc else "")
+                part = self._part
+                try:
+                    exc = part.failure_exception()  # None: not Failed in Redis
+                    part.clear()
+                    reason = reason or (exc.reason if exc else "")
+                except KVStateError as err:  # a room kvstate cannot read (corrupt)
+                    reason = reason or str(err)
+                    self._guard("abort", lambda: part.abort(reason))  # fails it, garbage too
+                    self._guard("clear", part.clear)
             self._forget()
         raise KVTransferError(self.bootstrap_room, reason or "transfer failed")
 
