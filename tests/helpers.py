@@ -37,18 +37,27 @@ def scaled(seconds: float) -> float:
     return seconds * TIME_FACTOR
 
 
-def keys_of(store: Store, pattern: str | None = None) -> list[str]:
-    return sorted(store.scan(pattern or store.keys.all_pattern))
+def is_mark(store: Store, key: str) -> bool:
+    """A room's failure mark: intended state that outlives clear() (with its own TTL),
+    not a participant's key left behind."""
+    return store.keys.is_mark(key)
 
 
-def room_keys(store: Store, room: int) -> list[str]:
-    return keys_of(store, store.keys.room_prefix(room) + "*")
+def keys_of(store: Store, pattern: str | None = None, marks: bool = False) -> list[str]:
+    """The namespace's keys (matching ``pattern``); rooms' failure marks only with
+    ``marks``: what a test counts as left behind is participant state."""
+    found = store.scan(pattern or store.keys.all_pattern)
+    return sorted(k for k in found if marks or not is_mark(store, k))
+
+
+def room_keys(store: Store, room: int, marks: bool = False) -> list[str]:
+    return keys_of(store, store.keys.room_prefix(room) + "*", marks)
 
 
 def assert_every_key_has_ttl(store: Store) -> None:
-    """Design rule 1, checked by scanning every key of the namespace."""
+    """Design rule 1, checked by scanning every key of the namespace (marks included)."""
     missing = []
-    for key in keys_of(store):
+    for key in keys_of(store, marks=True):
         node = store.client
         pttl = node.pttl(key)
         if pttl < 0:

@@ -30,7 +30,7 @@ def snapshot(store: Store) -> dict[str, object]:
     """Every key's type and value, to show a failed call changed nothing."""
     c = store.client
     out: dict[str, object] = {}
-    for key in keys_of(store):
+    for key in keys_of(store, marks=True):
         kind = c.type(key).decode()
         if kind == "hash":
             h = c.hgetall(key)

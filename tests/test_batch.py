@@ -13,7 +13,7 @@ import pytest
 
 import kvstate
 from kvstate import KVPoll
-from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.errors import KVStateError, NotReadyError, StateConnectionError
 from kvstate.store import Store
 from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of, managers
 from tests.test_bounded import ProxiedCluster, rooms_by_port
@@ -89,7 +89,9 @@ def test_begin_many_refuses_where_a_single_begin_would(store: Store) -> None:
         out = p.begin_many([1, 2, 3])
         assert out[1] == KVPoll.Transferring
         assert out[2] == KVPoll.Failed and "decode ran out of pages" in snd[2]._reason
-        assert out[3] == KVPoll.Bootstrapping  # no receiver published: only polled
+        # no receiver published: only polled, and refused (nothing written)
+        assert 3 not in out and isinstance(out.errors[3], NotReadyError)
+        assert snd[3].status == KVPoll.Bootstrapping
         with pytest.raises(KVStateError, match="no live participant"):
             p.begin_many([99])
         with pytest.raises(KVStateError, match="decode manager"):

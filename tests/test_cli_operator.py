@@ -237,13 +237,13 @@ def test_abort_refuses_rooms_with_nothing_to_abort(store: Store, redis_url: str)
     result = run("--url", redis_url, "abort", "21")
     assert result.exit_code == 1
     assert store.client.exists(store.keys.aborted(21)) == 0
-    # a room whose participants all failed on their own: said so, marked
+    # a room whose participants failed on their own: already marked, said so
     p.sender(22).poll()
     d.receiver(22, ADDR).poll()
     for side, engine in (("tx", "prefill-a.tp0"), ("rx", "decode-b.tp0")):
         store.execute([store.update(22, side, engine, KVPoll.Failed, "boom")])  # type: ignore[arg-type]
     result = run("--url", redis_url, "abort", "22")
-    assert result.exit_code == 0 and "had already failed" in result.output, result.output
+    assert result.exit_code == 0 and "already failed (boom)" in result.output, result.output
     p.close()
     d.close()
 

@@ -5,8 +5,11 @@ Redis, agree step by step with a small model of the rule written here:
 - forward only: an update to a lower or equal status changes nothing;
 - Failed is sticky: nothing moves a Failed participant, and its first reason stays;
 - Success is final: no update moves it; only an explicit abort fails it;
-- an abort fails every participant not yet Failed and leaves a mark, so a participant
-  created later starts Failed with that reason; every clear deletes the mark;
+- a participant that fails sets the room's failure mark (the first reason stays); one
+  moving forward in a marked room fails with the mark's reason instead (one outcome
+  per room); an abort fails every participant not yet Failed with the mark's reason
+  (its own, when it is the first); a participant created later starts Failed with it;
+  clear leaves the mark;
 - no resurrection: an update or abort of a participant that is gone writes nothing.
 
 Each example uses a room of its own on the flushed session server; a no-op must not
@@ -54,12 +57,15 @@ class Model:
             return cur
         if new == KVPoll.Failed:
             self.parts[who] = (KVPoll.Failed, reason)
+            self.mark = reason if self.mark is None else self.mark
+        elif new > status and self.mark is not None:
+            self.parts[who] = (KVPoll.Failed, self.mark)
         elif new > status:
             self.parts[who] = (new, old_reason)
         return self.parts[who]
 
     def abort(self, reason: str) -> int:
-        self.mark = reason
+        self.mark = reason = reason if self.mark is None else self.mark
         moved = 0
         for who, (status, _) in self.parts.items():
             if status != KVPoll.Failed:
@@ -69,7 +75,6 @@ class Model:
 
     def clear(self, who: tuple[str, str]) -> None:
         self.parts.pop(who, None)
-        self.mark = None
 
 
 reasons = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)

@@ -26,16 +26,19 @@ def store(state_url: str) -> Iterator[Store]:
 def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, spawn_ctx) -> None:
     rooms = list(range(50, 70))
     racers = [f"tx-{i}" for i in range(4)]
-    # the shared sender each racer updates, and two receivers needing 4 / 5 acks
+    # the shared sender each racer updates; in a room of its own (room + ACKS: a Failed
+    # shared sender fails its room, one outcome per room), each racer's sender and two
+    # receivers needing 4 / 5 acks
     calls = []
     no_timeouts = {"peers": 1, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0}
     for room in rooms:
-        for tx in ("shared", *racers):
-            calls.append(store.create(room, "tx", tx, no_timeouts))
+        calls.append(store.create(room, "tx", "shared", no_timeouts))
+        for tx in racers:
+            calls.append(store.create(room + workers.ACKS, "tx", tx, no_timeouts))
         for rx, peers in (("rx-4", 4), ("rx-5", 5)):
             calls.append(
                 store.create(
-                    room,
+                    room + workers.ACKS,
                     "rx",
                     rx,
                     {"peers": peers, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0},
@@ -62,17 +65,19 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
         expect = KVPoll.Failed if KVPoll.Failed in seen else max(seen)
         tx = store.execute([store.poll(room, "tx", "shared")])[0]
         assert tx.status == expect, (room, seen)
-        rx4, rx5 = (store.execute([store.poll(room, "rx", r)])[0] for r in ("rx-4", "rx-5"))
+        acked = room + workers.ACKS
+        rx4, rx5 = (store.execute([store.poll(acked, "rx", r)])[0] for r in ("rx-4", "rx-5"))
         assert rx4.status == KVPoll.Success  # exactly 4 acks arrived
         assert rx5.status == KVPoll.Bootstrapping  # 4 of 5: not yet
-        acks = store.client.smembers(store.keys.acks(room, "rx-5"))
+        acks = store.client.smembers(store.keys.acks(acked, "rx-5"))
         assert sorted(acks) == sorted(r.encode() for r in racers)
     for room in rooms:
-        for tx in ("shared", *racers):
-            store.clear(room, "tx", tx)
-        store.clear(room, "rx", "rx-4")
-        store.clear(room, "rx", "rx-5")
-        assert room_keys(store, room) == []
+        store.clear(room, "tx", "shared")
+        for tx in racers:
+            store.clear(room + workers.ACKS, "tx", tx)
+        store.clear(room + workers.ACKS, "rx", "rx-4")
+        store.clear(room + workers.ACKS, "rx", "rx-5")
+        assert room_keys(store, room) == [] and room_keys(store, room + workers.ACKS) == []
 
 
 def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
@@ -101,6 +106,7 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
                         "prefill-z.tp0",
                         {"peers": 1, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0},
                     ),
+                    store.begin(81, "prefill-z.tp0", ["decode-y.tp0"]),
                     store.finish(81, "prefill-z.tp0", ["decode-y.tp0"]),
                 ]
             )

@@ -11,6 +11,8 @@ import kvstate
 from kvstate import KVPoll
 from tests.helpers import scaled
 
+ACKS = 1000  # race_updates acks receivers in room + ACKS, away from the shared sender
+
 
 def race_updates(
     url: str, ns: str, engine: str, rooms: list[int], seed: int, start: Event, results: Queue
@@ -32,8 +34,10 @@ def race_updates(
     start.wait(30)
     for i in range(0, len(calls), 7):  # small batches so processes interleave
         store.execute(calls[i : i + 7])
-    for room in rooms:  # every racer acks every receiver once
-        store.execute([store.finish(room, engine, ["rx-4", "rx-5"])])
+    for room in rooms:  # every racer acks every receiver once (in the acks' room)
+        acked = room + ACKS
+        store.execute([store.update(acked, "tx", engine, KVPoll.Transferring)])
+        store.execute([store.finish(acked, engine, ["rx-4", "rx-5"])])
     store.close()
     results.put(applied)
 

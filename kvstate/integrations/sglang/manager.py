@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.integrations.sglang.spaces import (
     Settings,
     Spaces,
@@ -114,8 +114,15 @@ class _Adapter:
         with self._lock:
             reason = self._local_reason
             if self._part is not None:
-                exc = self._part.failure_exception()
-                reason = reason or exc.reason
+                part = self._part
+                try:
+                    exc = part.failure_exception()  # None: not Failed in Redis
+                    part.clear()
+                    reason = reason or (exc.reason if exc else "")
+                except KVStateError as err:  # a room kvstate cannot read (corrupt)
+                    reason = reason or str(err)
+                    self._guard("abort", lambda: part.abort(reason))  # fails it, garbage too
+                    self._guard("clear", part.clear)
             self._forget()
         raise KVTransferError(self.bootstrap_room, reason or "transfer failed")
 
@@ -326,6 +333,10 @@ class KVStateKVManager(_BaseManager):
             try:
                 got = self.kv.poll_many(rooms) if rooms else {}
                 self._store_down_since = None
+                for p in held:  # a room kvstate cannot read (corrupt) fails alone
+                    err = getattr(got, "errors", {}).get(p.bootstrap_room)
+                    if err is not None and not isinstance(err, StateConnectionError):
+                        p._fail_local(f"kvstate cannot read room {p.bootstrap_room}: {err}")
             except KVStateError as exc:
                 self._store_trouble(held, exc)
                 got = {}
