@@ -1011,7 +1011,7 @@ class Store:
         """A subscription to one node's key expiry events (``notify-keyspace-events``
         must hold Ex; see ``set_node_config``). Node-local on a Cluster."""
         db = int(node.connection_pool.connection_kwargs.get("db", 0) or 0)
-        sub: redis.client.PubSub = node.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        sub: redis.client.PubSub = node.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
         sub.subscribe(f"__keyevent@{db}__:expired")
         return sub
 

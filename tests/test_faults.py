@@ -90,7 +90,7 @@ def background(action: Callable[[], int], pause: tuple[float, float]) -> Iterato
         yield tally
     finally:
         stop.set()
-        thread.join(10)
+        thread.join(scaled(10))
     assert not errors, f"fault injector failed: {errors[0]!r}"
 
 
@@ -460,7 +460,7 @@ def test_redis_down_raises_bounded_and_recovers(redis_server_factory, transport:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(scaled(30))
     for name in ops:
         assert name in texts, f"{name} did not raise StateConnectionError"
         text = texts[name]

@@ -19,14 +19,12 @@ even restamp ``since_ms``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvstate
 from kvstate import KVPoll
 from kvstate.store import Store
 from tests.helpers import assert_every_key_has_ttl, keys_of
@@ -96,11 +94,13 @@ scenarios = st.tuples(st.booleans(), ops).map(
 )
 
 
+NAMESPACE = "merge"  # of the ``store`` fixture (tests/conftest.py)
+
+
 @pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = kvstate.connect(redis_url, namespace="merge")
-    yield s
-    s.close()
+def store_url(redis_url: str) -> str:
+    """``store`` on the standalone server only."""
+    return redis_url
 
 
 def _stored(store: Store, room: int, who: tuple[str, str]) -> tuple[str | None, str, str]:

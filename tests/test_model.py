@@ -24,7 +24,7 @@ it sees the lease gone), so an example need not sleep for a lease.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -261,16 +261,12 @@ class RoomMachine(RuleBasedStateMachine):
         assert_every_key_has_ttl(self.store)
 
 
-@pytest.fixture
-def model_store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="model")
-    yield s
-    s.close()
+NAMESPACE = "model"  # of the ``store`` fixture (tests/conftest.py)
 
 
-def test_any_order_one_outcome(model_store: Store, state_url: str) -> None:
+def test_any_order_one_outcome(store: Store, state_url: str) -> None:
     cluster = "cluster" in state_url
-    machine = type("Machine", (RoomMachine,), {"store": model_store})
+    machine = type("Machine", (RoomMachine,), {"store": store})
     run_state_machine_as_test(
         machine,
         settings=settings(
@@ -332,8 +328,8 @@ ORDERS = {
 
 
 @pytest.mark.parametrize("name", list(ORDERS))
-def test_named_orders(model_store: Store, name: str) -> None:
-    machine = type("Machine", (RoomMachine,), {"store": model_store})()
+def test_named_orders(store: Store, name: str) -> None:
+    machine = type("Machine", (RoomMachine,), {"store": store})()
     machine.start()
     machine.steps = 2 * LATE  # a lapse or close may come at once
     try:

@@ -15,7 +15,7 @@ produces, on real Redis, standalone and a 3-primary Cluster.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -33,21 +33,15 @@ from kvstate.errors import (
 from kvstate.store import MARK_MIN_TTL, Store
 from tests.helpers import (
     PREFILL_ADDR,
-    assert_every_key_has_ttl,
     keys_of,
     managers,
     room_keys,
+    snapshot,
     wait_for,
 )
-from tests.test_bad_input import snapshot
 
-
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="order")
-    yield s
-    assert_every_key_has_ttl(s)  # marks included
-    s.close()
+NAMESPACE = "order"  # of the ``store`` fixture (tests/conftest.py)
+CHECK_TTL = True  # every key, failure marks included
 
 
 def ready_room(

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
-
-import pytest
 
 import kvstate
 from kvstate import KVPoll
 from kvstate.store import Store
 from tests import workers
-from tests.helpers import assert_every_key_has_ttl, keys_of, room_keys, scaled, wait_for
+from tests.helpers import keys_of, room_keys, scaled, wait_for
 
-
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="proc")
-    yield s
-    assert_every_key_has_ttl(s)
-    s.close()
+NAMESPACE = "proc"  # of the ``store`` fixture (tests/conftest.py)
+CHECK_TTL = True  # ``store`` checks every key has a TTL after each test (rule 1)
 
 
 def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, spawn_ctx) -> None:
@@ -57,7 +49,7 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
     start.set()
     applied = [results.get(timeout=scaled(120)) for _ in procs]
     for proc in procs:
-        proc.join(30)
+        proc.join(scaled(30))
         assert proc.exitcode == 0
     for room in rooms:
         seen = [KVPoll[s] for log in applied for r, s in log if r == room]
@@ -91,7 +83,7 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
     )
     proc.start()
     try:
-        assert ready.wait(60)
+        assert ready.wait(scaled(60))
         d = kvstate.KVManager(store, "decode", "decode-y.tp0", lease=lease)
         with d:
             old = d.receiver(80, addr)
@@ -112,7 +104,7 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
             )
             assert done.poll() == KVPoll.Success
             os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
+            proc.join(scaled(10))
             assert wait_for(lambda: old.poll() == KVPoll.Failed, timeout=2 * lease + 0.5)
             reason = old.failure_exception().reason
             assert "prefill-z.tp0" in reason and addr in reason and "lease" in reason
@@ -128,7 +120,7 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
                 args=(state_url, "proc", "prefill-z.tp0", addr, lease, ready2),
             )
             proc.start()
-            assert ready2.wait(60)
+            assert ready2.wait(scaled(60))
             new = d.receiver(82, addr)
             new.init([5])
             assert new.poll() == KVPoll.WaitingForInput
@@ -140,4 +132,4 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
         assert keys_of(store, store.keys.participant_pattern) == []
     finally:
         proc.kill()
-        proc.join(10)
+        proc.join(scaled(10))

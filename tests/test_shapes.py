@@ -28,7 +28,7 @@ from kvstate import KVPoll
 from kvstate.errors import ForkedManagerError, KVStateError
 from kvstate.store import Store
 from tests import workers
-from tests.helpers import assert_every_key_has_ttl, keys_of, room_keys, wait_for
+from tests.helpers import assert_every_key_has_ttl, keys_of, room_keys, scaled, wait_for
 
 ADDR = "10.8.8.8:8998"
 NS = "shapes"
@@ -42,12 +42,8 @@ def report(name: str, **figures: object) -> None:
     print(f"\n[{name}] " + ", ".join(f"{k}={v}" for k, v in figures.items()))
 
 
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace=NS)
-    yield s
-    assert_every_key_has_ttl(s)
-    s.close()
+NAMESPACE = NS  # of the ``store`` fixture (tests/conftest.py)
+CHECK_TTL = True  # ``store`` checks every key has a TTL after each test (rule 1)
 
 
 class Procs:
@@ -67,7 +63,7 @@ class Procs:
         for proc in self.started:
             if proc.is_alive():
                 proc.kill()
-            proc.join(10)
+            proc.join(scaled(10))
 
 
 @pytest.fixture
@@ -374,7 +370,7 @@ def test_heartbeat_survives_a_starved_pool(redis_server_factory: Callable[..., A
         finally:
             admin.config_set("maxclients", 10000)
         for t in hogs:
-            t.join(10)
+            t.join(scaled(10))
         assert snd.poll() == KVPoll.WaitingForInput and rcv.poll() == KVPoll.WaitingForInput
         snd.clear()
         rcv.clear()

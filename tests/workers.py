@@ -31,7 +31,7 @@ def race_updates(
         status = rng.choices(choices, weights=[3, 3, 3, 1])[0]
         applied.append((room, status.name))
         calls.append(store.update(room, "tx", "shared", status, f"failed by {engine}"))
-    start.wait(30)
+    start.wait(scaled(30))
     for i in range(0, len(calls), 7):  # small batches so processes interleave
         store.execute(calls[i : i + 7])
     for room in rooms:  # every racer acks every receiver once (in the acks' room)
@@ -106,7 +106,7 @@ def ucx_prefill(
             while snd.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
                 time.sleep(0.01)
             if go is not None:
-                go.wait(60)
+                go.wait(scaled(60))
             snd.send(src, last=True)
             out[room] = (snd.poll().name, snd._reason)
             snd.clear()
@@ -211,7 +211,7 @@ def prefill_rank(
             time.sleep(0.01)
     if hold is not None:
         results.put(("holding", engine, None))
-        hold.wait(60)
+        hold.wait(scaled(60))
     for room, snd in senders.items():
         if snd.begin_transfer() == KVPoll.Transferring:
             snd.finish_transfer()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.store import connect
-from tests.helpers import keys_of, wait_for
+from tests.helpers import keys_of, scaled, wait_for
 
 pytestmark = pytest.mark.sglang
 
@@ -162,7 +162,7 @@ def test_sigkilled_decode_fails_the_prefill_room_through_sglangs_queue(
         _wait_file(tmp_path / "decode.ready", decode)
         _wait_file(tmp_path / "prefill.ready", prefill)
         os.kill(decode.pid, signal.SIGKILL)
-        decode.join(10)
+        decode.join(scaled(10))
         (tmp_path / "go").write_text("1")
         prefill.join(SPAWN_TIMEOUT)
         res = json.loads((tmp_path / "prefill.json").read_text())
