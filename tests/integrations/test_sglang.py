@@ -70,9 +70,15 @@ def test_plugin_entry_point_server_args_and_rebound_get_kv_class() -> None:
         assert (
             module.get_kv_class(TransferBackend.FAKE, KVClassType.SENDER).__name__ == "FakeKVSender"
         )
-    from tests.integrations.rig import server_args
+    # the name goes through SGLang's own command-line parser (ServerArgs alone accepts
+    # any string: only argparse's choices check it)
+    from sglang.srt.server_args import prepare_server_args
 
-    assert server_args("prefill", 1).disaggregation_transfer_backend == "kvstate"
+    argv = ["--model-path", "dummy", "--disaggregation-mode", "prefill"]
+    parsed = prepare_server_args([*argv, "--disaggregation-transfer-backend", "kvstate"])
+    assert parsed.disaggregation_transfer_backend == "kvstate"
+    with pytest.raises(SystemExit):
+        prepare_server_args([*argv, "--disaggregation-transfer-backend", "nonsense"])
 
 
 def test_unsupported_version_is_refused_with_what_to_do() -> None:
