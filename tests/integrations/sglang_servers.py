@@ -77,7 +77,7 @@ def server_flags(model: Path, port: int) -> list[str]:
         "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK),
         "--max-total-tokens", "4096", "--dtype", "float32", "--skip-server-warmup",
-        "--enable-metrics", "--disable-radix-cache",
+        "--enable-metrics", "--decode-log-interval", "1", "--disable-radix-cache",
     ]  # fmt: skip
     if not has_gpu():
         flags += [
@@ -236,17 +236,16 @@ def stream(url: str, text: str, max_new: int, timeout: float = 120.0) -> Iterato
                 yield json.loads(line[6:])
 
 
-def metric(url: str, name: str) -> float:
-    """One gauge from the server's /metrics (summed over its label sets)."""
+def metric(url: str, name: str) -> float | None:
+    """One gauge from the server's /metrics (summed over its label sets); None until
+    the server has published it."""
     text = requests.get(url + "/metrics", timeout=10).text
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(f"sglang:{name}{{") or line.startswith(f"sglang:{name} "):
-            total += float(line.rsplit(" ", 1)[1])
-            seen = True
-    if not seen:
-        raise KeyError(f"sglang:{name} not in {url}/metrics")
-    return total
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"sglang:{name}{{", f"sglang:{name} "))
+    ]
+    return sum(values) if values else None
 
 
 def audit(redis_url: str) -> subprocess.CompletedProcess[str]:

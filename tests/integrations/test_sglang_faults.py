@@ -26,6 +26,17 @@ from tests.helpers import scaled, wait_for
 
 pytestmark = [pytest.mark.sglang, pytest.mark.sglang_e2e]
 
+COMMON_GAUGES = ("num_running_reqs", "num_queue_reqs", "num_used_tokens")
+PREFILL_GAUGES = (
+    *COMMON_GAUGES,
+    "num_prefill_bootstrap_queue_reqs",
+    "num_prefill_inflight_queue_reqs",
+)
+DECODE_GAUGES = (
+    *COMMON_GAUGES,
+    "num_decode_prealloc_queue_reqs",
+    "num_decode_transfer_queue_reqs",
+)
 LONG = 300  # tokens a "long" request generates: still running when the kill comes
 
 
@@ -93,9 +104,14 @@ def _idle_and_clean(pd) -> float:  # type: ignore[no-untyped-def]
     gone = time.monotonic() - t0
     result = audit(pd.redis_url)
     assert result.returncode == 0 and "clean" in result.stdout, result.stdout + result.stderr
-    for proc in (pd.prefill, pd.decode):
-        for gauge in ("num_running_reqs", "num_used_tokens"):
-            assert wait_for(lambda p=proc, g=gauge: metric(p.url, g) == 0, 30), (proc.name, gauge)
+    # SGLang's gauges (published within 30 s of going idle): requests running, queued
+    # (waiting, PD queues) and KV tokens in use
+    for proc, gauges in (
+        (pd.prefill, PREFILL_GAUGES),
+        (pd.decode, DECODE_GAUGES),
+    ):
+        for gauge in gauges:
+            assert wait_for(lambda p=proc, g=gauge: metric(p.url, g) == 0, 45), (proc.name, gauge)
     assert "memory leak detected" not in pd.logs()
     return gone
 
