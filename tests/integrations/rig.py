@@ -730,3 +730,17 @@ def error_of(part: Any) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def pynccl_on_cpu(rank: int, init_file: str, out: str) -> None:
+    """What SGLang's CPU engine does when it builds a TP 2 group: a PyNcclCommunicator
+    on the CPU device, over a real 2-rank gloo group."""
+    from sglang.srt.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    group = init_group(rank, 2, init_file)
+    try:
+        comm = PyNcclCommunicator(group, device="cpu")
+        result = "disabled" if comm.disabled else "constructed"
+    except Exception as exc:
+        result = f"{type(exc).__name__}: {exc}"
+    Path(out, f"pynccl{rank}.json").write_text(json.dumps(result))

@@ -14,9 +14,11 @@ import concurrent.futures
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import scaled, wait_for
 
-pytestmark = [pytest.mark.sglang, pytest.mark.sglang_e2e]
+# a test may start servers (tens of seconds each on a loaded CPU host): more than the
+# suite's 300 s per test
+pytestmark = [pytest.mark.sglang, pytest.mark.sglang_e2e, pytest.mark.timeout(scaled(900))]
 
 MAX_NEW = 12
 
