@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 import pytest
-import requests
 
 from tests.helpers import scaled, wait_for
 
@@ -64,6 +63,8 @@ class _Call:
     error: str = ""
 
     def run(self, url: str) -> None:
+        import requests
+
         from tests.integrations.sglang_servers import stream
 
         try:
@@ -128,6 +129,8 @@ def _serves_like_plain(pd) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_client_disconnect_aborts_both_sides(sglang_pd) -> None:  # type: ignore[no-untyped-def]
+    import requests
+
     from tests.integrations.sglang_model import prompt
     from tests.integrations.sglang_servers import stream
 
