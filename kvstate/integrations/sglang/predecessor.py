@@ -15,7 +15,7 @@ import logging
 import re
 
 from kvstate.errors import KVStateError
-from kvstate.schema import PEER_ADDR, parse_member
+from kvstate.schema import PEER_ADDR, Side, parse_member
 from kvstate.store import Store
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 _GLOB = re.compile(r"([*?\[\]\\])")
 
 
-def clear_predecessor(store: Store, side: str, engine: str) -> list[int]:
+def clear_predecessor(store: Store, side: Side, engine: str) -> list[int]:
     """Fail and clear the rooms a previous process registered as ``engine`` left on
     ``side`` (``tx``/``rx``); returns the rooms. Call right after registering, before
     this rank creates any room of its own."""
@@ -47,7 +47,7 @@ def clear_predecessor(store: Store, side: str, engine: str) -> list[int]:
             store.abort(room, f"{engine} restarted: its previous process left this room")
             calls = store.clear_calls(
                 room,
-                side,  # type: ignore[arg-type]
+                side,
                 engine,
                 senders if side == "rx" else (),
                 peer.decode() if isinstance(peer, bytes) else None,
