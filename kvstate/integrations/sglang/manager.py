@@ -16,6 +16,7 @@ from typing import Any
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
 from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.integrations.sglang.predecessor import clear_predecessor
 from kvstate.integrations.sglang.spaces import (
     Settings,
     Spaces,
@@ -238,6 +239,11 @@ class KVStateKVManager(_BaseManager):
             waiting_timeout=waiting,
         )
         self.engine = engine
+        # restarted under the same name: fail and clear the rooms the killed process
+        # left, so that their other side need not wait for the rooms' timeouts
+        self.predecessor_rooms = clear_predecessor(
+            self.store, "tx" if self.role == "prefill" else "rx", engine
+        )
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lock = threading.Lock()
         self._rooms: dict[int, _Adapter] = {}
