@@ -158,7 +158,6 @@ def test_decode_abort_before_the_decode_scheduled_it(url: str, engines: dict[str
     check(url, p, d)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the abort mark to outlive clear(): branch core-order")
 def test_decode_abort_before_the_prefill_sender_exists(
     url: str, engines: dict[str, object]
 ) -> None:
