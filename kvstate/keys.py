@@ -115,6 +115,11 @@ class Keys:
         """The abort mark (the reason), so participants created after an abort fail."""
         return f"{self.room_prefix(room)}aborted"
 
+    def trace(self, room: int) -> str:
+        """The room's trace (a capped stream of every transition, kvstate.trace): kept
+        after the room's clear, with a TTL of its own (``Options.trace_ttl``)."""
+        return f"{self.room_prefix(room)}trace"
+
     @staticmethod
     def part_member(side: Side, engine: str) -> str:
         return schema.member(side, engine)
@@ -178,7 +183,7 @@ class Keys:
 @dataclass(frozen=True)
 class RoomKey:
     """A per-room key read back (``Keys.parse_room_key``): ``kind`` is tx, rx, xfer,
-    acks, parts or aborted (or whatever else a foreign key holds there), ``rest`` what
+    acks, parts, aborted or trace (or whatever else a foreign key holds there), ``rest`` what
     follows it: the engine for tx, rx, xfer and acks. The parser lives beside the
     builder above so that the two cannot drift apart."""
 

@@ -37,8 +37,21 @@ def scaled(seconds: float) -> float:
     return seconds * TIME_FACTOR
 
 
-def keys_of(store: Store, pattern: str | None = None) -> list[str]:
-    return sorted(store.scan(pattern or store.keys.all_pattern))
+def keys_of(store: Store, pattern: str | None = None, traces: bool = False) -> list[str]:
+    """Keys of the namespace (or matching ``pattern``). Room traces are left out unless
+    ``traces``: they outlive ``clear()`` on purpose (kvstate.trace), so "no key left"
+    means none but those, and each one left out must have a TTL (design rule 1)."""
+    found = sorted(store.scan(pattern or store.keys.all_pattern))
+    if traces:
+        return found
+    kept = []
+    for key in found:
+        parsed = store.keys.parse_room_key(key)
+        if parsed is not None and parsed.kind == "trace":
+            assert store.client.pttl(key) > 0, f"trace {key} has no TTL"
+        else:
+            kept.append(key)
+    return kept
 
 
 def room_keys(store: Store, room: int) -> list[str]:

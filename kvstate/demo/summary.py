@@ -25,6 +25,7 @@ __all__ = [
     "run_audit",
     "summary",
     "take_transfer_counters",
+    "traces_kept",
     "wait_for_no_keys",
 ]
 
@@ -33,8 +34,24 @@ _CMA_OFF = ("0", "n", "no", "false", "off")
 
 
 def _keys_left(store: Store) -> list[str]:
-    """Every key of the namespace except the ledger (a record of leaks, kept on purpose)."""
-    return sorted(k for k in store.scan(store.keys.all_pattern) if k != store.keys.ledger)
+    """Every key of the namespace except those kept on purpose: the ledger (a record of
+    leaks) and the room traces that have their TTL (kvstate.trace: they outlive
+    ``clear()`` by design; one without a TTL would be a leak, and is counted)."""
+    found = [k for k in store.scan(store.keys.all_pattern) if k != store.keys.ledger]
+    traces = [k for k in found if _is_trace(store, k)]
+    ttls = store.execute([store.key_ttl(k) for k in traces]) if traces else []
+    kept = {k for k, ttl in zip(traces, ttls, strict=True) if int(ttl) > 0}
+    return sorted(k for k in found if k not in kept)
+
+
+def _is_trace(store: Store, key: str) -> bool:
+    parsed = store.keys.parse_room_key(key)
+    return parsed is not None and parsed.kind == "trace"
+
+
+def traces_kept(store: Store) -> int:
+    """How many room traces the run left for ``kvstate trace ROOM`` (each with its TTL)."""
+    return sum(1 for k in store.scan(store.keys.all_pattern) if _is_trace(store, k))
 
 
 def wait_for_no_keys(store: Store, limit: float) -> tuple[list[str], float]:
@@ -165,6 +182,7 @@ def summary(
     audit: dict[str, Any],
     counters: dict[str, dict[str, Any]],
     cut: str | None = None,
+    traces: int | None = None,
 ) -> dict[str, Any]:
     """The run as one JSON document: what ``--json`` prints and the table is made of.
     ``left`` is None when a signal (``cut``, or the one that interrupted the run) stopped
@@ -218,6 +236,8 @@ def summary(
         "transfer_counters": counters,
         "keys_left": None if left is None else len(left),
         "keys_left_sample": (left or [])[:10],
+        # room traces kept on purpose, each with its TTL (not counted in keys_left)
+        "traces_kept": traces,
         "waited_for_keys_s": round(waited, 2),
         "audit": audit,
         "killed": rtr.killed,
@@ -339,6 +359,13 @@ def print_summary(doc: dict[str, Any]) -> None:
                 if doc["waited_for_keys_s"] >= 0.5
                 else ""
             ),
+        )
+    if doc.get("traces_kept"):
+        example = doc["rooms"][0]["room"] if doc["rooms"] else "ROOM"
+        t.add_row(
+            "room traces",
+            f"{doc['traces_kept']} kept for their TTL: kvstate trace {example} shows where "
+            "that room's time went",
         )
     t.add_row("audit", escape(doc["audit"]["result"]))
     if doc["killed"]:

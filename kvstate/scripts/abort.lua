@@ -10,7 +10,9 @@
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason
 -- ARGV[2+i] parts member i, as the caller read it
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
 -- Returns the number of participants moved to Failed, or -1.
+take_trace()
 local parts = KEYS[1]
 local n = #KEYS - 2
 if redis.call('HLEN', parts) ~= n then return -1 end
@@ -30,8 +32,11 @@ local failed = 0
 for i = 1, n do
   if statuses[i] and statuses[i] ~= 'Failed' then
     set_status(KEYS[2 + i], 'Failed', now, ARGV[1], ARGV[2])
+    trace(KEYS[2 + i], F_EV_ABORT, F_STATUS, 'Failed', F_REASON, ARGV[2],
+      F_TRACE_WAS, statuses[i])
     failed = failed + 1
   end
 end
 if failed > 0 then touch(parts, ARGV[1]) end
+if failed == 0 then trace(nil, F_EV_ABORT, F_REASON, ARGV[2]) end
 return failed

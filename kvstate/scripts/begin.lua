@@ -9,7 +9,9 @@
 -- ARGV[1] ttl in ms
 -- ARGV[2] unused, so that ARGV[k] names the receiver of KEYS[k]
 -- ARGV[2+j] receiver j's engine (named in the reason)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
 -- Returns the sender's {status, reason}; status '' means missing.
+take_trace()
 local tx = KEYS[1]
 local ttl = ARGV[1]
 local cur = read_status(tx)
@@ -25,11 +27,13 @@ for j = 3, #KEYS do
   if why then
     set_status(tx, 'Failed', now_ms(), ttl, why)
     touch(KEYS[2], ttl)
+    trace(tx, 'Failed', F_REASON, why)
     return {'Failed', why}
   end
 end
 if cur[1] ~= 'Transferring' then
   set_status(tx, 'Transferring', now_ms(), ttl, nil)
   touch(KEYS[2], ttl)
+  trace(tx, 'Transferring')
 end
 return {'Transferring', cur[2]}

@@ -10,7 +10,9 @@
 -- ARGV[3] peer engine, or '' for any peer (every receiver tracked at an address
 --         is bound to some engine there)
 -- ARGV[4] peer incarnation, or '' for any
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
 -- Returns 1 if it failed the participant, else 0.
+take_trace()
 local key = KEYS[1]
 local h = redis.call('HMGET', key, F_STATUS, F_PEER_PREFIX .. ARGV[3])
 if not h[1] then return 0 end
@@ -22,4 +24,5 @@ if ARGV[3] ~= '' then
 end
 set_status(key, 'Failed', now_ms(), ARGV[1], ARGV[2])
 touch(KEYS[2], ARGV[1])
+trace(key, 'Failed', F_REASON, ARGV[2])
 return 1

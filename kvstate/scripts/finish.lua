@@ -8,12 +8,17 @@
 -- KEYS[2j+1], KEYS[2j+2] (j = 1..m) receiver j's participant hash, its acks set
 -- ARGV[1] ttl in ms
 -- ARGV[2] sender engine (the member added to each acks set)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
 -- Returns the sender's {status, reason}; status '' means missing.
+take_trace()
 local tx = KEYS[1]
 local ttl = ARGV[1]
 local cur = read_status(tx)
 if cur[1] == '' or cur[1] == 'Failed' then return cur end
-if cur[1] ~= 'Success' then set_status(tx, 'Success', now_ms(), ttl, nil) end
+if cur[1] ~= 'Success' then
+  set_status(tx, 'Success', now_ms(), ttl, nil)
+  trace(tx, 'Success')
+end
 touch(KEYS[2], ttl)
 for j = 1, (#KEYS - 2) / 2 do
   local rx, acks = KEYS[2 * j + 1], KEYS[2 * j + 2]
@@ -26,6 +31,7 @@ for j = 1, (#KEYS - 2) / 2 do
       local peers = number_of(rx, F_PEERS, r[2])
       if peers >= 1 and redis.call('SCARD', acks) >= peers then
         set_status(rx, 'Success', now_ms(), ttl, nil)
+        trace(rx, 'Success')
       end
     end
   end

@@ -9,8 +9,10 @@
 -- ARGV[1] ttl in ms (refreshed only when the poll fails the participant)
 -- ARGV[2] (with KEYS[3]) the infos version the caller holds: the infos are returned
 --         only when the sender's infos_v (bumped by publish.lua) differs from it
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
 -- Returns {status, reason, {field, value, ...}, version}; status '' means missing;
 -- version is -1 when no infos were returned.
+take_trace()
 local key = KEYS[1]
 local h = redis.call('HMGET', key, F_STATUS, F_REASON, F_SINCE_MS,
   F_BOOTSTRAP_TIMEOUT_MS, F_WAITING_TIMEOUT_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS)
@@ -34,6 +36,7 @@ if rank == 1 or rank == 2 then
     end
     set_status(key, status, now, ARGV[1], reason)
     touch(KEYS[2], ARGV[1])
+    trace(key, 'Failed', F_REASON, reason)
   end
 end
 local infos, version = {}, -1

@@ -18,7 +18,9 @@
 -- ARGV[3] msgpack transfer info, or '' to bind only (init() not called yet)
 -- ARGV[4] senders required, written if the receiver has none yet (0: not known yet)
 -- ARGV[3+2i], ARGV[4+2i] sender i's engine and the incarnation to bind
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
 -- Returns the receiver's {status, reason}; status '' means missing.
+take_trace()
 local rx = KEYS[1]
 local ttl = ARGV[1]
 local n = (#KEYS - 2) / 2
@@ -45,6 +47,7 @@ for i = 1, n do
     held[i] = ARGV[4 + 2 * i]
     put(want[4 + i], held[i])
     bound = bound + 1
+    trace(rx, F_EV_BOUND, F_TRACE_PEER, ARGV[3 + 2 * i], F_INCARNATION, held[i])
   end
 end
 if #writes > 0 then put(F_BOUND, bound) end
@@ -71,6 +74,7 @@ for i = 1, n do
   if t[1] == 'Failed' then
     local reason = t[2] or 'sender failed'
     finish_rx('Failed', reason)
+    trace(rx, 'Failed', F_REASON, reason)
     return {'Failed', reason}
   end
   senders[i] = t
@@ -84,6 +88,7 @@ for i = 1, n do
   if held[i] == ARGV[4 + 2 * i] then
     redis.call('HSET', xfer, ARGV[2], ARGV[3])
     redis.call('PEXPIRE', xfer, ttl)
+    trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, ARGV[3 + 2 * i])
     local t = senders[i]
     if t[1] then
       local fields = {F_INFOS_V, (tonumber(t[4]) or 0) + 1}
@@ -93,12 +98,16 @@ for i = 1, n do
         fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_ms()
       end
       redis.call('HSET', tx, unpack(fields))
-      if ready then redis.call('PEXPIRE', tx, ttl) end
+      if ready then
+        redis.call('PEXPIRE', tx, ttl)
+        trace(tx, 'WaitingForInput')
+      end
     end
   end
 end
 if RANK[cur[1]] < 2 and number_of(rx, F_PEERS, peers) >= 1 and bound >= tonumber(peers) then
   finish_rx('WaitingForInput', nil)
+  trace(rx, 'WaitingForInput')
   return {'WaitingForInput', cur[2]}
 end
 finish_rx(nil, nil)

@@ -6,7 +6,9 @@
 -- ARGV[1] new status name
 -- ARGV[2] reason (recorded when the new status is Failed)
 -- ARGV[3] ttl in ms, refreshed whenever the status changes
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
 -- Returns {status, reason} after the update; status '' means missing.
+take_trace()
 local key = KEYS[1]
 local new = RANK[ARGV[1]]
 if new == nil then return redis.error_reply('ERR unknown status ' .. tostring(ARGV[1])) end
@@ -15,11 +17,13 @@ if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
 if new == 0 then
   set_status(key, 'Failed', now_ms(), ARGV[3], ARGV[2])
   touch(KEYS[2], ARGV[3])
+  trace(key, 'Failed', F_REASON, ARGV[2])
   return {'Failed', ARGV[2]}
 end
 if new > RANK[cur[1]] then
   set_status(key, ARGV[1], now_ms(), ARGV[3], nil)
   touch(KEYS[2], ARGV[3])
+  trace(key, ARGV[1])
   return {ARGV[1], cur[2]}
 end
 return cur
