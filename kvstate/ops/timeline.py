@@ -56,6 +56,8 @@ class Timeline:
 
     def deltas(self) -> list[int | None]:
         """Each step's time since the step before (None for the first)."""
+        if not self.entries:
+            return []
         out: list[int | None] = [None]
         out += [b.ms - a.ms for a, b in zip(self.entries, self.entries[1:], strict=False)]
         return out
