@@ -202,7 +202,7 @@ class Options:
     is tried again within the call's time. ``durable``: a call that records Success or
     an abort answers only once a replica confirmed it (``WAIT``), else raises
     DurabilityError (docs/design.md, Durable mode). ``trace_rate``: the share of rooms
-    whose every transition is kept in a trace stream (``kvstate trace ROOM``), chosen
+    whose every transition is kept in a trace list (``kvstate trace ROOM``), chosen
     by the room id so that every process with the same rate picks the same rooms;
     ``trace_ttl``: seconds a trace outlives its last entry (docs/design.md, Data model).
     """

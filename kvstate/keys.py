@@ -116,7 +116,7 @@ class Keys:
         return f"{self.room_prefix(room)}aborted"
 
     def trace(self, room: int) -> str:
-        """The room's trace (a capped stream of every transition, kvstate.trace): kept
+        """The room's trace (a list of every transition, kvstate.trace): kept
         after the room's clear, with a TTL of its own (``Options.trace_ttl``)."""
         return f"{self.room_prefix(room)}trace"
 

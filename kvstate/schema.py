@@ -52,10 +52,11 @@ RANKS: Final = "ranks"  # prefill ranks serving the address
 # tracker     addr:<addr> zset      members: receiver participant *key names*
 # index       engines_at:<addr>     members: engine names, scored by lease deadline (ms)
 
-# -- room trace stream: kvstate:<ns>:{<room>}:trace (kvstate.trace) --------------------
-# Each entry: TRACE_SIDE (tx / rx, '' for the room), TRACE_ENGINE, TRACE_EVENT (one of
-# the EV_ names below or a status name), then STATUS, REASON, TRACE_PEER, INCARNATION,
-# TRACE_WAS where they apply.
+# -- room trace list: kvstate:<ns>:{<room>}:trace (kvstate.trace) ----------------------
+# Each entry, a JSON object: TRACE_MS (server clock), TRACE_SIDE (tx / rx, '' for the
+# room), TRACE_ENGINE, TRACE_EVENT (one of the EV_ names below or a status name), then
+# STATUS, REASON, TRACE_PEER, INCARNATION, TRACE_WAS where they apply.
+TRACE_MS: Final = "ms"
 TRACE_SIDE: Final = "side"
 TRACE_ENGINE: Final = "engine"
 TRACE_EVENT: Final = "event"

@@ -75,7 +75,7 @@ from kvstate.errors import (
 )
 from kvstate.keys import Keys, Side
 from kvstate.poll import KVPoll
-from kvstate.trace import TRACE_MAXLEN, sampled
+from kvstate.trace import sampled
 
 SCRIPT_NAMES = (
     "create",
@@ -89,6 +89,7 @@ SCRIPT_NAMES = (
     "track",
     "register",
     "index",
+    "trace",
 )
 _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
 _SCRIPT_WRAPPER = re.compile(r"^Error running script \(call to f_[0-9a-f]+\): (@\w+:? ?\d+: )*-?")
@@ -767,30 +768,17 @@ class Store:
         ]
         calls += [self._command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
         if self.traced(room):  # in the room's MULTI/EXEC: no round trip of its own
-            calls += self._trace_cleared(room, side, engine)
+            calls.append(self._trace_cleared(room, me))
         if peer_addr is not None:
             calls.append(self._command("ZREM", k.addr(peer_addr), args=[me]))
         return calls
 
-    def _trace_cleared(self, room: int, side: Side, engine: str) -> list[Call]:
-        """The ``cleared`` entry of a traced room (NOMKSTREAM: a participant that never
-        ran a script, and so left no trace, starts none) and the trace's TTL: the
-        trace is not deleted with the room, it outlives it by ``Options.trace_ttl``."""
-        key = self.keys.trace(room)
-        entry = [
-            schema.TRACE_SIDE,
-            side,
-            schema.TRACE_ENGINE,
-            engine,
-            schema.TRACE_EVENT,
-            schema.EV_CLEARED,
-        ]
-        return [
-            self._command(
-                "XADD", key, args=["NOMKSTREAM", "MAXLEN", "~", TRACE_MAXLEN, "*", *entry]
-            ),
-            self.set_ttl(key, int(self.options.trace_ttl * 1000)),
-        ]
+    def _trace_cleared(self, room: int, participant: str) -> Call:
+        """trace.lua: the ``cleared`` entry of a traced room, appended only to a trace
+        that exists (a participant that never ran a script starts none). The trace is
+        not deleted with the room: it outlives it by ``Options.trace_ttl``."""
+        ttl = int(self.options.trace_ttl * 1000)
+        return Call((participant, self.keys.trace(room)), (-ttl,), script="trace")
 
     def clear_many(
         self, participants: Sequence[Sequence[Call]], partial: bool = True
@@ -811,8 +799,8 @@ class Store:
                 # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
                 # transaction a cut connection can leave part of the participant behind:
                 # those keys have TTLs, and a clear can be repeated. The trace's entry is
-                # left out: XADD takes memory, and the clear must go through.
-                kept = [i for i, c in enumerate(calls) if c.command != "XADD"]
+                # left out: it takes memory, and the clear must go through.
+                kept = [i for i, c in enumerate(calls) if c.script != "trace"]
                 done = self.execute([calls[i] for i in kept], partial=partial)
                 replies = [None] * len(calls)
                 for i, reply in zip(kept, done, strict=True):
@@ -1011,8 +999,8 @@ class Store:
             self.execute([*calls, self.set_ttl(key, ttl_ms)], transaction=True)
 
     def trace_entries(self, room: int) -> Call:
-        """The room's trace, oldest first: [(id, {field: value})] (XRANGE)."""
-        return self._command("XRANGE", self.keys.trace(room), args=["-", "+"])
+        """The room's trace, oldest first: one JSON object per entry (LRANGE)."""
+        return self._command("LRANGE", self.keys.trace(room), args=[0, -1])
 
     def ledger_recent(self, count: int) -> Call:
         """The newest ``count`` ledger entries, newest first: [(id, {field: value})]."""

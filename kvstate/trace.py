@@ -1,24 +1,24 @@
 """The room trace: which rooms are traced, and what a trace entry holds.
 
 A traced room's every transition (created, bound, published, each status, abort,
-cleared) is appended by the script that makes it to the capped stream
-``kvstate:<ns>:{<room>}:trace`` (``Keys.trace``), whose entry ids are the Redis
-server's clock (design rule 9). The stream is not deleted by ``clear()``: it keeps its
-own TTL (``Options.trace_ttl``), refreshed by each entry, so an operator can ask after
-the fact where a request's transfer spent its time (``kvstate trace ROOM``).
+cleared) is appended by the script that makes it to the list
+``kvstate:<ns>:{<room>}:trace`` (``Keys.trace``), one JSON object per entry stamped
+with the Redis server's clock (design rule 9). The list is not deleted by ``clear()``:
+it keeps its own TTL (``Options.trace_ttl``), refreshed by each entry, so an operator
+can ask after the fact where a request's transfer spent its time (``kvstate trace
+ROOM``). A list, not a stream: Redis 7 preallocates a stream's first node (4 KiB), so a
+10-entry stream took 4.7 KB where the list takes under 1 KB. Its length is bounded by
+the room (a few entries per participant and binding), so it needs no cap.
 docs/design.md, Data model, says more.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstate import schema
-
-# Entries kept per room, roughly (XADD MAXLEN ~): a room of 8 senders and 8 receivers
-# writes about 140. Mirrored by TRACE_MAXLEN in scripts/_lib.lua (tests/test_trace.py).
-TRACE_MAXLEN = 1000
 
 _MASK = 2**64 - 1
 
@@ -46,11 +46,11 @@ def sampled(room: int, rate: float) -> bool:
 
 @dataclass(frozen=True)
 class TraceEntry:
-    """One entry of a room's trace: ``ms`` and ``seq`` are the stream id (the server
-    clock, and the order within that ms); ``side`` tx / rx ('' for the room itself:
-    an abort that found nobody), ``engine`` the participant's engine, ``event`` one of
-    created, bound, published, a status name (WaitingForInput, Transferring, Success,
-    Failed), abort, cleared; ``fields`` the rest (status, reason, peer, incarnation)."""
+    """One entry of a room's trace: ``ms`` the server clock, ``seq`` its order among
+    the entries of that ms; ``side`` tx / rx ('' for the room itself: an abort that
+    found nobody), ``engine`` the participant's engine, ``event`` one of created,
+    bound, published, a status name (WaitingForInput, Transferring, Success, Failed),
+    abort, cleared; ``fields`` the rest (status, reason, peer, incarnation, was)."""
 
     ms: int
     seq: int
@@ -63,26 +63,36 @@ class TraceEntry:
     def id(self) -> str:
         return f"{self.ms}-{self.seq}"
 
-    @property
-    def who(self) -> str:
-        return f"{self.side}:{self.engine}" if self.side else "room"
+    @classmethod
+    def parse_all(cls, raw: list[Any]) -> list[TraceEntry]:
+        """The entries of an LRANGE of the trace, in order; an entry that does not
+        parse (no kvstate code wrote it) is kept as an event named ``unreadable``."""
+        out: list[TraceEntry] = []
+        for item in raw:
+            e = cls.parse(item)
+            seq = out[-1].seq + 1 if out and out[-1].ms == e.ms else 0
+            out.append(cls(e.ms, seq, e.side, e.engine, e.event, e.fields))
+        return out
 
     @classmethod
-    def parse(cls, raw_id: Any, raw: Any) -> TraceEntry:
-        """An XRANGE entry (id, [field, value, ...] or {field: value}) as redis-py
-        returns it; unknown fields are kept, missing ones read ''."""
-        text = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-        ms, _, seq = text.partition("-")
-        items = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2], strict=True)
-        fields = {_text(k): _text(v) for k, v in items}
+    def parse(cls, raw: Any) -> TraceEntry:
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict):
+                raise ValueError(text)
+            fields = {str(k): _text(v) for k, v in doc.items()}
+            ms = int(doc.get(schema.TRACE_MS, 0))
+        except ValueError:
+            return cls(0, 0, "", "", "unreadable", {"raw": text[:200]})
+        fields.pop(schema.TRACE_MS, None)
         side = fields.pop(schema.TRACE_SIDE, "")
         engine = fields.pop(schema.TRACE_ENGINE, "")
         event = fields.pop(schema.TRACE_EVENT, "")
-        return cls(int(ms), int(seq or 0), side, engine, event, fields)
+        return cls(ms, 0, side, engine, event, fields)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "id": self.id,
             "ms": self.ms,
             "side": self.side,
             "engine": self.engine,
@@ -92,4 +102,6 @@ class TraceEntry:
 
 
 def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return value if isinstance(value, str) else str(value)

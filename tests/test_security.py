@@ -43,7 +43,8 @@ from tests.helpers import PREFILL_ADDR, keys_of, scaled, wait_for
 # - ping, client|setname: connection set-up (redis-py) and health checks
 # - script|load at connect; evalsha, and eval after NOSCRIPT (server restart, failover,
 #   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hlen, hexists,
-#   hgetall, pexpire, sadd, scard, zadd, zremrangebyscore, time, xadd (a traced room)
+#   hgetall, pexpire, sadd, scard, zadd, zremrangebyscore, time; rpush and rpushx (a
+#   traced room, its clear)
 # - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
 # - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
 #   hkeys (abort), zrange (dead-peer fan-out)
@@ -55,7 +56,7 @@ ENGINE_ACL = (
     "+evalsha +eval +script|load "
     "+multi +exec +del +exists +pexpire +pttl +get +set "
     "+hget +hmget +hgetall +hset +hdel +hkeys +hlen +hexists "
-    "+sadd +scard +zadd +zrange +zrem +zremrangebyscore +xadd"
+    "+sadd +scard +zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
 )
 # On a Redis Cluster (set on every node: ACLs are per node), redis-py's Cluster client
 # also reads the slot map and the command table.
@@ -76,7 +77,7 @@ def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:
     """Every path an engine takes: connect, register, resolve peers by address and by
     name, publish, transfer, finish, poll_many, abort, dead-peer fan-out, a bootstrap
     timeout, NOSCRIPT recovery, heartbeats, clear, close."""
-    # every room traced: the trace's XADD is on the paths too
+    # every room traced: the trace's RPUSH and RPUSHX are on the paths too
     store = kvstate.connect(url, namespace=ns, options=kvstate.Options(trace_rate=1.0))
     made: list[kvstate.KVManager] = []
     try:

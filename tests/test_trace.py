@@ -6,9 +6,7 @@ standalone server and on a 3-primary Cluster."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
-from importlib import resources
 from typing import Any
 
 import numpy as np
@@ -23,7 +21,7 @@ from kvstate.ops.audit import Auditor
 from kvstate.ops.timeline import read_timeline
 from kvstate.poll import KVPoll
 from kvstate.store import Store
-from kvstate.trace import TRACE_MAXLEN, TraceEntry, sampled
+from kvstate.trace import TraceEntry, sampled
 from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of, room_keys, wait_for
 
 ALL = kvstate.Options(trace_rate=1.0)
@@ -35,8 +33,7 @@ def run(*args: str) -> Result:
 
 
 def entries(store: Store, room: int) -> list[TraceEntry]:
-    raw = store.execute([store.trace_entries(room)])[0]
-    return [TraceEntry.parse(i, f) for i, f in raw or []]
+    return TraceEntry.parse_all(store.execute([store.trace_entries(room)])[0] or [])
 
 
 def steps(store: Store, room: int) -> list[tuple[str, str, str]]:
@@ -90,7 +87,7 @@ FULL = [
 
 def test_full_lifecycle_traces_every_transition_in_order(traced: Store) -> None:
     """Every transition of both sides, in the order they happened, each stamped by the
-    server clock (the stream id): between two TIME readings of the server, in order."""
+    server clock: between two TIME readings of the server, in order."""
     p, d = pair(traced)
     before = traced.server_time_ms()
     lifecycle(traced, 42, p, d)
@@ -135,9 +132,9 @@ def test_abort_and_failures_with_their_reasons(traced: Store, state_url: str) ->
         "Failed",
     )
     assert last.fields[schema.REASON] == "router cancelled"
-    # an abort of a room nobody traces writes no trace (NOMKSTREAM)
+    # an abort of a room nobody traces writes no trace
     assert not sampled(8, 0.0)
-    other.abort(8, "nobody traces this")
+    other.abort(8, "nobody traces this")  # RPUSHX: no trace started
     assert traced.keys.trace(8) not in keys_of(traced, traces=True)
 
     # a bootstrap timeout, on the server clock
@@ -252,10 +249,17 @@ def test_trace_options_are_checked(redis_url: str) -> None:
     store.close()
 
 
-def test_lua_and_python_cap_agree() -> None:
-    lib = (resources.files("kvstate") / "scripts" / "_lib.lua").read_text()
-    found = re.search(r"^local TRACE_MAXLEN = (\d+)$", lib, re.M)
-    assert found and int(found[1]) == TRACE_MAXLEN
+def test_entries_are_json_readable_with_redis_cli(traced: Store) -> None:
+    """One JSON object per entry, as LRANGE shows it; the server clock in ``ms``."""
+    p, d = pair(traced)
+    lifecycle(traced, 42, p, d)
+    raw = traced.client.lrange(traced.keys.trace(42), 0, -1)
+    first = json.loads(raw[0])
+    assert first["side"] == "tx" and first["engine"] == "prefill-a.tp0"
+    assert first["event"] == "created" and first["status"] == "Bootstrapping"
+    assert isinstance(first["ms"], int) and first["ms"] > 1_600_000_000_000
+    p.close()
+    d.close()
 
 
 def test_cli_trace_table_json_and_empty(traced: Store, state_url: str) -> None:

@@ -1,6 +1,6 @@
 """``kvstate trace ROOM``: where a room's time went, step by step, after the fact.
 
-Reads the room's trace stream (kvstate.trace) with one XRANGE: every transition of
+Reads the room's trace list (kvstate.trace) with one LRANGE: every transition of
 every participant, stamped by the Redis server's clock, kept for ``trace_ttl`` after
 the room's clear. A room is traced only if it was sampled (``trace_rate``).
 """

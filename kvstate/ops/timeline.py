@@ -1,8 +1,8 @@
 """A room's trace read back as a timeline: each step with the time since the one before,
 and the room's named phases (``kvstate trace ROOM``).
 
-The steps come from the stream the scripts write (kvstate.trace); their times are the
-stream ids, the Redis server's clock, so the gaps compare steps taken by different
+The steps come from the list the scripts write (kvstate.trace); their times are the
+Redis server's clock, so the gaps compare steps taken by different
 hosts without comparing their clocks (design rule 9).
 """
 
@@ -40,7 +40,7 @@ class Timeline:
 
     room: int
     entries: list[TraceEntry]
-    ttl_ms: int | None  # PTTL of the trace stream
+    ttl_ms: int | None  # PTTL of the trace list
 
     @property
     def empty(self) -> bool:
@@ -152,7 +152,7 @@ def _is(e: TraceEntry, side: str | None, events: tuple[str, ...]) -> bool:
 
 
 def _after(a: TraceEntry, b: TraceEntry) -> bool:
-    """Whether step ``a`` came after step ``b`` (stream order)."""
+    """Whether step ``a`` came after step ``b`` (the trace's order)."""
     return (a.ms, a.seq) > (b.ms, b.seq)
 
 
@@ -160,5 +160,5 @@ def read_timeline(store: Store, room: int) -> Timeline:
     """The room's trace and its TTL, in one round trip (one slot)."""
     key = store.keys.trace(room)
     raw, ttl = store.execute([store.trace_entries(room), store.key_ttl(key)])
-    entries = [TraceEntry.parse(i, f) for i, f in raw or []]
+    entries = TraceEntry.parse_all(raw or [])
     return Timeline(room, entries, int(ttl) if entries else None)

@@ -21,6 +21,7 @@ local F_HOST = 'host'
 local F_PID = 'pid'
 local F_CREATED_MS = 'created_ms'
 -- the room trace's fields and events (besides the status names)
+local F_TRACE_MS = 'ms'
 local F_TRACE_SIDE = 'side'
 local F_TRACE_ENGINE = 'engine'
 local F_TRACE_EVENT = 'event'
@@ -30,10 +31,9 @@ local F_EV_CREATED = 'created'
 local F_EV_BOUND = 'bound'
 local F_EV_PUBLISHED = 'published'
 local F_EV_ABORT = 'abort'
+local F_EV_CLEARED = 'cleared'
 
 local RANK = {Failed = 0, Bootstrapping = 1, WaitingForInput = 2, Transferring = 3, Success = 4}
--- Entries a room's trace keeps, roughly (XADD MAXLEN ~): kvstate/trace.py's TRACE_MAXLEN.
-local TRACE_MAXLEN = 1000
 
 -- The server clock in ms: TIME at most once per script, and only when a script
 -- needs it (most calls change no status and never ask).
@@ -87,41 +87,36 @@ local function read_status(key)
 end
 
 -- The room trace (kvstate/trace.py). Every room script is called with the room's trace
--- stream as its LAST key and the trace TTL in ms as its LAST argument: > 0 the room is
+-- list as its LAST key and the trace TTL in ms as its LAST argument: > 0 the room is
 -- traced; 0 it is not (nothing written); < 0 append only to a trace that exists (an
--- abort by a process that does not trace the room). take_trace() takes both off KEYS
--- and ARGV, first thing, so that the script reads its lists as its header says.
+-- abort by a process that does not trace the room, a clear). take_trace() takes both off
+-- KEYS and ARGV, first thing, so that the script reads its lists as its header says.
 local tracing = nil
 local function take_trace()
   tracing = {table.remove(KEYS), tonumber(table.remove(ARGV)) or 0}
 end
 
--- Append one entry to the room's trace, if it is traced: who (tx/rx and engine, read
--- from the participant key `key`; nil for the room itself), the event, then field,
--- value pairs (a nil value drops its pair). The id is the server clock (XADD *, design
--- rule 9); each entry refreshes the stream's TTL, so the trace outlives its room.
--- Called after the script's own writes: at maxmemory the state write is the one refused.
+-- Append one entry (a JSON object) to the room's trace, if it is traced: the server
+-- clock in ms (design rule 9), who (tx/rx and engine, read from the participant key
+-- `key`; nil for the room itself), the event, then field, value pairs (a nil value drops
+-- its pair). Each entry refreshes the list's TTL, so the trace outlives its room. Called
+-- after the script's own writes: at maxmemory the state write is the one refused.
 local function trace(key, event, ...)
   local ttl = tracing[2]
   if ttl == 0 then return end
-  local cmd = {'XADD', tracing[1]}
-  if ttl < 0 then
-    cmd[3] = 'NOMKSTREAM'
-    ttl = -ttl
-  end
   local side, engine = nil, nil
   if key then side, engine = string.match(key, '}:([tr]x):(.*)$') end
-  for _, v in ipairs({'MAXLEN', '~', TRACE_MAXLEN, '*', F_TRACE_SIDE, side or '',
-      F_TRACE_ENGINE, engine or '', F_TRACE_EVENT, event}) do
-    cmd[#cmd + 1] = v
-  end
+  local entry = {[F_TRACE_MS] = now_ms(), [F_TRACE_SIDE] = side or '',
+    [F_TRACE_ENGINE] = engine or '', [F_TRACE_EVENT] = event}
   for i = 1, select('#', ...), 2 do
     local name, value = select(i, ...)
-    if value ~= nil then
-      cmd[#cmd + 1] = name
-      cmd[#cmd + 1] = value
-    end
+    if value ~= nil then entry[name] = value end
   end
-  redis.call(unpack(cmd))
+  if ttl < 0 then
+    if redis.call('RPUSHX', tracing[1], cjson.encode(entry)) == 0 then return end
+    ttl = -ttl
+  else
+    redis.call('RPUSH', tracing[1], cjson.encode(entry))
+  end
   redis.call('PEXPIRE', tracing[1], ttl)
 end

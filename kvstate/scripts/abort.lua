@@ -10,7 +10,7 @@
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason
 -- ARGV[2+i] parts member i, as the caller read it
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns the number of participants moved to Failed, or -1.
 take_trace()
 local parts = KEYS[1]

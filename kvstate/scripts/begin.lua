@@ -9,7 +9,7 @@
 -- ARGV[1] ttl in ms
 -- ARGV[2] unused, so that ARGV[k] names the receiver of KEYS[k]
 -- ARGV[2+j] receiver j's engine (named in the reason)
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns the sender's {status, reason}; status '' means missing.
 take_trace()
 local tx = KEYS[1]

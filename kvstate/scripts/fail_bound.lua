@@ -10,7 +10,7 @@
 -- ARGV[3] peer engine, or '' for any peer (every receiver tracked at an address
 --         is bound to some engine there)
 -- ARGV[4] peer incarnation, or '' for any
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns 1 if it failed the participant, else 0.
 take_trace()
 local key = KEYS[1]

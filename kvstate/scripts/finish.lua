@@ -8,7 +8,7 @@
 -- KEYS[2j+1], KEYS[2j+2] (j = 1..m) receiver j's participant hash, its acks set
 -- ARGV[1] ttl in ms
 -- ARGV[2] sender engine (the member added to each acks set)
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns the sender's {status, reason}; status '' means missing.
 take_trace()
 local tx = KEYS[1]

@@ -9,7 +9,7 @@
 -- ARGV[1] ttl in ms (refreshed only when the poll fails the participant)
 -- ARGV[2] (with KEYS[3]) the infos version the caller holds: the infos are returned
 --         only when the sender's infos_v (bumped by publish.lua) differs from it
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns {status, reason, {field, value, ...}, version}; status '' means missing;
 -- version is -1 when no infos were returned.
 take_trace()

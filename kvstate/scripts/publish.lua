@@ -18,7 +18,7 @@
 -- ARGV[3] msgpack transfer info, or '' to bind only (init() not called yet)
 -- ARGV[4] senders required, written if the receiver has none yet (0: not known yet)
 -- ARGV[3+2i], ARGV[4+2i] sender i's engine and the incarnation to bind
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns the receiver's {status, reason}; status '' means missing.
 take_trace()
 local rx = KEYS[1]

@@ -6,7 +6,7 @@
 -- ARGV[1] new status name
 -- ARGV[2] reason (recorded when the new status is Failed)
 -- ARGV[3] ttl in ms, refreshed whenever the status changes
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace stream, the trace TTL (take_trace, _lib.lua)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns {status, reason} after the update; status '' means missing.
 take_trace()
 local key = KEYS[1]
