@@ -99,7 +99,7 @@ end
 -- Append one entry (a JSON object) to the room's trace, if it is traced: the server
 -- clock in ms (design rule 9), who (tx/rx and engine, read from the participant key
 -- `key`; nil for the room itself), the event, then field, value pairs (a nil value drops
--- its pair). Each entry refreshes the list's TTL, so the trace outlives its room. Called
+-- its pair). Each call refreshes the list's TTL, so the trace outlives its room. Called
 -- after the script's own writes: at maxmemory the state write is the one refused.
 local function trace(key, event, ...)
   local ttl = tracing[2]
@@ -114,9 +114,11 @@ local function trace(key, event, ...)
   end
   if ttl < 0 then
     if redis.call('RPUSHX', tracing[1], cjson.encode(entry)) == 0 then return end
-    ttl = -ttl
   else
     redis.call('RPUSH', tracing[1], cjson.encode(entry))
   end
-  redis.call('PEXPIRE', tracing[1], ttl)
+  if not tracing[3] then  -- the TTL once per script call: its entries share its clock
+    redis.call('PEXPIRE', tracing[1], math.abs(ttl))
+    tracing[3] = true
+  end
 end
