@@ -33,6 +33,7 @@ from kvstate.demo.summary import (
     traces_kept,
     wait_for_no_keys,
 )
+from kvstate.ops.durations import fmt_ms
 from kvstate.store import EMBEDDED, Store
 
 __all__ = ["EXIT_CHECK_FAILED", "discovery_path", "run_router", "run_worker"]
@@ -110,7 +111,8 @@ def _banner(
         )
     say(
         f"  every room is traced (trace_rate {store.options.trace_rate:g}): kvstate trace ROOM "
-        "shows where its time went, for an hour after its clear"
+        f"shows where its time went, for {fmt_ms(int(store.options.trace_ttl * 1000))} "
+        "after its clear"
     )
     if cfg.hold:
         say(f"  each room waits {cfg.hold:g} s in WaitingForInput before its transfer (--hold)")

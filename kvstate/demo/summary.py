@@ -364,8 +364,9 @@ def print_summary(doc: dict[str, Any]) -> None:
         example = doc["rooms"][0]["room"] if doc["rooms"] else "ROOM"
         t.add_row(
             "room traces",
-            f"{doc['traces_kept']} kept for their TTL: kvstate trace {example} shows where "
-            "that room's time went",
+            f"{doc['traces_kept']} kept for their TTL: kvstate --url {doc['redis']['url']} -n "
+            f"{doc['redis']['namespace']} trace {example} shows where that room's time went (an "
+            "embedded Redis stops with the demo: give --url, or --hold, to look after it)",
         )
     t.add_row("audit", escape(doc["audit"]["result"]))
     if doc["killed"]:
