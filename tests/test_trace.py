@@ -162,6 +162,24 @@ def test_abort_and_failures_with_their_reasons(traced: Store, state_url: str) ->
     other.close()
 
 
+def test_bad_input_writes_no_trace_entry(traced: Store) -> None:
+    """A corrupt participant makes its script raise before anything is written, the
+    trace included (design rule 7): the binding a publish was about to make is not
+    traced."""
+    p, d = pair(traced)
+    rcv = d.receiver(11, bootstrap_addr="10.9.9.9:1")  # no engine there: nothing bound
+    assert rcv.poll() == KVPoll.Bootstrapping
+    before = steps(traced, 11)
+    assert before == [(*RX, "created")]
+    traced.client.hset(traced.keys.participant(11, "rx", "decode-b.tp0"), "peers", "x")
+    call = traced.publish(11, "decode-b.tp0", {"prefill-a.tp0": p.incarnation}, b"i", 1)
+    with pytest.raises(kvstate.CorruptStateError):
+        traced.execute([call])
+    assert steps(traced, 11) == before
+    p.close()
+    d.close()
+
+
 def test_trace_outlives_clear_with_its_ttl(state_url: str) -> None:
     """clear() deletes the room's state but not its trace, which keeps its own TTL
     (design rule 1 holds: every key has one); the audit reports nothing; the trace

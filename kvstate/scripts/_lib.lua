@@ -100,7 +100,8 @@ end
 -- clock in ms (design rule 9), who (tx/rx and engine, read from the participant key
 -- `key`; nil for the room itself), the event, then field, value pairs (a nil value drops
 -- its pair). Each call refreshes the list's TTL, so the trace outlives its room. Called
--- after the script's own writes: at maxmemory the state write is the one refused.
+-- after every read that can raise (bad input writes nothing, design rule 7) and, where
+-- the script allows, after its own writes (at maxmemory the state write is refused).
 local function trace(key, event, ...)
   local ttl = tracing[2]
   if ttl == 0 then return end

@@ -41,13 +41,14 @@ local function put(field, value)
 end
 local bound = tonumber(h[3]) or 0
 local held = {}  -- the incarnation each sender is bound at, after this call
+local newly = {}  -- senders bound by this call, traced once every read is done
 for i = 1, n do
   held[i] = h[4 + i]
   if not held[i] then
     held[i] = ARGV[4 + 2 * i]
     put(want[4 + i], held[i])
     bound = bound + 1
-    trace(rx, F_EV_BOUND, F_TRACE_PEER, ARGV[3 + 2 * i], F_INCARNATION, held[i])
+    newly[#newly + 1] = i
   end
 end
 if #writes > 0 then put(F_BOUND, bound) end
@@ -57,8 +58,17 @@ if required > 0 and number_of(rx, F_PEERS, peers) < 1 then
   peers = required
   put(F_PEERS, required)
 end
+-- the bindings' trace entries, once, after the reads that can fail (a corrupt or
+-- mistyped key raises, and must leave nothing written: design rule 7)
+local function trace_bound()
+  for _, i in ipairs(newly) do
+    trace(rx, F_EV_BOUND, F_TRACE_PEER, ARGV[3 + 2 * i], F_INCARNATION, held[i])
+  end
+  newly = {}
+end
 -- the receiver's writes, TTLs refreshed; `status`: a new status to record with them
 local function finish_rx(status, reason)
+  trace_bound()
   if status then
     put(F_STATUS, status)
     put(F_SINCE_MS, now_ms())
@@ -83,6 +93,7 @@ if ARGV[3] == '' then
   finish_rx(nil, nil)
   return cur
 end
+trace_bound()
 for i = 1, n do
   local tx, xfer = KEYS[2 * i + 1], KEYS[2 * i + 2]
   if held[i] == ARGV[4 + 2 * i] then
