@@ -27,6 +27,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError
 from redis.retry import Retry
 
+from kvstate import redispy_private as private
 from kvstate.defaults import CALL_TIMEOUT, TRACE_RATE, TRACE_TTL
 from kvstate.errors import InvalidOptionError, InvalidURLError
 
@@ -127,38 +128,40 @@ def _bounded_wait(base: float | None) -> float | None:
     return left if base is None else min(base, left)
 
 
-class _BoundedConnection:
+class DeadlineBoundConnection(private.SocketOpener):
     """Mixed into redis-py's connection classes: each socket wait is cut to what is left
     of the current call's deadline, so one stalled read cannot outlast the call."""
 
     socket_timeout: float | None
     socket_connect_timeout: float | None
-    _sock: Any
     _applied: float | None = None
 
-    def _connect(self) -> Any:
+    def open_socket(self, connect: Callable[[], Any]) -> Any:
         saved = self.socket_connect_timeout, self.socket_timeout
         self.socket_connect_timeout = _bounded_wait(saved[0])
         self.socket_timeout = _bounded_wait(saved[1])
         try:
-            sock = super()._connect()  # type: ignore[misc]
+            sock = connect()
             self._applied = self.socket_timeout
             return sock
         finally:
             self.socket_connect_timeout, self.socket_timeout = saved
 
-    def _bound_socket(self) -> None:
+    def bound_socket(self) -> None:
+        """Cut the socket's timeout to what is left of the call (kvstate.wire calls it
+        before each wait of the lean round trip)."""
         wait = _bounded_wait(self.socket_timeout)
-        if self._sock is not None and wait != self._applied:
-            self._sock.settimeout(wait)
+        sock = private.socket_of(self)
+        if sock is not None and wait != self._applied:
+            sock.settimeout(wait)
             self._applied = wait
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        self._bound_socket()
+        self.bound_socket()
         super().send_packed_command(command, check_health)  # type: ignore[misc]
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        self._bound_socket()
+        self.bound_socket()
         if "timeout" not in kwargs:
             return super().read_response(*args, **kwargs)  # type: ignore[misc]
         try:
@@ -177,17 +180,17 @@ _BOUNDED: dict[type, type] = {}
 
 
 class _BoundedPool(redis.ConnectionPool):
-    """A pool whose connections are ``_BoundedConnection`` variants of the class redis-py
+    """A pool whose connections are ``DeadlineBoundConnection`` variants of the class redis-py
     picked for the URL (TCP, TLS or unix socket); Cluster nodes get it too."""
 
     def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
         bounded = _BOUNDED.get(connection_class)
-        if bounded is None and issubclass(connection_class, _BoundedConnection):
+        if bounded is None and issubclass(connection_class, DeadlineBoundConnection):
             bounded = connection_class  # a copy of a pool that is bounded already
         if bounded is None:
             name = f"Bounded{connection_class.__name__}"
             bounded = _BOUNDED[connection_class] = type(
-                name, (_BoundedConnection, connection_class), {}
+                name, (DeadlineBoundConnection, connection_class), {}
             )
         super().__init__(connection_class=bounded, **kwargs)
 

@@ -30,12 +30,26 @@ class InvalidURLError(KVStateError, ValueError):
     """A Redis URL kvstate cannot use."""
 
 
+class InvalidValueError(KVStateError, ValueError):
+    """An argument out of its range (a role, a count of receivers or senders...)."""
+
+
 class InvalidOptionError(KVStateError, ValueError):
     """An option or parameter out of its range (an ``Options`` field, ``room_ttl``...)."""
 
 
 class ClosedError(KVStateError):
     """A ``Store`` (or what was made on it) used after its ``close()``."""
+
+
+class ManagerClosedError(ClosedError):
+    """A ``KVManager`` (or one of its senders or receivers) used after its ``close()``."""
+
+
+class NotReadyError(KVStateError):
+    """A call made before the room is ready for it (``begin_transfer()`` before every
+    required receiver bound and published, ``finish_transfer()`` before
+    ``begin_transfer()``); nothing was written: wait for the status it names."""
 
 
 class StateConnectionError(KVStateError, ConnectionError):

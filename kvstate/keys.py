@@ -112,13 +112,27 @@ class Keys:
         return f"{self.room_prefix(room)}parts"
 
     def aborted(self, room: int) -> str:
-        """The abort mark (the reason), so participants created after an abort fail."""
+        """The room's failure mark: the reason of its first failure (an abort, a timeout,
+        a dead peer...), so that no participant of it reaches Success and one created
+        later starts Failed. clear() leaves it; it expires on its own TTL."""
         return f"{self.room_prefix(room)}aborted"
 
     def trace(self, room: int) -> str:
         """The room's trace (a list of every transition, kvstate.trace): kept
         after the room's clear, with a TTL of its own (``Options.trace_ttl``)."""
         return f"{self.room_prefix(room)}trace"
+
+    def is_mark(self, key: str) -> bool:
+        """Whether ``key`` is a room's failure mark: intended state with a TTL that
+        outlives clear(), not a participant's key left behind."""
+        parsed = self.parse_room_key(key)
+        return parsed is not None and parsed.kind == "aborted" and not parsed.rest
+
+    def is_trace(self, key: str) -> bool:
+        """Whether ``key`` is a room's trace: kept after clear() with its own TTL
+        (``Options.trace_ttl``), not a participant's key left behind."""
+        parsed = self.parse_room_key(key)
+        return parsed is not None and parsed.kind == "trace" and not parsed.rest
 
     @staticmethod
     def part_member(side: Side, engine: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -19,7 +20,10 @@ from kvstate.errors import (
     CorruptStateError,
     EngineNameTakenError,
     ForkedManagerError,
+    InvalidValueError,
     KVStateError,
+    ManagerClosedError,
+    NotReadyError,
 )
 from kvstate.gpu import gpu_facts
 from kvstate.keys import Side, check_name, check_room
@@ -33,6 +37,11 @@ from transports.base import Transport, TransportError
 log = logging.getLogger(__name__)
 _P = TypeVar("_P", bound=_Participant)
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
+# what begin_many / finish_many may answer for a room; any other status is not ready
+_READY = {
+    "begin": (KVPoll.Transferring, KVPoll.Success, KVPoll.Failed),
+    "finish": (KVPoll.Success, KVPoll.Failed),
+}
 
 # Managers of this process, so that a fork can mark them unusable in the child: the
 # child has no heartbeat thread and shares the parent's name and incarnation.
@@ -70,12 +79,16 @@ class KVManager:
         ranks: int = 1,
         transfer_stats: bool = False,
     ) -> None:
+        if store.closed:  # before anything is made or registered on it
+            raise store.closed_error()
         if role not in ROLES:
-            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+            raise InvalidValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
         if lease <= 0 or bootstrap_timeout < 0 or waiting_timeout < 0 or transfer_timeout <= 0:
-            raise ValueError("lease and transfer_timeout must be > 0, timeouts >= 0 (0 = none)")
+            raise InvalidValueError(
+                "lease and transfer_timeout must be > 0, timeouts >= 0 (0 = none)"
+            )
         if not _is_int(ranks) or ranks < 1:
-            raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+            raise InvalidValueError(f"ranks must be an int >= 1, got {ranks!r}")
         self.store = store
         self.role = role
         self.side: Side = ROLES[role]
@@ -97,6 +110,9 @@ class KVManager:
         self._forked = False
         self._closed = False
         self._taken: Claim | None = None  # who holds our name since our lease lapsed
+        # monotonic time until which the lease is surely ours: the start of the last
+        # register/renew Redis confirmed, plus the lease (a finish after it fails)
+        self._lease_until = 0.0
         self.info = EngineInfo(
             engine=self.engine,
             role=role,
@@ -113,7 +129,9 @@ class KVManager:
             self._hb_store = store.dedicated()
             self._hb_registry = Registry(self._hb_store)
             try:
+                started = time.monotonic()
                 self._hb_registry.register(self.info, lease)
+                self._lease_until = started + lease
             except BaseException:
                 self._hb_store.close()
                 raise
@@ -141,8 +159,14 @@ class KVManager:
         self.close()
 
     def _check_usable(self, new: bool = False) -> None:
-        """Refuse use from a forked child, and (``new``) new participants of a manager
-        whose engine name another process holds now."""
+        """Refuse use of a closed manager or from a forked child, and (``new``) new
+        participants of a manager whose engine name another process holds now."""
+        if self._closed and not self._forked:
+            raise ManagerClosedError(
+                f"KVManager {self.engine} was closed (its lease dropped, its heartbeat "
+                "stopped): its senders and receivers cannot be used; make a new KVManager "
+                "to go on"
+            )
         if self._forked:
             raise ForkedManagerError(
                 f"KVManager {self.engine} was made in another process (this one is a fork "
@@ -176,6 +200,34 @@ class KVManager:
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
         return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
 
+    def _lease_lapsed(self) -> str:
+        """Why this engine may have lost its lease ('' while it surely holds it): no
+        renewal confirmed within a lease (the process was stopped or cut off from
+        Redis), or another process took the name. Its peers may have failed its rooms
+        meanwhile, so it must not write Success (design rule 3)."""
+        if self._taken is not None:
+            return f"engine {self.engine}'s lease was taken by another process"
+        started = time.monotonic()
+        late = started - self._lease_until
+        if late <= 0:
+            return ""
+        # No renewal confirmed within a lease (a starved heartbeat, or a stop): ask Redis
+        # whether the registration outlived it, one round trip in this rare case only.
+        try:
+            claim = self._hb_registry.renew(self.info, self.lease)
+        except KVStateError as exc:
+            claim = None
+            log.warning("lease check of %s: %s", self.engine, exc)
+        if claim is not None and claim.answer == "renewed":  # it never lapsed
+            self._lease_until = started + self.lease
+            return ""
+        return (
+            f"engine {self.engine} lost its lease ({self.lease:g} s): no renewal confirmed "
+            f"for {late + self.lease:.1f} s (stopped, or cut off from Redis), and Redis "
+            f"answered {claim.answer if claim else 'nothing'}; its peers may have failed "
+            "the room, so it cannot succeed"
+        )
+
     def _keep(self, p: _P) -> _P:
         with self._lock:
             self._live[p.room] = p
@@ -192,6 +244,7 @@ class KVManager:
         """The live prefill engines at ``addr`` (or among ``names``), read fresh for
         each call or batch (``lookups``): a remembered answer would bind a receiver to a
         group that has grown since."""
+        self._check_usable()
         memo = (addr, tuple(names) if names else None)
         if lookups is not None and memo in lookups:
             return lookups[memo]
@@ -213,6 +266,7 @@ class KVManager:
 
     def peer(self, engine: str, incarnation: str) -> EngineInfo:
         """A receiver's registration (endpoint, layout), cached per incarnation."""
+        self._check_usable()
         with self._lock:
             info = self._peers.get((engine, incarnation))
         if info is None:
@@ -256,6 +310,7 @@ class KVManager:
         partial results (``.errors``) as ``poll_many``. Arguments are checked (and the
         transport told) before anything is sent; a room without a live receiver here is
         refused. For aux, state indices, prefix or dummy, call ``init`` itself."""
+        self._check_usable()
         wanted = {check_room(room): indices for room, indices in pages.items()}
 
         def prepare(p: _Participant) -> None:
@@ -295,13 +350,18 @@ class KVManager:
     ) -> PollResults:
         """One batch of ``op`` (poll, begin, finish, init) over many rooms: creates and
         bindings still due go first in the same batch, one registry read per address;
-        ``prepare`` runs on each participant before its calls are made."""
+        ``prepare`` runs on each participant before its calls are made. A room the
+        one-room call would refuse (NotReadyError: begin before its receivers
+        published, finish before begin) or whose state is corrupt (CorruptStateError)
+        is listed in ``.errors``, the other rooms answered."""
+        self._check_usable()
         side = "rx" if op == "init" else "tx"
         if op != "poll" and self.side != side:
             raise KVStateError(
                 f"{op}_many is for a {'decode' if side == 'rx' else 'prefill'} manager's "
                 f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
             )
+        lapsed = self._lease_lapsed() if op == "finish" else ""  # once for the batch
         plan: list[tuple[int, _Participant | None, int]] = []
         calls: list[Call] = []
         lookups: _Lookups = {}  # receivers still binding: one registry read per address
@@ -320,7 +380,7 @@ class KVManager:
                 if prepare is not None:
                     prepare(p)
                 step = (
-                    p._step_call(op)
+                    p._step_call(op, lapsed)
                     if isinstance(p, (KVSender, KVReceiver)) and op != "poll"
                     else None
                 )
@@ -347,7 +407,18 @@ class KVManager:
             elif p is not None:
                 p._created = True  # its create, if any, went to the same node
                 p._absorb(st)
-                out[r] = p.status
+                if op in _READY and p.status not in _READY[op]:
+                    out.errors[r] = NotReadyError(
+                        f"room {r}: not {'begun' if op == 'begin' else 'finished'}, nothing "
+                        f"written (status {p.status.name}): "
+                        + (
+                            "wait for WaitingForInput (every receiver published), poll, then begin"
+                            if op == "begin"
+                            else "begin_many (or begin_transfer) first"
+                        )
+                    )
+                else:
+                    out[r] = p.status
             else:
                 out[r] = st.status if st.status is not None else KVPoll.Failed
         return out
@@ -357,7 +428,9 @@ class KVManager:
     def fail_peer(
         self, bootstrap_addr: str, reason: str, engine: str = "", incarnation: str = ""
     ) -> int:
-        """Fail every non-terminal receiver bound to a peer; returns how many failed."""
+        """Fail every non-terminal receiver bound to a peer (and so its room: the failure
+        mark); returns how many failed."""
+        self._check_usable()
         return self._fail_peer(
             self.store, check_name(bootstrap_addr, "bootstrap_addr"), reason, engine, incarnation
         )
@@ -378,8 +451,10 @@ class KVManager:
                 and p._create_sent
                 and not p._cleared
             ]
-        replies = store.execute([store.fail_receiver(k, engine, incarnation, reason) for k in own])
-        return n + sum(int(r) for r in replies)
+        replies = store.execute(
+            [store.fail_receiver(k, engine, incarnation, reason) for k in own], partial=True
+        )
+        return n + _count(replies)
 
     def _verdict(self, engine: str, inc: str, now: str | None) -> str:
         """Why a peer bound at ``inc`` is dead, or '' while it is not (yet)."""
@@ -450,17 +525,19 @@ class KVManager:
                 ]
                 failed += snds
                 log.warning("%s: failed %d sender(s)", reason, len(snds))
-        self._hb_store.execute(calls)
+        _count(self._hb_store.execute(calls, partial=True))  # a corrupt room fails alone
         for snd in failed:
             snd._peer_failed = True  # once is enough: its next poll reads Failed
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
             try:
+                started = time.monotonic()
                 claim = self._hb_registry.renew(self.info, self.lease)
                 if claim.answer == "taken":
                     self._lease_taken(claim)
                     return
+                self._lease_until = started + self.lease
                 if claim.answer == "lapsed":
                     log.warning("lease of %s had lapsed; registered again", self.engine)
                 self._check_peers()
@@ -488,7 +565,8 @@ class KVManager:
             [
                 self._hb_store.update(p.room, p.side, self.engine, KVPoll.Failed, reason)
                 for p in mine
-            ]
+            ],
+            partial=True,
         )
 
     def close(self) -> None:
@@ -512,6 +590,18 @@ class KVManager:
             log.warning("could not drop the registration of %s: %s", self.engine, exc)
         finally:
             self._hb_store.close()
+
+
+def _count(replies: Iterable[object]) -> int:
+    """How many of a fan-out's scripts failed a participant (1 each); a room whose state
+    is corrupt (its error in place) counts none and stops no other."""
+    n = 0
+    for reply in replies:
+        if isinstance(reply, KVStateError):
+            log.warning("fan-out skipped a room: %s", reply)
+        elif isinstance(reply, int):
+            n += reply
+    return n
 
 
 __all__ = ["KVManager"]

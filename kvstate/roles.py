@@ -8,9 +8,11 @@ abort...), in the same round trip, so creating one costs no round trip of its ow
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from kvstate import schema
 from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, unpack
@@ -19,8 +21,10 @@ from kvstate.errors import (
     CorruptStateError,
     InvalidArgumentError,
     InvalidIndicesError,
+    InvalidValueError,
     KVStateError,
     KVTransferError,
+    NotReadyError,
 )
 from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll
@@ -37,6 +41,25 @@ _Lookups = dict[tuple[str, tuple[str, ...] | None], list[EngineInfo]]
 STATE_LOST = (
     "state lost: the participant's keys are gone (expired, cleared elsewhere, or Redis restarted)"
 )
+
+
+_S = TypeVar("_S", bound="_Participant")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _call(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """A participant's public call: refused (ManagerClosedError, ForkedManagerError)
+    once its manager is closed or in a forked child, else one call (``one_call``: one
+    deadline for its round trips)."""
+    bounded = one_call(method)
+
+    def checked(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self.mgr._check_usable()
+        return bounded(self, *args, **kwargs)
+
+    functools.update_wrapper(checked, method)
+    return checked
 
 
 def _is_int(value: object) -> bool:
@@ -132,12 +155,12 @@ class _Participant:
         """The status seen by the last call (no round trip)."""
         return self._status
 
-    @one_call
+    @_call
     def poll(self) -> KVPoll:
         self._run(self._poll_call())
         return self._status
 
-    @one_call
+    @_call
     def fail(self, reason: str | None = None) -> KVPoll:
         """Record a failure of this participant only (Failed is sticky)."""
         self._run(
@@ -145,7 +168,7 @@ class _Participant:
         )
         return self._status
 
-    @one_call
+    @_call
     def abort(self, reason: str | None = "aborted") -> None:
         """Fail every participant of the room, the other side included."""
         if self._cleared:
@@ -155,21 +178,26 @@ class _Participant:
         self.store.abort(self.room, f"{_reason(reason)} (by {self.side}:{self.engine})")
         self.poll()
 
-    @one_call
-    def failure_exception(self) -> KVTransferError:
-        """The failure as an exception carrying the recorded reason; clears the participant."""
+    @_call
+    def failure_exception(self) -> KVTransferError | None:
+        """The failure of a Failed room as an exception carrying the recorded reason,
+        and the participant cleared; None (nothing cleared) while the room has not
+        failed: a live room has no failure to report (abort() it to give up on it)."""
         if not self._cleared and self._created:
             self.poll()
-        reason = self._reason or f"room {self.room} has status {self._status.name}"
+        if self._status != KVPoll.Failed:
+            return None
+        reason = self._reason or f"room {self.room} failed"
         self.clear()
         return KVTransferError(self.room, reason)
 
     def clear(self) -> None:
-        """Delete everything this participant created. Idempotent; never raises for
-        state already gone."""
+        """Delete everything this participant created (the room's failure mark stays,
+        for participants that join later; it expires on its own). Idempotent; never
+        raises for state already gone."""
+        self.mgr._check_usable()
         if self._cleared:
             return
-        self.mgr._check_usable()
         if self._create_sent:
             self.store.clear_many([self._clear_calls()], partial=False)
         self._after_clear()
@@ -198,7 +226,9 @@ class KVSender(_Participant):
 
     def __init__(self, mgr: KVManager, room: object, required_receivers: int = 1) -> None:
         if not _is_int(required_receivers) or required_receivers < 1:
-            raise ValueError(f"required_receivers must be an int >= 1, got {required_receivers!r}")
+            raise InvalidValueError(
+                f"required_receivers must be an int >= 1, got {required_receivers!r}"
+            )
         super().__init__(mgr, room, required_receivers, {})
         self._infos: dict[str, bytes] = {}
         self._infos_version = -1  # poll.lua returns the infos only when this is stale
@@ -238,6 +268,7 @@ class KVSender(_Participant):
         self._incarnations = (infos, out)
         return out
 
+    @_call
     def transfer_infos(self) -> dict[str, TransferInfo]:
         """What each receiver published, decoded strictly (as of the last poll)."""
         if not self._infos and not self._cleared:
@@ -256,11 +287,12 @@ class KVSender(_Participant):
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """Announce how many pages ``send()`` will move (checked there). ``aux_index`` is
         accepted for SGLang's signature; aux data is not moved by kvstate's transport."""
+        self.mgr._check_usable()
         if not _is_int(num_kv_indices) or num_kv_indices < 0:
             raise InvalidIndicesError(f"num_kv_indices must be an int >= 0, got {num_kv_indices!r}")
         self._num_pages = num_kv_indices
 
-    def _step_call(self, op: str) -> Call:
+    def _step_call(self, op: str, lapsed: str = "") -> Call:
         """begin or finish for a batch (KVManager.begin_many / finish_many), with the
         receivers of the last poll; a poll while none has published yet."""
         if not self._infos:
@@ -268,7 +300,7 @@ class KVSender(_Participant):
         receivers = list(self._infos)
         if op == "begin":
             return self.store.begin(self.room, self.engine, receivers)
-        return self.store.finish(self.room, self.engine, receivers)
+        return self._finish_call(receivers, lapsed)
 
     def _receivers(self) -> list[str]:
         """The receivers that published to this sender (polling once if none has yet):
@@ -277,21 +309,48 @@ class KVSender(_Participant):
             self.poll()
         return list(self._infos)
 
-    @one_call
+    @_call
     def begin_transfer(self) -> KVPoll:
         """-> Transferring, for callers that move the bytes themselves; Failed instead
-        (write nothing then) if a receiver failed or vanished meanwhile, or its engine
-        lost its lease or restarted (the heartbeat failed this sender)."""
+        (write nothing then) if the room failed (an abort, a timeout, a receiver's
+        engine lost its lease or restarted...) or a receiver vanished meanwhile.
+        NotReadyError, with nothing written, before every required receiver has bound
+        and published (poll until WaitingForInput)."""
         self._run(self.store.begin(self.room, self.engine, self._receivers()))
+        if self._status == KVPoll.Bootstrapping:
+            raise NotReadyError(
+                f"room {self.room}: begin_transfer() before every required receiver bound "
+                "and published its pages (status Bootstrapping); nothing written: poll "
+                "until WaitingForInput, then begin"
+            )
         return self._status
 
-    @one_call
+    @_call
     def finish_transfer(self) -> KVPoll:
-        """-> Success; acks every receiver, which see Success on their next poll."""
-        self._run(self.store.finish(self.room, self.engine, self._receivers()))
+        """-> Success; acks every receiver, which see Success on their next poll. Failed
+        instead (with the recorded reason) if the room failed meanwhile, a receiver
+        failed or vanished, or this engine's lease may have lapsed (design rule 3: one
+        outcome per room). NotReadyError, with nothing written, before
+        begin_transfer()."""
+        self._run(self._finish_call(self._receivers()))
+        if self._status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+            raise NotReadyError(
+                f"room {self.room}: finish_transfer() before begin_transfer() (status "
+                f"{self._status.name}); nothing written: call begin_transfer() first"
+            )
         return self._status
 
-    @one_call
+    def _finish_call(self, receivers: list[str], lapsed: str | None = None) -> Call:
+        """finish.lua, unless this engine's lease may have lapsed (a process stopped or
+        cut off past its lease, whose peers may have failed the room): then the sender
+        fails instead, and the room with it (the failure mark), never Success."""
+        if lapsed is None:  # a batch asks once for all its rooms
+            lapsed = self.mgr._lease_lapsed()
+        if lapsed:
+            return self.store.update(self.room, "tx", self.engine, KVPoll.Failed, lapsed)
+        return self.store.finish(self.room, self.engine, receivers)
+
+    @_call
     def send(self, kv_indices: object, last: bool = True) -> KVPoll:
         """Move these source pages to every receiver (the next slice of each receiver's
         destination pages), then record the state transition. Any transport or registry
@@ -381,9 +440,11 @@ class KVReceiver(_Participant):
         required_senders: int | None,
     ) -> None:
         if required_senders is not None and (not _is_int(required_senders) or required_senders < 1):
-            raise ValueError(f"required_senders must be an int >= 1, got {required_senders!r}")
+            raise InvalidValueError(
+                f"required_senders must be an int >= 1, got {required_senders!r}"
+            )
         if senders is not None and not senders:
-            raise ValueError("senders, when given, must name at least one prefill engine")
+            raise InvalidValueError("senders, when given, must name at least one prefill engine")
         self.bootstrap_addr = check_name(bootstrap_addr, "bootstrap_addr")
         self._explicit = senders
         self._required = required_senders or (len(senders) if senders else 0)  # 0: not known
@@ -469,13 +530,13 @@ class KVReceiver(_Participant):
         )
         self._payload = info.encode()
 
-    def _step_call(self, op: str) -> Call:
+    def _step_call(self, op: str, lapsed: str = "") -> Call:
         """The publish of ``init`` for a batch (KVManager.init_many)."""
         return self.store.publish(
             self.room, self.engine, dict(self._bound), self._payload, self._required
         )
 
-    @one_call
+    @_call
     def init(
         self,
         kv_indices: object,

@@ -61,7 +61,7 @@ from kvstate.connection import (
     refused_for_maxclients,
     time_left,
 )
-from kvstate.defaults import ROOM_TTL
+from kvstate.defaults import BOOTSTRAP_TIMEOUT, ROOM_TTL
 from kvstate.errors import (
     ClosedError,
     CorruptStateError,
@@ -103,6 +103,9 @@ _EXEC = wire.pack(("EXEC",))
 # sender's Success, an abort) are confirmed by a replica (WAIT) in the same round trip.
 DURABLE_SCRIPTS = frozenset({"finish", "abort"})
 EMBEDDED = "embedded"  # connect(EMBEDDED): the private redis-server, asked for by name
+# s: the shortest life of a room's failure mark (docs/design.md, Data model): a
+# participant joining late waits at most its bootstrap timeout, 300 s by default
+MARK_MIN_TTL = max(300.0, BOOTSTRAP_TIMEOUT)
 
 
 _LUA_FUNCTION = re.compile(r"^local function (\w+)\(.*?^end$\n?", re.M | re.S)
@@ -235,6 +238,13 @@ class Store:
     @property
     def ttl_ms(self) -> int:
         return int(self.room_ttl * 1000)
+
+    @property
+    def mark_ttl_ms(self) -> int:
+        """The TTL of a room's failure mark: it must outlive any participant that can
+        still join the room (a late one waits up to its bootstrap timeout), so at least
+        the room TTL and ``MARK_MIN_TTL`` (the default bootstrap timeout)."""
+        return max(self.ttl_ms, int(MARK_MIN_TTL * 1000))
 
     def close(self) -> None:
         """Close the connections; every later call on this store (and on what was made
@@ -371,9 +381,10 @@ class Store:
     ) -> list[Any]:
         """Run ``calls`` in as few round trips as the deployment allows; parsed replies.
 
-        Within ``options.call_timeout``. With ``partial`` (Cluster), calls on a node
-        that cannot be reached get a StateConnectionError *in their place* instead of
-        failing the batch; the batch still raises when no node answered.
+        Within ``options.call_timeout``. With ``partial``, a call that met corrupt state
+        gets its CorruptStateError *in its place*, and (Cluster) calls on a node that
+        cannot be reached get a StateConnectionError, instead of failing the batch (a
+        corrupt room fails alone); the batch still raises when no node answered.
         """
         if not calls:
             return []
@@ -381,20 +392,23 @@ class Store:
             if self.cluster:
                 raw = self._execute_cluster(calls, transaction, partial)
             else:
-                raw = self._execute_on(self.client, list(calls), transaction)  # type: ignore[arg-type]
+                raw = self._execute_on(self.client, list(calls), transaction, partial)  # type: ignore[arg-type]
         return [
-            reply if isinstance(reply, StateConnectionError) else call.parse(reply)
+            reply if isinstance(reply, KVStateError) else call.parse(reply)
             for call, reply in zip(calls, raw, strict=True)
         ]
 
-    def _execute_on(self, conn: redis.Redis, calls: list[Call], transaction: bool) -> list[Any]:
+    def _execute_on(
+        self, conn: redis.Redis, calls: list[Call], transaction: bool, partial: bool = False
+    ) -> list[Any]:
         """One round trip to one server (kvstate.wire): the batch packed into one write,
         the replies read in one loop. ``transaction``: the calls in MULTI/EXEC, one
         block per hash slot on a Cluster (so a node's slots still share the trip).
         NOSCRIPT (restart, failover, SCRIPT FLUSH) sends the batch again with EVAL of
         the sources, which cannot meet NOSCRIPT: every batch is safe to send twice.
         Durable mode: a batch holding a DURABLE_SCRIPTS call ends with WAIT, in the
-        same write, and is answered only when a replica confirmed it."""
+        same write, and is answered only when a replica confirmed it. ``partial``: a
+        call's CorruptStateError takes its reply's place instead of raising."""
         blocks = self._blocks(calls) if transaction else None
         durable = self.options.durable and any(c.script in DURABLE_SCRIPTS for c in calls)
         for attempt in range(2):
@@ -424,7 +438,11 @@ class Store:
             callbacks: Any = conn.response_callbacks
             for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
                 if isinstance(reply, Exception):
-                    raise self._translate(call, reply)
+                    err = self._translate(call, reply)
+                    if partial and isinstance(err, CorruptStateError):
+                        replies[i] = err
+                        continue
+                    raise err
                 if call.command is not None:
                     callback = callbacks.get(call.command)
                     if callback is not None:
@@ -524,6 +542,7 @@ class Store:
                     for name, idxs in groups.items()
                 ],
                 transaction,
+                partial,
             )
             failed: list[int] = []
             for (name, idxs), out in zip(groups.items(), outcomes, strict=True):
@@ -569,7 +588,10 @@ class Store:
         return replies
 
     def _run_groups(
-        self, groups: list[tuple[redis.Redis, list[Call]]], transaction: bool
+        self,
+        groups: list[tuple[redis.Redis, list[Call]]],
+        transaction: bool,
+        partial: bool = False,
     ) -> list[list[Any] | BaseException]:
         """Each group's replies, or what it raised; the groups run at once (one thread
         per node), each under the caller's deadline, so a stalled node costs the others
@@ -577,7 +599,7 @@ class Store:
 
         def run(conn: redis.Redis, batch: list[Call]) -> list[Any] | BaseException:
             try:
-                return self._execute_on(conn, batch, transaction)
+                return self._execute_on(conn, batch, transaction, partial)
             except Exception as exc:  # noqa: BLE001 - sorted out by the caller
                 return exc
 
@@ -686,16 +708,23 @@ class Store:
     ) -> Call:
         """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
         they are still at ``infos_version`` (the version the caller holds)."""
-        keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
+        k = self.keys
+        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
         if with_infos:
-            keys.append(self.keys.xfer(room, engine))
-        return self._script("poll", keys, [self.ttl_ms, infos_version], Status.parse, room)
+            keys.append(k.xfer(room, engine))
+        args = [self.ttl_ms, infos_version, self.mark_ttl_ms]
+        return self._script("poll", keys, args, Status.parse, room)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
         _check_reason(reason)
-        keys = [self.keys.participant(room, side, engine), self.keys.parts(room)]
+        k = self.keys
+        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
         return self._script(
-            "update", keys, [KVPoll.parse(status).name, reason, self.ttl_ms], Status.parse, room
+            "update",
+            keys,
+            [KVPoll.parse(status).name, reason, self.ttl_ms, self.mark_ttl_ms],
+            Status.parse,
+            room,
         )
 
     def publish(
@@ -709,8 +738,8 @@ class Store:
         """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
         publish it to them; see publish.lua."""
         k = self.keys
-        keys = [k.participant(room, "rx", receiver), k.parts(room)]
-        args: list[Any] = [self.ttl_ms, receiver, payload, required]
+        keys = [k.participant(room, "rx", receiver), k.parts(room), k.aborted(room)]
+        args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
         for sender, incarnation in senders.items():
             keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
             args += [sender, incarnation]
@@ -719,16 +748,19 @@ class Store:
     def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
         names = list(receivers)
-        keys = [k.participant(room, "tx", sender), k.parts(room)]
+        keys = [k.participant(room, "tx", sender), k.parts(room), k.aborted(room)]
         keys += [k.participant(room, "rx", r) for r in names]
-        return self._script("begin", keys, [self.ttl_ms, "", *names], Status.parse, room)
+        args = [self.ttl_ms, self.mark_ttl_ms, "", *names]
+        return self._script("begin", keys, args, Status.parse, room)
 
     def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
-        keys = [k.participant(room, "tx", sender), k.parts(room)]
-        for receiver in receivers:
+        names = list(receivers)
+        keys = [k.participant(room, "tx", sender), k.parts(room), k.aborted(room)]
+        for receiver in names:
             keys += [k.participant(room, "rx", receiver), k.acks(room, receiver)]
-        return self._script("finish", keys, [self.ttl_ms, sender], Status.parse, room)
+        args = [self.ttl_ms, sender, self.mark_ttl_ms, *names]
+        return self._script("finish", keys, args, Status.parse, room)
 
     def track(self, bootstrap_addr: str, member: str) -> Call:
         return self._script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
@@ -758,11 +790,9 @@ class Store:
         k = self.keys
         me = k.participant(room, side, engine)
         calls = [
+            # the room's failure mark stays: a participant joining later must see it
             self._command(
-                "DEL",
-                me,
-                k.xfer(room, engine) if side == "tx" else k.acks(room, engine),
-                k.aborted(room),
+                "DEL", me, k.xfer(room, engine) if side == "tx" else k.acks(room, engine)
             ),
             self._command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
         ]
@@ -782,15 +812,15 @@ class Store:
 
     def clear_many(
         self, participants: Sequence[Sequence[Call]], partial: bool = True
-    ) -> list[StateConnectionError | None]:
+    ) -> list[KVStateError | None]:
         """Clear many participants (each given by ``clear_calls``) in one round trip
-        per node. With ``partial`` (Cluster), a participant whose node could not be
-        reached gets its StateConnectionError in the answer (clear it again later: a
-        clear can be repeated) while the others are cleared; None means cleared."""
+        per node. With ``partial``, a participant whose node could not be reached
+        (Cluster) gets its StateConnectionError in the answer (clear it again later: a
+        clear can be repeated), one whose room holds a corrupt key its
+        CorruptStateError, while the others are cleared; None means cleared."""
         calls = [c for group in participants for c in group]
         if not calls:
             return [None] * len(participants)
-        partial = partial and self.cluster
         with self.bounded():
             try:
                 replies = self.execute(calls, transaction=True, partial=partial)
@@ -805,12 +835,10 @@ class Store:
                 replies = [None] * len(calls)
                 for i, reply in zip(kept, done, strict=True):
                     replies[i] = reply
-        out: list[StateConnectionError | None] = []
+        out: list[KVStateError | None] = []
         at = 0
         for group in participants:
-            failed = [
-                r for r in replies[at : at + len(group)] if isinstance(r, StateConnectionError)
-            ]
+            failed = [r for r in replies[at : at + len(group)] if isinstance(r, KVStateError)]
             out.append(failed[0] if failed else None)
             at += len(group)
         return out
@@ -832,9 +860,8 @@ class Store:
                 if part is None:
                     raise CorruptStateError(k.parts(room), member, "not a tx:/rx: member")
                 keys.append(k.participant(room, *part))
-            call = self._script(
-                "abort", keys, [self.ttl_ms, reason, *members], room=room, follow=True
-            )
+            args = [self.ttl_ms, reason, self.mark_ttl_ms, *members]
+            call = self._script("abort", keys, args, room=room, follow=True)
             n = self.execute([call])[0]
             if n >= 0:
                 return int(n)
@@ -850,8 +877,13 @@ class Store:
         )[0]
         # every member, not only those before their deadline: status changes keep a
         # receiver alive longer than the deadline its tracker entry got at creation
-        calls = [self.fail_receiver(m.decode(), peer_engine, incarnation, reason) for m in members]
-        return sum(int(n) for n in self.execute(calls))
+        # a corrupt room (or tracker member) fails alone: the others are still failed
+        calls = []
+        for m in members:
+            with contextlib.suppress(CorruptStateError):
+                calls.append(self.fail_receiver(m.decode(), peer_engine, incarnation, reason))
+        replies = self.execute(calls, partial=True)
+        return sum(int(n) for n in replies if isinstance(n, int))
 
     def scan(self, pattern: str, count: int = 1000) -> Iterator[str]:
         """Keys matching ``pattern`` on every primary (SCAN, never KEYS)."""
@@ -888,8 +920,8 @@ class Store:
             raise CorruptStateError(key, "*", "not a receiver participant key")
         return self._script(
             "fail_bound",
-            [key, self.keys.parts(parsed.room)],
-            [self.ttl_ms, reason, peer_engine, incarnation],
+            [key, self.keys.parts(parsed.room), self.keys.aborted(parsed.room)],
+            [self.ttl_ms, reason, peer_engine, incarnation, self.mark_ttl_ms],
             room=parsed.room,
         )
 
@@ -1026,7 +1058,7 @@ class Store:
         """A subscription to one node's key expiry events (``notify-keyspace-events``
         must hold Ex; see ``set_node_config``). Node-local on a Cluster."""
         db = int(node.connection_pool.connection_kwargs.get("db", 0) or 0)
-        sub: redis.client.PubSub = node.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        sub: redis.client.PubSub = node.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
         sub.subscribe(f"__keyevent@{db}__:expired")
         return sub
 

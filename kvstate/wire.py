@@ -8,12 +8,12 @@ deadline-bounded sockets (kvstate.connection) stay redis-py's; what this skips i
 pipeline object, per-command bookkeeping and observability hooks, which cost more
 than Redis itself per call (issue 12). Replies come back raw: error replies as the
 exception objects redis-py's parser makes of them (NoScriptError, MovedError, ...),
-never raised here; only connection trouble raises.
+never raised here; only connection trouble raises. What it needs of redis-py beyond
+its public API (the reader, the sentinel, ...) comes through kvstate.redispy_private.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,10 +23,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-try:  # the sentinel redis-py's hiredis reader returns while a reply is incomplete
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _MORE
-except ImportError:  # pragma: no cover - another redis-py layout: the slow path below
-    _MORE = None
+from kvstate import redispy_private as private
+from kvstate.connection import DeadlineBoundConnection
+
+_MORE = private.NOT_ENOUGH_DATA  # what the reader returns while a reply is incomplete
 
 Command = Sequence[Any]
 
@@ -50,45 +50,46 @@ def roundtrip(client: redis.Redis, payload: bytes, count: int) -> list[Any]:
     pool = client.connection_pool
     conn: Any = pool.get_connection()
     try:
-        return conn.retry.call_with_retry(  # type: ignore[no-any-return]
+        replies: list[Any] = private.retry_of(conn).call_with_retry(
             lambda: _exchange(conn, payload, count), lambda _err: conn.disconnect()
         )
+        return replies
     finally:
         pool.release(conn)
 
 
 def _exchange(conn: Any, payload: bytes, count: int) -> list[Any]:
     conn.send_packed_command((payload,))  # connects, health-checks, bounds the socket
-    parser = conn._parser
-    reader = getattr(parser, "_reader", None)
-    if reader is None or _MORE is None or not hasattr(parser, "read_from_socket"):
+    found = private.hiredis_reader(conn)
+    if found is None or _MORE is None:
         return _exchange_slow(conn, count)
+    reader, read_more = found
     replies: list[Any] = []
-    bound = getattr(conn, "_bound_socket", None)  # kvstate's deadline on each wait
+    # kvstate's deadline on each wait (a client made by kvstate.connection)
+    bound = conn.bound_socket if isinstance(conn, DeadlineBoundConnection) else None
     try:
         while len(replies) < count:
             reply = reader.gets()
             if reply is _MORE:
                 if bound is not None:
                     bound()
-                parser.read_from_socket()
+                read_more()
                 continue
             if isinstance(reply, RedisConnectionError):  # e.g. max clients reached
                 raise reply
             replies.append(reply)
     except TimeoutError:  # socket.timeout
         conn.disconnect()
-        raise RedisTimeoutError(f"Timeout reading from {conn._host_error()}") from None
+        raise RedisTimeoutError(f"Timeout reading from {private.host_error(conn)}") from None
     except OSError as exc:
         conn.disconnect()
         raise RedisConnectionError(
-            f"Error while reading from {conn._host_error()}: {exc.args}"
+            f"Error while reading from {private.host_error(conn)}: {exc.args}"
         ) from None
     except BaseException:
         conn.disconnect()  # a reply half read: the socket cannot be reused
         raise
-    if conn.health_check_interval:
-        conn.next_health_check = time.monotonic() + conn.health_check_interval
+    private.read_succeeded(conn)
     return replies
 
 

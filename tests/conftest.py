@@ -17,6 +17,12 @@ Fixtures
 - ``redis_cluster_url`` (function): its ``redis+cluster://`` URL, flushed first.
 - ``redis_cluster_replicas`` (session, on first use): 3 primaries with 1 replica each.
 - ``state_url`` (function, parametrized ``standalone`` / ``cluster``): a flushed URL.
+- ``store`` (function): ``kvstate.connect(store_url)`` in the module's ``NAMESPACE``
+  (kvstate's default if it sets none), closed after the test; a module that sets
+  ``CHECK_TTL = True`` also has every key of the namespace checked for a TTL then, and
+  one that sets ``OPTIONS`` (a ``kvstate.Options``) connects with them.
+  ``store_url`` is ``state_url`` (both topologies); a module overrides it, e.g. with
+  ``redis_url`` to run on the standalone server only.
 - ``redis_server_factory`` (function): start private servers (for kill/restart tests).
 - ``redis_cli`` (function): ``redis_cli(url, *args) -> stdout`` via the real binary.
 - ``spawn_ctx``: ``multiprocessing.get_context("spawn")``.
@@ -51,7 +57,9 @@ try:
 except ImportError:  # not installed (pip install -e .): use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvstate import testing as servers
-from tests.helpers import TIME_FACTOR, scaled
+import kvstate
+from kvstate.store import Store
+from tests.helpers import TIME_FACTOR, assert_every_key_has_ttl, scaled
 
 RedisCluster = servers.RedisCluster
 RedisProcess = servers.RedisProcess
@@ -219,7 +227,7 @@ def _reset_standalone(proc: RedisProcess, baseline: dict[str, str]) -> None:
     if not proc.alive:
         proc.restart()
     try:
-        with proc.client(decode_responses=True, socket_timeout=5.0) as c:
+        with proc.client(decode_responses=True, socket_timeout=scaled(5.0)) as c:
             c.flushall()
             for key, value in baseline.items():
                 if c.config_get(key).get(key) != value:
@@ -334,6 +342,34 @@ def state_url(request: pytest.FixtureRequest) -> str:
     else:
         url = request.getfixturevalue("redis_cluster_url")
     return url
+
+
+# --------------------------------------------------------------------------- store
+
+
+@pytest.fixture
+def store_url(state_url: str) -> str:
+    """The URL ``store`` connects to: each topology. Overridden by modules that run on
+    one (``redis_url``: the standalone server)."""
+    return state_url
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest, store_url: str) -> Iterator[Store]:
+    """A Store on ``store_url`` in the module's ``NAMESPACE`` (with its ``OPTIONS``, if
+    set); with ``CHECK_TTL = True`` in the module, every key it left must have a TTL
+    (design rule 1)."""
+    s = kvstate.connect(
+        store_url,
+        namespace=getattr(request.module, "NAMESPACE", None),
+        options=getattr(request.module, "OPTIONS", None),
+    )
+    try:
+        yield s
+        if getattr(request.module, "CHECK_TTL", False):
+            assert_every_key_has_ttl(s)
+    finally:
+        s.close()
 
 
 # --------------------------------------------------------------------------- helpers

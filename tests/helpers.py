@@ -9,11 +9,17 @@ Durations that are the scenario itself (a lease, a timeout under test) are not s
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
 
 import kvstate
 from kvstate.store import Store
+from kvstate.testing import RedisProcess
 
 PREFILL_ADDR = "10.0.0.1:8998"
 
@@ -37,31 +43,39 @@ def scaled(seconds: float) -> float:
     return seconds * TIME_FACTOR
 
 
-def keys_of(store: Store, pattern: str | None = None, traces: bool = False) -> list[str]:
-    """Keys of the namespace (or matching ``pattern``). Room traces are left out unless
-    ``traces``: they outlive ``clear()`` on purpose (kvstate.trace), so "no key left"
-    means none but those, and each one left out must have a TTL (design rule 1)."""
-    found = sorted(store.scan(pattern or store.keys.all_pattern))
-    if traces:
-        return found
+def is_mark(store: Store, key: str) -> bool:
+    """A room's failure mark: intended state that outlives clear() (with its own TTL),
+    not a participant's key left behind."""
+    return store.keys.is_mark(key)
+
+
+def keys_of(
+    store: Store, pattern: str | None = None, marks: bool = False, traces: bool = False
+) -> list[str]:
+    """The namespace's keys (matching ``pattern``): what a test counts as left behind is
+    participant state, so rooms' failure marks come only with ``marks`` and room traces
+    only with ``traces``. Both outlive ``clear()`` on purpose with a TTL of their own;
+    each trace left out must have one (design rule 1)."""
     kept = []
-    for key in found:
-        parsed = store.keys.parse_room_key(key)
-        if parsed is not None and parsed.kind == "trace":
+    for key in sorted(store.scan(pattern or store.keys.all_pattern)):
+        if not marks and is_mark(store, key):
+            continue
+        if not traces and store.keys.is_trace(key):
             assert store.client.pttl(key) > 0, f"trace {key} has no TTL"
-        else:
-            kept.append(key)
+            continue
+        kept.append(key)
     return kept
 
 
-def room_keys(store: Store, room: int) -> list[str]:
-    return keys_of(store, store.keys.room_prefix(room) + "*")
+def room_keys(store: Store, room: int, marks: bool = False) -> list[str]:
+    return keys_of(store, store.keys.room_prefix(room) + "*", marks)
 
 
 def assert_every_key_has_ttl(store: Store) -> None:
-    """Design rule 1, checked by scanning every key of the namespace."""
+    """Design rule 1, checked by scanning every key of the namespace (marks and traces
+    included)."""
     missing = []
-    for key in keys_of(store):
+    for key in keys_of(store, marks=True, traces=True):
         node = store.client
         pttl = node.pttl(key)
         if pttl < 0:
@@ -83,3 +97,87 @@ def wait_for(pred: Callable[[], bool], timeout: float, step: float = 0.05) -> bo
             return True
         time.sleep(step)
     return pred()
+
+
+# --------------------------------------------------------------------------- shared by modules
+# (moved from the test modules that other modules imported them from)
+
+
+def snapshot(store: Store) -> dict[str, object]:
+    """Every key's type and value, marks and traces included, to show a failed call
+    changed nothing (design rule 7: not even a trace entry)."""
+    c = store.client
+    out: dict[str, object] = {}
+    for key in keys_of(store, marks=True, traces=True):
+        kind = c.type(key).decode()
+        if kind == "hash":
+            h = c.hgetall(key)
+            out[key] = h
+        elif kind == "set":
+            out[key] = c.smembers(key)
+        elif kind == "zset":
+            out[key] = c.zrange(key, 0, -1)
+        elif kind == "list":
+            out[key] = c.lrange(key, 0, -1)
+        else:
+            out[key] = c.get(key) if kind == "string" else kind
+    return out
+
+
+# The least privilege an engine process (KVManager / KVSender / KVReceiver) needs, for
+# namespace {ns} (password {password}). Found by running every engine path as a user
+# with +@all and reading INFO commandstats (commands run inside the Lua scripts count:
+# Redis 7 checks them against the caller's ACL too), then proven minimal by
+# tests/test_security.py's test_engine_acl_is_minimal, which takes each command away
+# in turn and watches the engine paths fail.
+# - ping, client|setname: connection set-up (redis-py) and health checks
+# - script|load at connect; evalsha, and eval after NOSCRIPT (server restart, failover,
+#   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hlen, hexists,
+#   hgetall, pexpire, sadd, scard, zadd, zremrangebyscore, time; rpush and rpushx (a
+#   traced room, its clear)
+# - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
+# - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
+#   hkeys (abort), zrange (dead-peer fan-out)
+# The audit, monitor and doctor also need INFO, CONFIG GET, the ledger stream and
+# keyspace notifications: give them their own user.
+ENGINE_ACL = (
+    "ACL SETUSER kvstate-engine reset on >{password} ~kvstate:{ns}:* resetchannels -@all "
+    "+ping +client|setname +time +scan "
+    "+evalsha +eval +script|load "
+    "+multi +exec +del +exists +pexpire +pttl +get +set "
+    "+hget +hmget +hgetall +hset +hdel +hkeys +hlen +hexists "
+    "+sadd +scard +zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
+)
+ACL_PASSWORD = "engine-Pw_7"
+
+
+def setuser(admin: redis.Redis, line: str, ns: str, password: str = ACL_PASSWORD) -> None:
+    admin.execute_command(*line.format(password=password, ns=ns).split())
+
+
+def user_url(proc: RedisProcess, user: str = "kvstate-engine", password: str = ACL_PASSWORD) -> str:
+    return f"redis://{user}:{quote(password, safe='')}@127.0.0.1:{proc.port}"
+
+
+# ``kvstate demo`` in a subprocess: small pages and pools, so a run takes seconds.
+DEMO_SMALL = ["--page-bytes", "4k", "--pool-pages", "256", "--pages-per-request", "1-32"]
+
+
+def demo_command() -> list[str]:
+    """The console script when the CLI is installed, else the module."""
+    script = Path(sys.executable).with_name("kvstate")
+    if script.exists():
+        return [str(script), "demo"]
+    return [sys.executable, "-m", "kvstate.demo"]
+
+
+def demo_env(**extra: str) -> dict[str, str]:
+    """A demo subprocess's environment: none of the caller's URL, namespace or authkey."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KVSTATE_REDIS_URL", "KVSTATE_NAMESPACE", "KVSTATE_DEMO_AUTHKEY")
+    }
+    env["COLUMNS"] = "120"
+    env.update(extra)
+    return env

@@ -12,6 +12,9 @@ switch what the network does while the client runs.
 Threads, no asyncio: two pump threads per connection and one accept thread. A stall or
 black hole holds bytes back without reading them, so a switch back to ``passthrough``
 delivers what was sent meanwhile (like SIGCONT after SIGSTOP).
+
+``ProxiedCluster``: a private 3-primary Cluster with its third primary behind a Proxy
+(for faults on one node); ``rooms_by_port`` groups rooms by the port of their primary.
 """
 
 from __future__ import annotations
@@ -21,8 +24,15 @@ import select
 import socket
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
+
+import redis
+
+from kvstate.store import Store
+from kvstate.testing import RedisCluster
+from tests.helpers import wait_for
 
 Mode = Literal["pass", "delay", "stall", "blackhole", "drop"]
 _TICK = 0.02
@@ -193,3 +203,44 @@ def _reset(s: socket.socket) -> None:
     with contextlib.suppress(OSError):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         s.close()
+
+
+# --------------------------------------------------------------------------- Cluster
+
+
+class ProxiedCluster:
+    """A private 3-primary Cluster whose third primary is reached through a Proxy: the
+    node announces the proxy's port, so clients (redis-py included) go through it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.cluster = RedisCluster(3, 0, tmp_path / "c").start()
+        self.target = self.cluster.nodes[2]
+        self.proxy = Proxy(("127.0.0.1", self.target.port)).start()
+        with self.target.client() as c:
+            c.config_set("cluster-announce-bus-port", self.target.port + 10000)
+            c.config_set("cluster-announce-port", self.proxy.port)
+        with self.cluster.nodes[0].client() as c:
+            assert wait_for(lambda: self.proxy.port in _slot_ports(c), 20.0), (
+                "the announced port did not spread"
+            )
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url  # node 0: not behind the proxy
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.cluster.stop()
+
+
+def _slot_ports(c: redis.Redis) -> set[int]:
+    return {int(node[1]) for slot in c.execute_command("CLUSTER", "SLOTS") for node in slot[2:]}
+
+
+def rooms_by_port(store: Store, count: int) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for room in range(count):
+        key = store.keys.participant(room, "tx", "x")
+        port = int(store.client.get_node_from_key(key).port)  # type: ignore[union-attr]
+        out.setdefault(port, []).append(room)
+    return out

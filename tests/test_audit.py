@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,13 +22,6 @@ from kvstate.store import Store
 from tests.helpers import wait_for
 
 ADDR = "10.0.0.1:8998"
-
-
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url)
-    yield s
-    s.close()
 
 
 def audit(url: str, *args: str) -> tuple[Result, dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -23,32 +22,15 @@ from kvstate.errors import (
     StateConnectionError,
 )
 from kvstate.store import Store
-from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled
+from tests.helpers import PREFILL_ADDR, managers, scaled, snapshot
 
-
-def snapshot(store: Store) -> dict[str, object]:
-    """Every key's type and value, to show a failed call changed nothing."""
-    c = store.client
-    out: dict[str, object] = {}
-    for key in keys_of(store):
-        kind = c.type(key).decode()
-        if kind == "hash":
-            h = c.hgetall(key)
-            out[key] = h
-        elif kind == "set":
-            out[key] = c.smembers(key)
-        elif kind == "zset":
-            out[key] = c.zrange(key, 0, -1)
-        else:
-            out[key] = c.get(key) if kind == "string" else kind
-    return out
+NAMESPACE = "bad"  # of the ``store`` fixture (tests/conftest.py)
 
 
 @pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = kvstate.connect(redis_url, namespace="bad")
-    yield s
-    s.close()
+def store_url(redis_url: str) -> str:
+    """``store`` on the standalone server only."""
+    return redis_url
 
 
 BAD_ROOMS = [None, -1, 1.5, 2**63, 2**70, "3", True, b"3"]

@@ -5,7 +5,6 @@ answers as the one-room calls, partial results when a node is unreachable, no ke
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,19 +12,14 @@ import pytest
 
 import kvstate
 from kvstate import KVPoll
-from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.errors import KVStateError, NotReadyError, StateConnectionError
 from kvstate.store import Store
-from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of, managers
-from tests.test_bounded import ProxiedCluster, rooms_by_port
-from tools.bench_state import RoundTrips
+from kvstate.testing import RoundTrips
+from tests.helpers import PREFILL_ADDR, keys_of, managers
+from tests.proxy import ProxiedCluster, rooms_by_port
 
-
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="batch")
-    yield s
-    assert_every_key_has_ttl(s)
-    s.close()
+NAMESPACE = "batch"  # of the ``store`` fixture (tests/conftest.py)
+CHECK_TTL = True  # ``store`` checks every key has a TTL after each test (rule 1)
 
 
 def _nodes(store: Store) -> int:
@@ -89,7 +83,9 @@ def test_begin_many_refuses_where_a_single_begin_would(store: Store) -> None:
         out = p.begin_many([1, 2, 3])
         assert out[1] == KVPoll.Transferring
         assert out[2] == KVPoll.Failed and "decode ran out of pages" in snd[2]._reason
-        assert out[3] == KVPoll.Bootstrapping  # no receiver published: only polled
+        # no receiver published: only polled, and refused (nothing written)
+        assert 3 not in out and isinstance(out.errors[3], NotReadyError)
+        assert snd[3].status == KVPoll.Bootstrapping
         with pytest.raises(KVStateError, match="no live participant"):
             p.begin_many([99])
         with pytest.raises(KVStateError, match="decode manager"):

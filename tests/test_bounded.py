@@ -17,15 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 import kvstate
 from kvstate import KVPoll, Options
 from kvstate.errors import StateConnectionError
-from kvstate.store import Store
-from kvstate.testing import RedisCluster
 from tests.helpers import PREFILL_ADDR, scaled, wait_for
-from tests.proxy import Proxy
+from tests.proxy import ProxiedCluster, Proxy, rooms_by_port
 
 DEFAULT = Options()
 BOUND = scaled(20.0)  # generous: the default call_timeout is 8 s
@@ -55,9 +52,9 @@ def run_all(
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(scaled(60))
     hung = [name for name in ops if name not in took]
-    assert not hung, f"calls still blocked after 60 s: {hung}"
+    assert not hung, f"calls still blocked after {scaled(60):g} s: {hung}"
     return took, raised
 
 
@@ -254,49 +251,11 @@ def test_delayed_network_still_works(proxy: Proxy) -> None:
 # --------------------------------------------------------------------------- Cluster
 
 
-class ProxiedCluster:
-    """A private 3-primary Cluster whose third primary is reached through a Proxy: the
-    node announces the proxy's port, so clients (redis-py included) go through it."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.cluster = RedisCluster(3, 0, tmp_path / "c").start()
-        self.target = self.cluster.nodes[2]
-        self.proxy = Proxy(("127.0.0.1", self.target.port)).start()
-        with self.target.client() as c:
-            c.config_set("cluster-announce-bus-port", self.target.port + 10000)
-            c.config_set("cluster-announce-port", self.proxy.port)
-        with self.cluster.nodes[0].client() as c:
-            assert wait_for(lambda: self.proxy.port in _slot_ports(c), 20.0), (
-                "the announced port did not spread"
-            )
-
-    @property
-    def url(self) -> str:
-        return self.cluster.url  # node 0: not behind the proxy
-
-    def close(self) -> None:
-        self.proxy.close()
-        self.cluster.stop()
-
-
-def _slot_ports(c: redis.Redis) -> set[int]:
-    return {int(node[1]) for slot in c.execute_command("CLUSTER", "SLOTS") for node in slot[2:]}
-
-
 @pytest.fixture
 def proxied(tmp_path: Path) -> Iterator[ProxiedCluster]:
     pc = ProxiedCluster(tmp_path)
     yield pc
     pc.close()
-
-
-def rooms_by_port(store: Store, count: int) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for room in range(count):
-        key = store.keys.participant(room, "tx", "x")
-        port = int(store.client.get_node_from_key(key).port)  # type: ignore[union-attr]
-        out.setdefault(port, []).append(room)
-    return out
 
 
 @pytest.mark.slow

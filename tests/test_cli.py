@@ -171,31 +171,36 @@ def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str
     # a second abort says so and keeps the first reason; show shows the mark
     again = run("abort", "77", "--reason", "second thoughts", "--url", state_url)
     assert again.exit_code == 0, again.output
-    assert "already aborted (router gave up)" in again.output
+    assert "already failed (router gave up)" in again.output
     shown = run("show", "77", "--url", state_url)
     assert shown.exit_code == 0 and "aborted: router gave up" in shown.output
     assert snd.poll() == KVPoll.Failed
     assert rcv.poll() == KVPoll.Failed
     assert snd.failure_exception().reason == "router gave up"
     assert rcv.failure_exception().reason == "router gave up"
-    # the room is cleared now: an abort of it (or of a mistyped room) writes nothing
-    for r in ("77", "7"):
-        refused = run("--url", state_url, "abort", r)
-        assert refused.exit_code == 1, refused.output
-        assert "nothing to abort" in refused.output and "--pre-emptive" in refused.output
+    # the room is cleared now but its failure mark stays: an abort of it says so, one
+    # of a mistyped room writes nothing
+    kept = run("--url", state_url, "abort", "77")
+    assert kept.exit_code == 0 and "already failed (router gave up)" in kept.output
+    refused = run("--url", state_url, "abort", "7")
+    assert refused.exit_code == 1, refused.output
+    assert "nothing to abort" in refused.output and "--pre-emptive" in refused.output
     left = [k for k in store.scan(store.keys.all_pattern) if ":engines_at:" not in k]
-    assert sorted(left) == sorted(  # the live engines' registrations only
-        store.keys.engine(e) for e in ("decode-b.tp0", "prefill-a.tp0")
+    assert sorted(left) == sorted(  # the live engines' registrations and the mark
+        [store.keys.aborted(77)] + [store.keys.engine(e) for e in ("decode-b.tp0", "prefill-a.tp0")]
     )
-    # a router may abort before either side joined: whoever joins later starts Failed
-    again = run("--url", state_url, "abort", "77", "--reason", "too late", "--pre-emptive")
-    assert again.exit_code == 0 and "no participants yet" in again.output
-    shown = run("--url", state_url, "show", "77", "--json")
-    assert shown.exit_code == 0 and json.loads(shown.stdout)["aborted"]["reason"] == "too late"
-    late = snd.mgr.sender(77)
+    late = snd.mgr.sender(77)  # a participant that joins after both cleared: Failed
     assert late.poll() == KVPoll.Failed
-    assert late.failure_exception().reason == "too late"  # clears, mark included
-    assert list(store.scan(store.keys.room_prefix(77) + "*")) == []
+    assert late.failure_exception().reason == "router gave up"  # clears it, not the mark
+    assert list(store.scan(store.keys.room_prefix(77) + "*")) == [store.keys.aborted(77)]
+    # a router may abort before either side joined: whoever joins later starts Failed
+    again = run("--url", state_url, "abort", "7", "--reason", "too late", "--pre-emptive")
+    assert again.exit_code == 0 and "no participants yet" in again.output
+    shown = run("--url", state_url, "show", "7", "--json")
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["aborted"]["reason"] == "too late"
+    late = snd.mgr.sender(7)
+    assert late.poll() == KVPoll.Failed
+    assert late.failure_exception().reason == "too late"
 
 
 def test_doctor(redis_url: str) -> None:

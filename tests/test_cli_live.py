@@ -18,8 +18,9 @@ import pytest
 import redis
 
 from kvstate.testing import RedisProcess
+from tests.helpers import DEMO_SMALL as SMALL
+from tests.helpers import demo_env as _env
 from tests.helpers import scaled, wait_for
-from tests.test_demo import SMALL, _env
 
 KVSTATE_BIN = Path(sys.executable).with_name("kvstate")
 LIVE = {

@@ -9,7 +9,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,9 @@ def run(*args: str) -> Result:
 
 
 @pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = kvstate.connect(redis_url)
-    yield s
-    s.close()
+def store_url(redis_url: str) -> str:
+    """``store`` on the standalone server only."""
+    return redis_url
 
 
 def room(store: Store, n: int, pages: Any = None) -> tuple[Any, Any]:

@@ -198,7 +198,7 @@ def compose_redis(tmp_path: Path, password: str) -> Iterator[int]:
         yield port
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(scaled(10))
 
 
 def test_redis_command_requires_the_password(tmp_path: Path) -> None:
@@ -242,7 +242,10 @@ def test_redis_healthcheck_fails_on_noauth(
                 got = subprocess.run(check, env=env, capture_output=True, timeout=scaled(20))
                 assert (got.returncode == 0) == healthy, (name, auth, got)
         old = subprocess.run(
-            ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, timeout=20
+            ["redis-cli", "-p", str(port), "ping"],
+            capture_output=True,
+            text=True,
+            timeout=scaled(20),
         )
         assert old.returncode == 0 and "NOAUTH" in old.stdout  # why status alone is no check
 
@@ -333,7 +336,7 @@ def test_header_commands_work_as_written(tmp_path: Path) -> None:
         pytest.skip("openssl is not on PATH (the header makes the secrets with it)")
     (printf,) = [line.strip() for line in _header() if line.strip().startswith("printf ")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTATE_")}
-    subprocess.run(["bash", "-c", printf], cwd=tmp_path, env=env, check=True, timeout=30)
+    subprocess.run(["bash", "-c", printf], cwd=tmp_path, env=env, check=True, timeout=scaled(30))
     dotenv = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().split())
     assert len(dotenv["KVSTATE_REDIS_PASSWORD"]) == 32 and len(dotenv["KVSTATE_DEMO_AUTHKEY"]) == 32
     block = _host_commands()

@@ -6,7 +6,7 @@ clear() at maxmemory (it must always work: it frees memory)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -157,11 +157,13 @@ def test_tls_url_with_parameters(redis_tls_url: str) -> None:
 # --------------------------------------------------------------------------- arguments
 
 
+NAMESPACE = "args"  # of the ``store`` fixture (tests/conftest.py)
+
+
 @pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = kvstate.connect(redis_url, namespace="args")
-    yield s
-    s.close()
+def store_url(redis_url: str) -> str:
+    """``store`` on the standalone server only."""
+    return redis_url
 
 
 def test_bad_reason_is_a_specific_error(store: Store) -> None:

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,37 +20,24 @@ from click.testing import CliRunner
 
 from kvstate.demo import demo, expected_pages
 from kvstate.demo.outcome import Track
+from tests.helpers import DEMO_SMALL as SMALL
+from tests.helpers import demo_command as _command
+from tests.helpers import demo_env as _env
 from tests.helpers import scaled
 
-SMALL = ["--page-bytes", "4k", "--pool-pages", "256", "--pages-per-request", "1-32"]
 PAGE_BYTES, LAYERS = 4096, 2
-
-
-def _command() -> list[str]:
-    """The console script when the CLI is installed, else the module."""
-    script = Path(sys.executable).with_name("kvstate")
-    if script.exists():
-        return [str(script), "demo"]
-    return [sys.executable, "-m", "kvstate.demo"]
 
 
 AUTHKEY = "test-secret-" + os.urandom(8).hex()
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("KVSTATE_REDIS_URL", "KVSTATE_NAMESPACE", "KVSTATE_DEMO_AUTHKEY")
-    }
-    env["COLUMNS"] = "120"
-    env.update(extra)
-    return env
-
-
 def run_demo(*args: str, timeout: float = 120) -> tuple[int, dict[str, Any], str]:
     proc = subprocess.run(
-        [*_command(), *args, "--json"], capture_output=True, text=True, env=_env(), timeout=timeout
+        [*_command(), *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=scaled(timeout),
     )
     try:
         doc = json.loads(proc.stdout)
@@ -240,7 +226,11 @@ def test_without_ucx_the_demo_says_which_extra_to_install(args: list[str]) -> No
     )
     env = _env(KVSTATE_DEMO_AUTHKEY=AUTHKEY)
     proc = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=scaled(120),
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import redis
 
+from tests.helpers import DEMO_SMALL as SMALL
+from tests.helpers import demo_command as _command
+from tests.helpers import demo_env as _env
 from tests.helpers import scaled, wait_for
-from tests.test_demo import SMALL, _command, _env
 
 NOISE = ("Traceback", "leaked semaphore", "KeyboardInterrupt", "resource_tracker")
 

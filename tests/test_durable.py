@@ -29,14 +29,16 @@ from kvstate.errors import DurabilityError, StateConnectionError
 from kvstate.store import Store
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import (
+    ENGINE_ACL,
     PREFILL_ADDR,
     assert_every_key_has_ttl,
     keys_of,
     managers,
     scaled,
+    setuser,
+    user_url,
     wait_for,
 )
-from tests.test_security import ENGINE_ACL, setuser, user_url
 
 DURABLE = Options(durable=True)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,11 +32,13 @@ def cluster(redis_cluster_replicas: RedisCluster) -> RedisCluster:
     return redis_cluster_replicas
 
 
+NAMESPACE = "fo"  # of the ``store`` fixture (tests/conftest.py)
+
+
 @pytest.fixture
-def store(cluster: RedisCluster) -> Iterator[Store]:
-    s = kvstate.connect(cluster.url, namespace="fo")
-    yield s
-    s.close()
+def store_url(cluster: RedisCluster) -> str:
+    """``store`` on the Cluster with replicas (failovers)."""
+    return cluster.url
 
 
 def port_of_room(store: Store, room: int) -> int:
@@ -187,7 +188,7 @@ def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
         wait_for(lambda: len(out.by_room) >= done_at_failover + 20 or bool(out.errors), 30.0)
         stop.set()
         for w in workers:
-            w.join(60)
+            w.join(scaled(60))
         assert not any(w.is_alive() for w in workers), "a worker hung"
         done_after = sum(
             1 for r, at in out.finished_at.items() if at > t0 + failover_s and r in set(busy)

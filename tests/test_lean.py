@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,10 @@ import kvstate
 from kvstate import KVPoll
 from kvstate.errors import CorruptStateError, InvalidArgumentError, KVStateError
 from kvstate.store import Store
-from tests.helpers import PREFILL_ADDR, keys_of, managers
-from tools.bench_state import RoundTrips
+from kvstate.testing import RoundTrips
+from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled
 
-
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="lean")
-    yield s
-    s.close()
+NAMESPACE = "lean"  # of the ``store`` fixture (tests/conftest.py)
 
 
 def test_plain_commands_keep_redis_py_reply_shapes(store: Store) -> None:
@@ -127,7 +121,7 @@ def test_bench_quick_reports_every_figure() -> None:
         [sys.executable, str(root / "tools" / "bench_state.py"), "--quick", "--json"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),
         check=True,
         cwd=root,
     )

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +24,6 @@ from tests.helpers import scaled, wait_for
 
 ADDR = "10.0.0.1:8998"
 KVSTATE_BIN = Path(sys.executable).with_name("kvstate")
-
-
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url)
-    yield s
-    s.close()
 
 
 def short_lived(url: str, ttl: float = 1.0) -> Store:
@@ -283,5 +275,5 @@ def test_monitor_thread_with_metrics(store: Store, state_url: str) -> None:
         s.close()
     finally:
         stop.set()
-        t.join(5)
+        t.join(scaled(5))
     assert not t.is_alive()

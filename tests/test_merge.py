@@ -5,8 +5,11 @@ Redis, agree step by step with a small model of the rule written here:
 - forward only: an update to a lower or equal status changes nothing;
 - Failed is sticky: nothing moves a Failed participant, and its first reason stays;
 - Success is final: no update moves it; only an explicit abort fails it;
-- an abort fails every participant not yet Failed and leaves a mark, so a participant
-  created later starts Failed with that reason; every clear deletes the mark;
+- a participant that fails sets the room's failure mark (the first reason stays); one
+  moving forward in a marked room fails with the mark's reason instead (one outcome
+  per room); an abort fails every participant not yet Failed with the mark's reason
+  (its own, when it is the first); a participant created later starts Failed with it;
+  clear leaves the mark;
 - no resurrection: an update or abort of a participant that is gone writes nothing.
 
 Each example uses a room of its own on the flushed session server; a no-op must not
@@ -16,14 +19,12 @@ even restamp ``since_ms``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvstate
 from kvstate import KVPoll
 from kvstate.store import Store
 from tests.helpers import assert_every_key_has_ttl, keys_of
@@ -54,12 +55,15 @@ class Model:
             return cur
         if new == KVPoll.Failed:
             self.parts[who] = (KVPoll.Failed, reason)
+            self.mark = reason if self.mark is None else self.mark
+        elif new > status and self.mark is not None:
+            self.parts[who] = (KVPoll.Failed, self.mark)
         elif new > status:
             self.parts[who] = (new, old_reason)
         return self.parts[who]
 
     def abort(self, reason: str) -> int:
-        self.mark = reason
+        self.mark = reason = reason if self.mark is None else self.mark
         moved = 0
         for who, (status, _) in self.parts.items():
             if status != KVPoll.Failed:
@@ -69,7 +73,6 @@ class Model:
 
     def clear(self, who: tuple[str, str]) -> None:
         self.parts.pop(who, None)
-        self.mark = None
 
 
 reasons = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)
@@ -91,11 +94,13 @@ scenarios = st.tuples(st.booleans(), ops).map(
 )
 
 
+NAMESPACE = "merge"  # of the ``store`` fixture (tests/conftest.py)
+
+
 @pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = kvstate.connect(redis_url, namespace="merge")
-    yield s
-    s.close()
+def store_url(redis_url: str) -> str:
+    """``store`` on the standalone server only."""
+    return redis_url
 
 
 def _stored(store: Store, room: int, who: tuple[str, str]) -> tuple[str | None, str, str]:

@@ -4,38 +4,33 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
-
-import pytest
 
 import kvstate
 from kvstate import KVPoll
 from kvstate.store import Store
 from tests import workers
-from tests.helpers import assert_every_key_has_ttl, keys_of, room_keys, scaled, wait_for
+from tests.helpers import keys_of, room_keys, scaled, wait_for
 
-
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="proc")
-    yield s
-    assert_every_key_has_ttl(s)
-    s.close()
+NAMESPACE = "proc"  # of the ``store`` fixture (tests/conftest.py)
+CHECK_TTL = True  # ``store`` checks every key has a TTL after each test (rule 1)
 
 
 def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, spawn_ctx) -> None:
     rooms = list(range(50, 70))
     racers = [f"tx-{i}" for i in range(4)]
-    # the shared sender each racer updates, and two receivers needing 4 / 5 acks
+    # the shared sender each racer updates; in a room of its own (room + ACKS: a Failed
+    # shared sender fails its room, one outcome per room), each racer's sender and two
+    # receivers needing 4 / 5 acks
     calls = []
     no_timeouts = {"peers": 1, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0}
     for room in rooms:
-        for tx in ("shared", *racers):
-            calls.append(store.create(room, "tx", tx, no_timeouts))
+        calls.append(store.create(room, "tx", "shared", no_timeouts))
+        for tx in racers:
+            calls.append(store.create(room + workers.ACKS, "tx", tx, no_timeouts))
         for rx, peers in (("rx-4", 4), ("rx-5", 5)):
             calls.append(
                 store.create(
-                    room,
+                    room + workers.ACKS,
                     "rx",
                     rx,
                     {"peers": peers, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0},
@@ -54,7 +49,7 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
     start.set()
     applied = [results.get(timeout=scaled(120)) for _ in procs]
     for proc in procs:
-        proc.join(30)
+        proc.join(scaled(30))
         assert proc.exitcode == 0
     for room in rooms:
         seen = [KVPoll[s] for log in applied for r, s in log if r == room]
@@ -62,17 +57,19 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
         expect = KVPoll.Failed if KVPoll.Failed in seen else max(seen)
         tx = store.execute([store.poll(room, "tx", "shared")])[0]
         assert tx.status == expect, (room, seen)
-        rx4, rx5 = (store.execute([store.poll(room, "rx", r)])[0] for r in ("rx-4", "rx-5"))
+        acked = room + workers.ACKS
+        rx4, rx5 = (store.execute([store.poll(acked, "rx", r)])[0] for r in ("rx-4", "rx-5"))
         assert rx4.status == KVPoll.Success  # exactly 4 acks arrived
         assert rx5.status == KVPoll.Bootstrapping  # 4 of 5: not yet
-        acks = store.client.smembers(store.keys.acks(room, "rx-5"))
+        acks = store.client.smembers(store.keys.acks(acked, "rx-5"))
         assert sorted(acks) == sorted(r.encode() for r in racers)
     for room in rooms:
-        for tx in ("shared", *racers):
-            store.clear(room, "tx", tx)
-        store.clear(room, "rx", "rx-4")
-        store.clear(room, "rx", "rx-5")
-        assert room_keys(store, room) == []
+        store.clear(room, "tx", "shared")
+        for tx in racers:
+            store.clear(room + workers.ACKS, "tx", tx)
+        store.clear(room + workers.ACKS, "rx", "rx-4")
+        store.clear(room + workers.ACKS, "rx", "rx-5")
+        assert room_keys(store, room) == [] and room_keys(store, room + workers.ACKS) == []
 
 
 def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
@@ -86,7 +83,7 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
     )
     proc.start()
     try:
-        assert ready.wait(60)
+        assert ready.wait(scaled(60))
         d = kvstate.KVManager(store, "decode", "decode-y.tp0", lease=lease)
         with d:
             old = d.receiver(80, addr)
@@ -101,12 +98,13 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
                         "prefill-z.tp0",
                         {"peers": 1, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0},
                     ),
+                    store.begin(81, "prefill-z.tp0", ["decode-y.tp0"]),
                     store.finish(81, "prefill-z.tp0", ["decode-y.tp0"]),
                 ]
             )
             assert done.poll() == KVPoll.Success
             os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
+            proc.join(scaled(10))
             assert wait_for(lambda: old.poll() == KVPoll.Failed, timeout=2 * lease + 0.5)
             reason = old.failure_exception().reason
             assert "prefill-z.tp0" in reason and addr in reason and "lease" in reason
@@ -122,7 +120,7 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
                 args=(state_url, "proc", "prefill-z.tp0", addr, lease, ready2),
             )
             proc.start()
-            assert ready2.wait(60)
+            assert ready2.wait(scaled(60))
             new = d.receiver(82, addr)
             new.init([5])
             assert new.poll() == KVPoll.WaitingForInput
@@ -134,4 +132,4 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
         assert keys_of(store, store.keys.participant_pattern) == []
     finally:
         proc.kill()
-        proc.join(10)
+        proc.join(scaled(10))

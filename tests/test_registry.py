@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,17 +13,13 @@ import kvstate
 from kvstate.errors import CorruptStateError, EngineNameTakenError
 from kvstate.registry import EngineInfo, Registry
 from kvstate.store import Store
-from tests.helpers import assert_every_key_has_ttl, keys_of, wait_for
+from tests.helpers import keys_of, wait_for
 
 ADDR = "10.3.3.3:8998"
 
 
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="reg")
-    yield s
-    assert_every_key_has_ttl(s)
-    s.close()
+NAMESPACE = "reg"  # of the ``store`` fixture (tests/conftest.py)
+CHECK_TTL = True  # ``store`` checks every key has a TTL after each test (rule 1)
 
 
 def info(engine: str, inc: str, addr: str = ADDR, role: str = "prefill") -> EngineInfo:

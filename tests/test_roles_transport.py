@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
-import kvstate
 from kvstate.ops.metrics import read_transfer_totals
 from kvstate.store import Store
 from tests import workers
-from tests.helpers import assert_every_key_has_ttl, keys_of, scaled
+from tests.helpers import keys_of, scaled
 
 LAYERS, PAGE = 3, 512
 ADDR = "10.1.1.1:8998"
 
 
+NAMESPACE = "ucx"  # of the ``store`` fixture (tests/conftest.py)
+CHECK_TTL = True  # ``store`` checks every key has a TTL after each test (rule 1)
+
+
 @pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = kvstate.connect(redis_url, namespace="ucx")
-    yield s
-    assert_every_key_has_ttl(s)
-    s.close()
+def store_url(redis_url: str) -> str:
+    """``store`` on the standalone server only."""
+    return redis_url
 
 
 def run(
@@ -61,7 +60,7 @@ def run(
         procs.append(p)
     got = [results.get(timeout=scaled(120)) for _ in procs]
     for p in procs:
-        p.join(30)
+        p.join(scaled(30))
         assert p.exitcode == 0
     prefill = next(g[1] for g in got if g[0] == "prefill")
     decode = {g[1]: (g[2], g[3]) for g in got if g[0] == "decode"}
@@ -176,13 +175,13 @@ def test_receiver_killed_before_the_write_fails_the_room_with_a_reason(
     dec.start()
     assert published.get(timeout=scaled(60)) == ("published", "decode-k.tp0")
     dec.kill()  # SIGKILL after publishing, before the sender writes
-    dec.join(10)
+    dec.join(scaled(10))
     go.set()
     kind, outcome = results.get(timeout=scaled(60))
     assert kind == "prefill"
     status, reason = outcome[9]
     assert status == "Failed" and "transfer failed" in reason
-    pre.join(30)
+    pre.join(scaled(30))
     assert pre.exitcode == 0
     # the dead receiver never cleared: its room keys carry TTLs (checked by the fixture),
     # and the abort reached them: the receiver's hash says why

@@ -15,6 +15,7 @@ from kvstate import schema
 from kvstate.keys import MAX_ROOM, Keys, RoomKey
 from kvstate.poll import KVPoll
 from kvstate.schema import Member
+from tests.helpers import scaled
 
 NAME_CHARS = "abcXYZ019_.:@/[]-"
 names = st.text(alphabet=NAME_CHARS, min_size=1, max_size=40)
@@ -207,7 +208,11 @@ def test_the_core_imports_no_ops_cli_demo_or_testing() -> None:
         "print(' '.join(sorted(sys.modules)))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
     ).stdout.split()
     outside = ("kvstate.ops", "kvstate.cli", "kvstate.demo", "kvstate.testing")
     assert [m for m in out if m.startswith(outside)] == []

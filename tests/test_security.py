@@ -31,46 +31,24 @@ from kvstate.errors import (
 )
 from kvstate.store import Store
 from kvstate.testing import RedisProcess, make_test_certs
-from tests.helpers import PREFILL_ADDR, keys_of, scaled, wait_for
+from tests.helpers import (
+    ACL_PASSWORD,
+    ENGINE_ACL,
+    PREFILL_ADDR,
+    keys_of,
+    scaled,
+    setuser,
+    user_url,
+    wait_for,
+)
 
 # --------------------------------------------------------------------------- ACL
 
-# The least privilege an engine process (KVManager / KVSender / KVReceiver) needs, for
-# namespace {ns}. Found by running every engine path as a user with +@all and reading
-# INFO commandstats (commands run inside the Lua scripts count: Redis 7 checks them
-# against the caller's ACL too), then proven minimal by test_engine_acl_is_minimal,
-# which takes each command away in turn and watches the engine paths fail.
-# - ping, client|setname: connection set-up (redis-py) and health checks
-# - script|load at connect; evalsha, and eval after NOSCRIPT (server restart, failover,
-#   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hlen, hexists,
-#   hgetall, pexpire, sadd, scard, zadd, zremrangebyscore, time; rpush and rpushx (a
-#   traced room, its clear)
-# - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
-# - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
-#   hkeys (abort), zrange (dead-peer fan-out)
-# The audit, monitor and doctor also need INFO, CONFIG GET, the ledger stream and
-# keyspace notifications: give them their own user.
-ENGINE_ACL = (
-    "ACL SETUSER kvstate-engine reset on >{password} ~kvstate:{ns}:* resetchannels -@all "
-    "+ping +client|setname +time +scan "
-    "+evalsha +eval +script|load "
-    "+multi +exec +del +exists +pexpire +pttl +get +set "
-    "+hget +hmget +hgetall +hset +hdel +hkeys +hlen +hexists "
-    "+sadd +scard +zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
-)
+# ENGINE_ACL (tests/helpers.py): the least privilege an engine process needs.
 # On a Redis Cluster (set on every node: ACLs are per node), redis-py's Cluster client
 # also reads the slot map and the command table.
 CLUSTER_EXTRA = "+cluster|slots +command"
 ENGINE_COMMANDS = [w[1:] for w in ENGINE_ACL.split() if w.startswith("+")]
-ACL_PASSWORD = "engine-Pw_7"
-
-
-def setuser(admin: redis.Redis, line: str, ns: str, password: str = ACL_PASSWORD) -> None:
-    admin.execute_command(*line.format(password=password, ns=ns).split())
-
-
-def user_url(proc: RedisProcess, user: str = "kvstate-engine", password: str = ACL_PASSWORD) -> str:
-    return f"redis://{user}:{quote(password, safe='')}@127.0.0.1:{proc.port}"
 
 
 def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:

@@ -107,7 +107,7 @@ def test_embedded_server_needs_nothing_from_kvstate_testing() -> None:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     env.pop("KVSTATE_REDIS_URL", None)
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled(60)
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,16 +16,12 @@ from tests.helpers import (
     keys_of,
     managers,
     room_keys,
+    scaled,
     wait_for,
 )
 
-
-@pytest.fixture
-def store(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="t")
-    yield s
-    assert_every_key_has_ttl(s)  # rule 1 after every scenario
-    s.close()
+NAMESPACE = "t"  # of the ``store`` fixture (tests/conftest.py)
+CHECK_TTL = True  # ``store`` checks every key has a TTL after each test (rule 1)
 
 
 def lifecycle(p: kvstate.KVManager, d: kvstate.KVManager, room: int) -> tuple:
@@ -235,17 +230,18 @@ def test_compact_indices(store: Store) -> None:
 
 
 def test_parts_index_lives_as_long_as_its_participants(state_url: str) -> None:
-    s = kvstate.connect(state_url, namespace="t", room_ttl=1.0)
+    ttl = scaled(1.0)  # every wait below in TTLs, so a loaded host keeps the scenario
+    s = kvstate.connect(state_url, namespace="t", room_ttl=ttl)
     p, d = managers(s, bootstrap_timeout=0, waiting_timeout=0)
     with p, d:
         snd = p.sender(61)
         rcv = d.receiver(61, PREFILL_ADDR)
         snd.poll()
-        time.sleep(0.6)
+        time.sleep(0.6 * ttl)
         rcv.init([1])  # refreshes the participants' TTLs, and the index's
-        time.sleep(0.6)
+        time.sleep(0.6 * ttl)
         snd.begin_transfer()
-        time.sleep(0.2)  # the index is 1.4 s old with a 1 s TTL: alive only through refreshes
+        time.sleep(0.2 * ttl)  # the index is 1.4 TTLs old: alive only through refreshes
         assert s.members(61) == ["rx:decode-b.tp0", "tx:prefill-a.tp0"]
         assert s.abort(61, "still reachable") == 2
         assert rcv.poll() == KVPoll.Failed

@@ -13,8 +13,7 @@ from kvstate import KVPoll
 from kvstate.errors import ClosedError, KVStateError
 from kvstate.ops.ledger import Monitor
 from kvstate.store import Store
-from tests.helpers import PREFILL_ADDR, managers
-from tests.test_bad_input import snapshot
+from tests.helpers import PREFILL_ADDR, managers, snapshot
 
 
 def room_state(store: Store) -> dict[str, object]:

@@ -6,7 +6,6 @@ standalone server and on a 3-primary Cluster."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,9 @@ from tests.helpers import PREFILL_ADDR, assert_every_key_has_ttl, keys_of, room_
 
 ALL = kvstate.Options(trace_rate=1.0)
 NONE = kvstate.Options(trace_rate=0.0)
+NAMESPACE = "tr"  # of the ``store`` fixture (tests/conftest.py)
+OPTIONS = ALL  # ``store`` traces every room
+CHECK_TTL = True  # every key, traces included, has a TTL after each test (rule 1)
 
 
 def run(*args: str) -> Result:
@@ -38,13 +40,6 @@ def entries(store: Store, room: int) -> list[TraceEntry]:
 
 def steps(store: Store, room: int) -> list[tuple[str, str, str]]:
     return [(e.side, e.engine, e.event) for e in entries(store, room)]
-
-
-@pytest.fixture
-def traced(state_url: str) -> Iterator[Store]:
-    s = kvstate.connect(state_url, namespace="tr", options=ALL)
-    yield s
-    s.close()
 
 
 def lifecycle(
@@ -85,14 +80,14 @@ FULL = [
 ]
 
 
-def test_full_lifecycle_traces_every_transition_in_order(traced: Store) -> None:
+def test_full_lifecycle_traces_every_transition_in_order(store: Store) -> None:
     """Every transition of both sides, in the order they happened, each stamped by the
     server clock: between two TIME readings of the server, in order."""
-    p, d = pair(traced)
-    before = traced.server_time_ms()
-    lifecycle(traced, 42, p, d)
-    after = traced.server_time_ms()
-    got = entries(traced, 42)
+    p, d = pair(store)
+    before = store.server_time_ms()
+    lifecycle(store, 42, p, d)
+    after = store.server_time_ms()
+    got = entries(store, 42)
     assert [(e.side, e.engine, e.event) for e in got] == FULL
     assert all(before <= e.ms <= after for e in got), (before, [e.id for e in got], after)
     assert [(e.ms, e.seq) for e in got] == sorted((e.ms, e.seq) for e in got)
@@ -105,27 +100,27 @@ def test_full_lifecycle_traces_every_transition_in_order(traced: Store) -> None:
     d.close()
 
 
-def test_abort_and_failures_with_their_reasons(traced: Store, state_url: str) -> None:
+def test_abort_and_failures_with_their_reasons(store: Store, store_url: str) -> None:
     """An abort (here by a process that does not sample the room: it appends to the
     trace the engines keep) fails each participant with its reason and the status it
     had; a participant created after it starts Failed; a bootstrap timeout and a begin
     into a failed receiver are Failed with their reasons."""
-    p, d = pair(traced)
+    p, d = pair(store)
     snd = p.sender(7, required_receivers=1)
     rcv = d.receiver(7, bootstrap_addr=PREFILL_ADDR)
     rcv.init(np.arange(4))
     assert snd.poll() == KVPoll.WaitingForInput
-    other = kvstate.connect(state_url, namespace="tr", options=NONE)
+    other = kvstate.connect(store_url, namespace="tr", options=NONE)
     assert other.abort(7, "router cancelled") == 2
-    aborts = [e for e in entries(traced, 7) if e.event == "abort"]
+    aborts = [e for e in entries(store, 7) if e.event == "abort"]
     assert {(e.side, e.fields[schema.TRACE_WAS]) for e in aborts} == {
         ("tx", "WaitingForInput"),
         ("rx", "WaitingForInput"),
     }
     assert all(e.fields[schema.REASON] == "router cancelled" for e in aborts)
-    late = kvstate.KVManager(traced, "decode", "decode-c.tp0", "10.0.0.3:8998")
+    late = kvstate.KVManager(store, "decode", "decode-c.tp0", "10.0.0.3:8998")
     assert late.receiver(7, bootstrap_addr=PREFILL_ADDR).poll() == KVPoll.Failed
-    last = entries(traced, 7)[-1]
+    last = entries(store, 7)[-1]
     assert (last.engine, last.event, last.fields[schema.STATUS]) == (
         "decode-c.tp0",
         "created",
@@ -135,16 +130,16 @@ def test_abort_and_failures_with_their_reasons(traced: Store, state_url: str) ->
     # an abort of a room nobody traces writes no trace
     assert not sampled(8, 0.0)
     other.abort(8, "nobody traces this")  # RPUSHX: no trace started
-    assert traced.keys.trace(8) not in keys_of(traced, traces=True)
+    assert store.keys.trace(8) not in keys_of(store, traces=True)
 
     # a bootstrap timeout, on the server clock
     slow = kvstate.KVManager(
-        traced, "prefill", "prefill-b.tp0", "10.0.0.4:8998", bootstrap_timeout=0.05
+        store, "prefill", "prefill-b.tp0", "10.0.0.4:8998", bootstrap_timeout=0.05
     )
     slow_snd = slow.sender(9, required_receivers=1)
     assert slow_snd.poll() in (KVPoll.Bootstrapping, KVPoll.Failed)
     assert wait_for(lambda: slow_snd.poll() == KVPoll.Failed, 5.0)
-    failed = [e for e in entries(traced, 9) if e.event == "Failed"]
+    failed = [e for e in entries(store, 9) if e.event == "Failed"]
     assert len(failed) == 1 and "bootstrap timeout" in failed[0].fields[schema.REASON]
 
     # a sender that begins into a failed receiver fails with the receiver's reason
@@ -152,9 +147,9 @@ def test_abort_and_failures_with_their_reasons(traced: Store, state_url: str) ->
     rcv2 = d.receiver(10, bootstrap_addr=PREFILL_ADDR)
     rcv2.init(np.arange(4))
     assert snd2.poll() == KVPoll.WaitingForInput
-    traced.execute([traced.update(10, "rx", "decode-b.tp0", KVPoll.Failed, "pages lost")])
+    store.execute([store.update(10, "rx", "decode-b.tp0", KVPoll.Failed, "pages lost")])
     assert snd2.begin_transfer() == KVPoll.Failed
-    tail = [(e.side, e.event, e.fields.get(schema.REASON, "")) for e in entries(traced, 10)][-2:]
+    tail = [(e.side, e.event, e.fields.get(schema.REASON, "")) for e in entries(store, 10)][-2:]
     assert tail[0] == ("rx", "Failed", "pages lost")
     assert tail[1][:2] == ("tx", "Failed") and "pages lost" in tail[1][2]
     for m in (p, d, late, slow):
@@ -162,30 +157,78 @@ def test_abort_and_failures_with_their_reasons(traced: Store, state_url: str) ->
     other.close()
 
 
-def test_bad_input_writes_no_trace_entry(traced: Store) -> None:
+def test_failures_decided_by_the_mark_are_traced_with_its_reason(store: Store) -> None:
+    """The room's failure mark (issue 17) fails participants that did not fail
+    themselves: a begin or finish refused because the room failed, and a Success that
+    a poll fails. Each is a Failed entry of that participant with the mark's reason."""
+    p, d = pair(store)
+    third = kvstate.KVManager(store, "decode", "decode-c.tp0", "10.0.0.3:8998")
+
+    def fail_third(room: int, reason: str) -> None:
+        assert third.receiver(room, bootstrap_addr=PREFILL_ADDR).poll() == KVPoll.Bootstrapping
+        store.execute([store.update(room, "rx", "decode-c.tp0", KVPoll.Failed, reason)])
+
+    def last_of(room: int, side: str) -> tuple[str, str, str]:
+        e = [e for e in entries(store, room) if e.side == side][-1]
+        return (e.engine, e.event, e.fields.get(schema.REASON, ""))
+
+    # begin refused by the mark (its own receiver is fine)
+    snd = p.sender(20, required_receivers=1)
+    d.receiver(20, bootstrap_addr=PREFILL_ADDR).init(np.arange(4))
+    assert snd.poll() == KVPoll.WaitingForInput
+    fail_third(20, "third lost its pages")
+    assert snd.begin_transfer() == KVPoll.Failed
+    assert last_of(20, "tx") == ("prefill-a.tp0", "Failed", "third lost its pages")
+
+    # finish refused by the mark
+    snd = p.sender(21, required_receivers=1)
+    d.receiver(21, bootstrap_addr=PREFILL_ADDR).init(np.arange(4))
+    assert snd.poll() == KVPoll.WaitingForInput
+    assert snd.begin_transfer() == KVPoll.Transferring
+    fail_third(21, "third timed out")
+    assert snd.finish_transfer() == KVPoll.Failed
+    assert last_of(21, "tx") == ("prefill-a.tp0", "Failed", "third timed out")
+
+    # a Success failed by a poll, once the room failed elsewhere
+    snd = p.sender(22, required_receivers=1)
+    rcv = d.receiver(22, bootstrap_addr=PREFILL_ADDR)
+    rcv.init(np.arange(4))
+    assert snd.poll() == KVPoll.WaitingForInput
+    assert snd.begin_transfer() == KVPoll.Transferring
+    assert snd.finish_transfer() == KVPoll.Success
+    fail_third(22, "router gave up")
+    assert rcv.poll() == KVPoll.Failed
+    assert last_of(22, "rx") == ("decode-b.tp0", "Failed", "router gave up")
+    mine = [e.event for e in entries(store, 22) if e.engine == "decode-b.tp0"]
+    assert mine[-2:] == ["Success", "Failed"]
+    for m in (p, d, third):
+        m.close()
+
+
+def test_bad_input_writes_no_trace_entry(store: Store) -> None:
     """A corrupt participant makes its script raise before anything is written, the
     trace included (design rule 7): the binding a publish was about to make is not
     traced."""
-    p, d = pair(traced)
+    p, d = pair(store)
     rcv = d.receiver(11, bootstrap_addr="10.9.9.9:1")  # no engine there: nothing bound
     assert rcv.poll() == KVPoll.Bootstrapping
-    before = steps(traced, 11)
+    before = steps(store, 11)
     assert before == [(*RX, "created")]
-    traced.client.hset(traced.keys.participant(11, "rx", "decode-b.tp0"), "peers", "x")
-    call = traced.publish(11, "decode-b.tp0", {"prefill-a.tp0": p.incarnation}, b"i", 1)
+    store.client.hset(store.keys.participant(11, "rx", "decode-b.tp0"), "peers", "x")
+    call = store.publish(11, "decode-b.tp0", {"prefill-a.tp0": p.incarnation}, b"i", 1)
     with pytest.raises(kvstate.CorruptStateError):
-        traced.execute([call])
-    assert steps(traced, 11) == before
+        store.execute([call])
+    assert steps(store, 11) == before
     p.close()
     d.close()
 
 
-def test_trace_outlives_clear_with_its_ttl(state_url: str) -> None:
+def test_trace_outlives_clear_with_its_ttl(store_url: str) -> None:
     """clear() deletes the room's state but not its trace, which keeps its own TTL
     (design rule 1 holds: every key has one); the audit reports nothing; the trace
     goes when its TTL runs out."""
     store = kvstate.connect(
-        state_url, namespace="tr", options=kvstate.Options(trace_rate=1.0, trace_ttl=30.0)
+        store_url, namespace="tr", options=kvstate.Options(trace_rate=1.0, trace_ttl=30.0)
     )
     p, d = pair(store)
     lifecycle(store, 42, p, d)
@@ -199,7 +242,7 @@ def test_trace_outlives_clear_with_its_ttl(state_url: str) -> None:
     p.close()
     d.close()
     short = kvstate.connect(
-        state_url, namespace="tr", options=kvstate.Options(trace_rate=1.0, trace_ttl=1.0)
+        store_url, namespace="tr", options=kvstate.Options(trace_rate=1.0, trace_ttl=1.0)
     )
     p, d = pair(short)
     lifecycle(short, 43, p, d)
@@ -210,14 +253,14 @@ def test_trace_outlives_clear_with_its_ttl(state_url: str) -> None:
     short.close()
 
 
-def test_sampling_zero_writes_nothing_one_writes_everything(state_url: str) -> None:
-    off = kvstate.connect(state_url, namespace="tr", options=NONE)
+def test_sampling_zero_writes_nothing_one_writes_everything(store_url: str) -> None:
+    off = kvstate.connect(store_url, namespace="tr", options=NONE)
     p, d = pair(off)
     lifecycle(off, 42, p, d)
     assert keys_of(off, traces=True) == keys_of(off)  # no trace anywhere
     p.close()
     d.close()
-    on = kvstate.connect(state_url, namespace="tr", options=ALL)
+    on = kvstate.connect(store_url, namespace="tr", options=ALL)
     p, d = pair(on)
     lifecycle(on, 42, p, d)
     assert steps(on, 42) == FULL
@@ -227,14 +270,14 @@ def test_sampling_zero_writes_nothing_one_writes_everything(state_url: str) -> N
     on.close()
 
 
-def test_both_sides_agree_on_sampling(state_url: str) -> None:
+def test_both_sides_agree_on_sampling(store_url: str) -> None:
     """Each side on its own connection, at the same rate: a room is traced by both
     sides or by neither, with no coordination; a rate's rooms are also traced at any
     higher rate, and the share is the rate."""
     rate = 0.3
     opts = kvstate.Options(trace_rate=rate)
-    tx_store = kvstate.connect(state_url, namespace="tr", options=opts)
-    rx_store = kvstate.connect(state_url, namespace="tr", options=opts)
+    tx_store = kvstate.connect(store_url, namespace="tr", options=opts)
+    rx_store = kvstate.connect(store_url, namespace="tr", options=opts)
     p = kvstate.KVManager(tx_store, "prefill", "prefill-a.tp0", PREFILL_ADDR)
     d = kvstate.KVManager(rx_store, "decode", "decode-b.tp0", "10.0.0.2:8998")
     rooms = range(1000, 1030)
@@ -267,11 +310,11 @@ def test_trace_options_are_checked(redis_url: str) -> None:
     store.close()
 
 
-def test_entries_are_json_readable_with_redis_cli(traced: Store) -> None:
+def test_entries_are_json_readable_with_redis_cli(store: Store) -> None:
     """One JSON object per entry, as LRANGE shows it; the server clock in ``ms``."""
-    p, d = pair(traced)
-    lifecycle(traced, 42, p, d)
-    raw = traced.client.lrange(traced.keys.trace(42), 0, -1)
+    p, d = pair(store)
+    lifecycle(store, 42, p, d)
+    raw = store.client.lrange(store.keys.trace(42), 0, -1)
     first = json.loads(raw[0])
     assert first["side"] == "tx" and first["engine"] == "prefill-a.tp0"
     assert first["event"] == "created" and first["status"] == "Bootstrapping"
@@ -280,10 +323,10 @@ def test_entries_are_json_readable_with_redis_cli(traced: Store) -> None:
     d.close()
 
 
-def test_cli_trace_table_json_and_empty(traced: Store, state_url: str) -> None:
-    p, d = pair(traced)
-    lifecycle(traced, 42, p, d)
-    url = state_url
+def test_cli_trace_table_json_and_empty(store: Store, store_url: str) -> None:
+    p, d = pair(store)
+    lifecycle(store, 42, p, d)
+    url = store_url
     result = run("--url", url, "-n", "tr", "trace", "42")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
@@ -360,27 +403,27 @@ def test_cli_trace_of_a_failed_room_names_the_failure(redis_url: str) -> None:
     store.close()
 
 
-def test_show_points_to_the_trace(state_url: str) -> None:
-    store = kvstate.connect(state_url, namespace="tr", options=ALL)
+def test_show_points_to_the_trace(store_url: str) -> None:
+    store = kvstate.connect(store_url, namespace="tr", options=ALL)
     p, d = pair(store)
     lifecycle(store, 42, p, d, clear=False)
-    result = run("--url", state_url, "-n", "tr", "show", "42")
+    result = run("--url", store_url, "-n", "tr", "show", "42")
     assert result.exit_code == 0, result.output
     assert "trace: kvstate trace 42" in result.output
-    assert json.loads(run("--url", state_url, "-n", "tr", "show", "42", "--json").stdout)["traced"]
+    assert json.loads(run("--url", store_url, "-n", "tr", "show", "42", "--json").stdout)["traced"]
     for part in list(p._live.values()) + list(d._live.values()):
         part.clear()
-    result = run("--url", state_url, "-n", "tr", "show", "42")
+    result = run("--url", store_url, "-n", "tr", "show", "42")
     assert result.exit_code == 1
     assert "nothing stored" in result.output
     assert "its trace is kept: kvstate trace 42" in result.output
     # a room nobody traced: no pointer
-    off = kvstate.connect(state_url, namespace="tr", options=NONE)
+    off = kvstate.connect(store_url, namespace="tr", options=NONE)
     for m in (p, d):
         m.close()
     p2, d2 = pair(off)
     lifecycle(off, 44, p2, d2, clear=False)
-    result = run("--url", state_url, "-n", "tr", "show", "44")
+    result = run("--url", store_url, "-n", "tr", "show", "44")
     assert result.exit_code == 0 and "kvstate trace" not in result.output
     for m in (p2, d2):
         m.close()

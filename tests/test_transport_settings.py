@@ -1,7 +1,7 @@
 """Transport settings between real processes: UCX defaults, environment overrides, ptrace.
 
-Peers are the spawned processes of ``test_transport`` (real UCX endpoints, every
-byte compared). The UCX segment sizes are checked through UCX itself: with
+Peers are the spawned processes of ``tests/transport_rig.py`` (real UCX endpoints,
+every byte compared). The UCX segment sizes are checked through UCX itself: with
 UCX's own receive segment (64K) a 384K send segment is refused ("Invalid
 parameter"), so a transfer that works with only ``UCX_TCP_TX_SEG_SIZE=384K``
 set proves kvstate's receive default reached UCX and the override won; an
@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
 
 from tests.helpers import scaled
-from tests.test_transport import LAYOUT, Peer, assert_layers, fragmented
+from tests.transport_rig import LAYOUT, Peer, assert_layers, fragmented
 from transports import cma
 from transports.ucx import UCX_DEFAULTS
 
@@ -72,7 +72,7 @@ def test_idle_after_ucx_transfers_takes_no_cpu() -> None:
             tx.call("write", room, ident, [rx.target(ident)], 30.0)
         assert_layers(rx, [(ident, ident)])
         pids = [p.proc.pid or 0 for p in (rx, tx)]
-        time.sleep(0.5)  # let the last completions settle
+        time.sleep(scaled(0.5))  # let the last completions settle
         before = [_cpu_seconds(pid) for pid in pids]
         time.sleep(2.0)
         used = [_cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]

@@ -11,6 +11,8 @@ import kvstate
 from kvstate import KVPoll
 from tests.helpers import scaled
 
+ACKS = 1000  # race_updates acks receivers in room + ACKS, away from the shared sender
+
 
 def race_updates(
     url: str, ns: str, engine: str, rooms: list[int], seed: int, start: Event, results: Queue
@@ -29,11 +31,13 @@ def race_updates(
         status = rng.choices(choices, weights=[3, 3, 3, 1])[0]
         applied.append((room, status.name))
         calls.append(store.update(room, "tx", "shared", status, f"failed by {engine}"))
-    start.wait(30)
+    start.wait(scaled(30))
     for i in range(0, len(calls), 7):  # small batches so processes interleave
         store.execute(calls[i : i + 7])
-    for room in rooms:  # every racer acks every receiver once
-        store.execute([store.finish(room, engine, ["rx-4", "rx-5"])])
+    for room in rooms:  # every racer acks every receiver once (in the acks' room)
+        acked = room + ACKS
+        store.execute([store.update(acked, "tx", engine, KVPoll.Transferring)])
+        store.execute([store.finish(acked, engine, ["rx-4", "rx-5"])])
     store.close()
     results.put(applied)
 
@@ -102,7 +106,7 @@ def ucx_prefill(
             while snd.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
                 time.sleep(0.01)
             if go is not None:
-                go.wait(60)
+                go.wait(scaled(60))
             snd.send(src, last=True)
             out[room] = (snd.poll().name, snd._reason)
             snd.clear()
@@ -207,7 +211,7 @@ def prefill_rank(
             time.sleep(0.01)
     if hold is not None:
         results.put(("holding", engine, None))
-        hold.wait(60)
+        hold.wait(scaled(60))
     for room, snd in senders.items():
         if snd.begin_transfer() == KVPoll.Transferring:
             snd.finish_transfer()

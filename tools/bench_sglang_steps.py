@@ -21,17 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_state import RoundTrips  # noqa: E402
-
-from kvstate.testing import RedisCluster, RedisProcess  # noqa: E402
+from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
 
 ADDR = "127.0.0.1:18998"
 

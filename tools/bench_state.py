@@ -45,36 +45,14 @@ from typing import Any
 
 import numpy as np
 import redis
-from redis.connection import AbstractConnection
 
 import kvstate
 from kvstate.defaults import TRACE_RATE
 from kvstate.store import _SHAS, Store
-from kvstate.testing import RedisCluster, RedisProcess
+from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
 
 HB = 3600.0  # lease: keeps heartbeats out of the counts
 _SCRIPT_OF = {sha: name for name, sha in _SHAS.items()}
-
-
-class RoundTrips:
-    """Counts writes to Redis sockets in this process: each is one request/response trip."""
-
-    count = 0
-
-    @classmethod
-    @contextmanager
-    def installed(cls) -> Iterator[type[RoundTrips]]:
-        original = AbstractConnection.send_packed_command
-
-        def counting(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
-            cls.count += 1
-            original(self, command, check_health)  # type: ignore[no-untyped-call]
-
-        AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
-        try:
-            yield cls
-        finally:
-            AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
 
 
 # -- workloads ------------------------------------------------------------------------

@@ -82,6 +82,15 @@ class Config:
         return self.layers * self.pages * self.page_bytes
 
 
+# How to install each optional peer (the README's Development lines). No pip extra does:
+# NIXL's requirements pull a torch built for CUDA 13, which breaks kvstate[ucx]'s CUDA 12
+# build (ucxx-cu12); --no-deps leaves the [test] environment as it is.
+INSTALL = {
+    "nixl": "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1",
+    "mooncake": "pip install mooncake-transfer-engine-non-cuda, with libibverbs1 from apt",
+}
+
+
 @dataclass(frozen=True)
 class System:
     """One row group of the report: who moves the bytes, and with which settings."""
@@ -810,7 +819,8 @@ def run_mode(
                 continue
             if system.module and not available(system.module):
                 notes.append(
-                    f"{mode}: {system.label}: not installed (see the README's Development section)"
+                    f"{mode}: {system.label}: not installed ({INSTALL[system.module]}; "
+                    "README, Development)"
                 )
                 continue
             say(f"[{mode}] starting {system.label} ...")

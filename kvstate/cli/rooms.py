@@ -276,17 +276,17 @@ def ls(
     "pre_emptive",
     is_flag=True,
     help="Mark a room that has no participant yet (a router cancelling a request "
-    "before either side joined): whoever joins within the room TTL starts "
-    "Failed. Without it, aborting an empty room is refused (exit 1).",
+    "before either side joined): whoever joins while the mark lasts (the room TTL, "
+    "at least 300 s) starts Failed. Without it, aborting an empty room is refused (exit 1).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
 @click.pass_obj
 def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) -> None:
     """Fail every participant of ROOM (one whose status is garbage too); each side sees
-    Failed with REASON on its next poll, and a participant created later (within the
-    room TTL) starts Failed. A room already aborted keeps its first reason. Exit status
-    1 when there is nothing to abort (finished and cleared, mistyped, or another
-    namespace)."""
+    Failed with REASON on its next poll, and a participant created later (while the
+    room's failure mark lasts: the room TTL, at least 300 s) starts Failed. A room that
+    already failed keeps its first reason. Exit status 1 when there is nothing to abort
+    (finished and cleared, mistyped, or another namespace)."""
     r = parse_room_text(room)
     with opened(obj) as store:
         view = room_view(store, r)
@@ -303,8 +303,9 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) ->
             _said(
                 doc,
                 as_json,
-                f"room {r}: already aborted ({view.aborted}); left as is, mark "
-                f"expires in {fmt_ms(view.aborted_ttl_ms)}",
+                f"room {r}: already failed ({view.aborted}); left as is: its "
+                "participants, and any that joins while the mark lasts, fail with that "
+                f"reason; mark expires in {fmt_ms(view.aborted_ttl_ms)}",
             )
         _refuse_what_abort_cannot_reach(r, view)
         if not view.members and not pre_emptive:
@@ -322,7 +323,7 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) ->
     if not view.members:
         text = (
             f"room {r}: no participants yet; marked aborted, so either side that "
-            f"joins within the room TTL starts Failed; reason: {reason}"
+            f"joins while the mark lasts starts Failed; reason: {reason}"
         )
     elif not n:
         text = (

@@ -35,23 +35,20 @@ _CMA_OFF = ("0", "n", "no", "false", "off")
 
 def _keys_left(store: Store) -> list[str]:
     """Every key of the namespace except those kept on purpose: the ledger (a record of
-    leaks) and the room traces that have their TTL (kvstate.trace: they outlive
-    ``clear()`` by design; one without a TTL would be a leak, and is counted)."""
-    found = [k for k in store.scan(store.keys.all_pattern) if k != store.keys.ledger]
-    traces = [k for k in found if _is_trace(store, k)]
-    ttls = store.execute([store.key_ttl(k) for k in traces]) if traces else []
-    kept = {k for k, ttl in zip(traces, ttls, strict=True) if int(ttl) > 0}
-    return sorted(k for k in found if k not in kept)
-
-
-def _is_trace(store: Store, key: str) -> bool:
-    parsed = store.keys.parse_room_key(key)
-    return parsed is not None and parsed.kind == "trace"
+    leaks), the failed rooms' marks (kept past clear() with their own TTL, for a side
+    that joins late) and the room traces that have their TTL (kvstate.trace: they
+    outlive ``clear()`` by design; one without a TTL would be a leak, and is counted)."""
+    k = store.keys
+    found = [key for key in store.scan(k.all_pattern) if key != k.ledger and not k.is_mark(key)]
+    traces = [key for key in found if k.is_trace(key)]
+    ttls = store.execute([store.key_ttl(key) for key in traces]) if traces else []
+    kept = {key for key, ttl in zip(traces, ttls, strict=True) if int(ttl) > 0}
+    return sorted(key for key in found if key not in kept)
 
 
 def traces_kept(store: Store) -> int:
     """How many room traces the run left for ``kvstate trace ROOM`` (each with its TTL)."""
-    return sum(1 for k in store.scan(store.keys.all_pattern) if _is_trace(store, k))
+    return sum(1 for key in store.scan(store.keys.all_pattern) if store.keys.is_trace(key))
 
 
 def wait_for_no_keys(store: Store, limit: float) -> tuple[list[str], float]:

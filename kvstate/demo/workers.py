@@ -201,9 +201,10 @@ class Worker(Generic[P]):
 
     def _fail(self, room: Room[P]) -> None:
         exc = room.part.failure_exception()  # reads the reason and clears
+        room.part.clear()  # None (nothing cleared) had the room not failed
         self.active.pop(room.job.room, None)
         self._settle_failed(room)
-        self._report(room.job, "Failed", exc.reason)
+        self._report(room.job, "Failed", exc.reason if exc else "not failed")
 
     # role hooks
     def _start_waiting(self) -> None:

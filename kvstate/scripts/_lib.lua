@@ -78,6 +78,27 @@ local function touch(parts, ttl)
   redis.call('PEXPIRE', parts, ttl)
 end
 
+-- The room's failure mark (KEYS: kvstate:<ns>:{<room>}:aborted): the reason of the
+-- room's first failure, or nil. A mark that is not a string is corrupt (named here,
+-- before the calling script wrote anything: design rule 7).
+local function read_mark(mark)
+  local v = redis.pcall('GET', mark)
+  if type(v) == 'table' and v.err then
+    if string.find(v.err, 'WRONGTYPE', 1, true) then corrupt(mark, '*', 'not a string') end
+    error(v)  -- anything else (the ACL refusing GET...) as it is
+  end
+  return v
+end
+
+-- Record that the room failed (design rule 3, one outcome per room): the first reason
+-- stays; the TTL is refreshed either way, so the call always writes (durable mode's
+-- WAIT then covers an earlier, unconfirmed one). clear() never deletes the mark.
+local function mark_room(mark, reason, ttl)
+  if not redis.call('SET', mark, reason, 'NX', 'PX', ttl) then
+    redis.call('PEXPIRE', mark, ttl)
+  end
+end
+
 -- {status, reason} of a participant; {'', 'missing'} when it does not exist.
 local function read_status(key)
   local h = redis.call('HMGET', key, F_STATUS, F_REASON)

@@ -1,23 +1,26 @@
 -- abort.lua: fail every participant of a room with a reason, Success included
--- (the explicit abort of design rule 3), and one whose status is garbage; leave an
--- abort mark so that a participant created later (the other side had not joined yet)
--- starts Failed; every clear deletes the mark, so a fully cleared room leaves no key.
+-- (the explicit abort of design rule 3), and one whose status is garbage; set the
+-- room's failure mark (the first reason stays), so that a participant created later
+-- (the other side had not joined yet, or already cleared) starts Failed. clear()
+-- leaves the mark: it expires on its own TTL.
 -- The caller read the parts hash first; if it changed since (a participant joined or
 -- cleared), nothing is written and -1 is returned so the caller reads it again.
 -- KEYS[1] room parts hash
--- KEYS[2] room abort mark (string: the reason)
+-- KEYS[2] room failure mark (string: the reason)
 -- KEYS[2+i] (i = 1..n) participant hash of parts member i
 -- ARGV[1] ttl in ms
--- ARGV[2] reason
--- ARGV[2+i] parts member i, as the caller read it
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[2] reason (unless the room already failed: its first reason stays)
+-- ARGV[3] the failure mark's ttl in ms
+-- ARGV[3+i] parts member i, as the caller read it
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
+--         _lib.lua): after the participants, taken off first, so the lists above hold
 -- Returns the number of participants moved to Failed, or -1.
 take_trace()
 local parts = KEYS[1]
 local n = #KEYS - 2
 if redis.call('HLEN', parts) ~= n then return -1 end
 for i = 1, n do
-  if redis.call('HEXISTS', parts, ARGV[2 + i]) == 0 then return -1 end
+  if redis.call('HEXISTS', parts, ARGV[3 + i]) == 0 then return -1 end
 end
 -- Read every participant before writing anything (a script's writes stay when it
 -- errors): a key of the wrong type raises here, with nothing written. A status that
@@ -26,17 +29,28 @@ local statuses = {}
 for i = 1, n do
   statuses[i] = redis.call('HGET', KEYS[2 + i], F_STATUS)
 end
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
+-- the room's first failure reason stays: participants fail with it
+local reason = ARGV[2]
+local first = redis.pcall('GET', KEYS[2])
+if type(first) == 'table' and not string.find(first.err, 'WRONGTYPE', 1, true) then
+  error(first)  -- the ACL refusing GET...: as it is
+end
+if type(first) == 'string' then
+  reason = first
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+else  -- none, or a corrupt mark (SET replaces a key of any type)
+  redis.call('SET', KEYS[2], reason, 'PX', ARGV[3])
+end
 local now = now_ms()
 local failed = 0
 for i = 1, n do
   if statuses[i] and statuses[i] ~= 'Failed' then
-    set_status(KEYS[2 + i], 'Failed', now, ARGV[1], ARGV[2])
-    trace(KEYS[2 + i], F_EV_ABORT, F_STATUS, 'Failed', F_REASON, ARGV[2],
+    set_status(KEYS[2 + i], 'Failed', now, ARGV[1], reason)
+    trace(KEYS[2 + i], F_EV_ABORT, F_STATUS, 'Failed', F_REASON, reason,
       F_TRACE_WAS, statuses[i])
     failed = failed + 1
   end
 end
 if failed > 0 then touch(parts, ARGV[1]) end
-if failed == 0 then trace(nil, F_EV_ABORT, F_REASON, ARGV[2]) end
+if failed == 0 then trace(nil, F_EV_ABORT, F_REASON, reason) end
 return failed

@@ -1,36 +1,48 @@
 -- begin.lua: a sender is about to write into its receivers' pages. It moves to
--- Transferring only if every receiver it will write to is still there and not
--- Failed; otherwise the sender fails with that receiver's reason and nothing
--- should be written (a failed receiver may already be handing its pages to
--- another request). Forward-only and sticky like update.lua; idempotent.
+-- Transferring only if the room has not failed (no failure mark) and every receiver
+-- it will write to is still there and not Failed; otherwise the sender fails with
+-- that reason (and marks the room) and nothing should be written (a failed receiver
+-- may already be handing its pages to another request). A sender still
+-- Bootstrapping (not every required receiver has bound and published) is answered
+-- as it is, nothing written: the caller refuses. Forward-only and sticky like
+-- update.lua; idempotent. Everything is read before anything is written (rule 7).
 -- KEYS[1] sender participant hash
 -- KEYS[2] room parts hash (TTL refreshed with the participant's)
--- KEYS[2+j] (j = 1..m) receiver j's participant hash
+-- KEYS[3] room failure mark
+-- KEYS[3+j] (j = 1..m) receiver j's participant hash
 -- ARGV[1] ttl in ms
--- ARGV[2] unused, so that ARGV[k] names the receiver of KEYS[k]
--- ARGV[2+j] receiver j's engine (named in the reason)
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[2] the failure mark's ttl in ms
+-- ARGV[3] unused, so that ARGV[k] names the receiver of KEYS[k]
+-- ARGV[3+j] receiver j's engine (named in the reason)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
+--         _lib.lua): after the receivers, taken off first, so the lists above hold
 -- Returns the sender's {status, reason}; status '' means missing.
 take_trace()
 local tx = KEYS[1]
 local ttl = ARGV[1]
 local cur = read_status(tx)
 if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
-for j = 3, #KEYS do
+local mark = read_mark(KEYS[3])
+local why = nil
+for j = 4, #KEYS do
   local r = read_status(KEYS[j])
-  local why = nil
-  if r[1] == '' then
-    why = 'receiver ' .. ARGV[j] .. ' is gone (cleared or expired) before the transfer'
-  elseif r[1] == 'Failed' then
-    why = 'receiver ' .. ARGV[j] .. ' failed before the transfer: ' .. r[2]
-  end
-  if why then
-    set_status(tx, 'Failed', now_ms(), ttl, why)
-    touch(KEYS[2], ttl)
-    trace(tx, 'Failed', F_REASON, why)
-    return {'Failed', why}
+  if not why then
+    if r[1] == '' then
+      why = 'receiver ' .. ARGV[j] .. ' is gone (cleared or expired) before the transfer'
+    elseif r[1] == 'Failed' then
+      why = 'receiver ' .. ARGV[j] .. ' failed before the transfer: ' .. r[2]
+    end
   end
 end
+why = why or mark
+if why then
+  set_status(tx, 'Failed', now_ms(), ttl, why)
+  touch(KEYS[2], ttl)
+  mark_room(KEYS[3], why, ARGV[2])
+  trace(tx, 'Failed', F_REASON, why)
+  return {'Failed', why}
+end
+if cur[1] == 'Bootstrapping' then return cur end
 if cur[1] ~= 'Transferring' then
   set_status(tx, 'Transferring', now_ms(), ttl, nil)
   touch(KEYS[2], ttl)

@@ -3,8 +3,9 @@
 -- already exists (a retried create changes nothing).
 -- KEYS[1] participant hash   kvstate:<ns>:{<room>}:<tx|rx>:<engine>
 -- KEYS[2] room parts hash    kvstate:<ns>:{<room>}:parts (member -> created ms)
--- KEYS[3] room abort mark    kvstate:<ns>:{<room>}:aborted (reason), left by abort.lua:
---         a participant created after an abort of its room starts Failed with it
+-- KEYS[3] room failure mark  kvstate:<ns>:{<room>}:aborted (reason), left by every
+--         script that fails a participant (abort, timeout, fan-out...) and kept past
+--         clear(): a participant created after its room failed starts Failed with it
 -- KEYS[4] (sender only) the sender's transfer infos hash, to start in
 --         WaitingForInput when every receiver published before the sender existed;
 --         then the infos come back as from poll.lua, so that a sender's first poll is
@@ -21,7 +22,7 @@ local key = KEYS[1]
 local ttl = ARGV[1]
 if redis.call('EXISTS', key) == 1 then return read_status(key) end
 local status, reason = 'Bootstrapping', nil
-local aborted = redis.call('GET', KEYS[3])
+local aborted = read_mark(KEYS[3])
 if aborted then
   status, reason = 'Failed', aborted
 elseif KEYS[4] then

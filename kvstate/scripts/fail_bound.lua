@@ -2,14 +2,18 @@
 -- if it is bound to the peer engine (field peer:<engine>) and, when an
 -- incarnation is given, to that incarnation: a peer restarted at the same
 -- address with a new incarnation does not fail rooms bound to the new one.
--- Terminal participants are left alone.
+-- Terminal participants are left alone. A receiver it fails sets the room's
+-- failure mark, so the other side (a sender that resumes after losing its lease)
+-- cannot reach Success (design rule 3).
 -- KEYS[1] receiver participant hash
 -- KEYS[2] room parts hash (TTL refreshed with the participant's)
+-- KEYS[3] room failure mark
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason
 -- ARGV[3] peer engine, or '' for any peer (every receiver tracked at an address
 --         is bound to some engine there)
 -- ARGV[4] peer incarnation, or '' for any
+-- ARGV[5] the failure mark's ttl in ms
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns 1 if it failed the participant, else 0.
 take_trace()
@@ -24,5 +28,6 @@ if ARGV[3] ~= '' then
 end
 set_status(key, 'Failed', now_ms(), ARGV[1], ARGV[2])
 touch(KEYS[2], ARGV[1])
+mark_room(KEYS[3], ARGV[2], ARGV[5])
 trace(key, 'Failed', F_REASON, ARGV[2])
 return 1

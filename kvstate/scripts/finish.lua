@@ -1,39 +1,73 @@
--- finish.lua: a sender finished moving its pages. Sender -> Success; for each
--- receiver still waiting, add this sender to its acks and flip it to Success when
+-- finish.lua: a sender finished moving its pages. Sender Transferring -> Success; for
+-- each receiver still waiting, add this sender to its acks and flip it to Success when
 -- every required sender has acked (a receiver that does not know yet how many it
--- needs, peers 0, cannot be flipped). A Failed or missing sender acks nothing; a
--- missing receiver (cleared) gets no acks set (no resurrection). Idempotent.
+-- needs, peers 0, cannot be flipped). One outcome per room (design rule 3): in a room
+-- that failed (its failure mark is set), or with a receiver Failed or gone, the sender
+-- fails with that reason instead, and acks nothing. A sender not yet Transferring
+-- (finish without begin) is answered as it is, nothing written: the caller refuses.
+-- A Failed or missing sender acks nothing; no resurrection. Everything is read and
+-- checked before anything is written (rule 7). Idempotent: a Success answered again
+-- refreshes its TTLs (durable mode: the WAIT covers the first, unconfirmed answer).
 -- KEYS[1] sender participant hash
 -- KEYS[2] room parts hash (TTL refreshed with the participants')
--- KEYS[2j+1], KEYS[2j+2] (j = 1..m) receiver j's participant hash, its acks set
+-- KEYS[3] room failure mark
+-- KEYS[2j+2], KEYS[2j+3] (j = 1..m) receiver j's participant hash, its acks set
 -- ARGV[1] ttl in ms
 -- ARGV[2] sender engine (the member added to each acks set)
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[3] the failure mark's ttl in ms
+-- ARGV[3+j] receiver j's engine (named in a reason)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
+--         _lib.lua): after the receivers, taken off first, so the lists above hold
 -- Returns the sender's {status, reason}; status '' means missing.
 take_trace()
 local tx = KEYS[1]
 local ttl = ARGV[1]
 local cur = read_status(tx)
 if cur[1] == '' or cur[1] == 'Failed' then return cur end
+local mark = read_mark(KEYS[3])
+local why = nil
+local m = (#KEYS - 3) / 2
+local waiting = {}  -- receivers to ack: {key, acks key, peers, acks before this one}
+if cur[1] == 'Transferring' then
+  for j = 1, m do
+    local rx, acks = KEYS[2 * j + 2], KEYS[2 * j + 3]
+    local r = redis.call('HMGET', rx, F_STATUS, F_PEERS, F_REASON)
+    local rank = r[1] and rank_of(rx, r[1])
+    if not r[1] then
+      why = why or ('receiver ' .. ARGV[3 + j] .. ' is gone (cleared or expired) before the transfer finished')
+    elseif rank == 0 then
+      why = why or ('receiver ' .. ARGV[3 + j] .. ' failed before the transfer finished: ' .. (r[3] or ''))
+    elseif rank ~= 4 then
+      local n = redis.pcall('SCARD', acks)
+      if type(n) == 'table' then
+        if string.find(n.err, 'WRONGTYPE', 1, true) then corrupt(acks, '*', 'not a set') end
+        error(n)  -- anything else (the ACL refusing SCARD...) as it is
+      end
+      waiting[#waiting + 1] = {rx, acks, number_of(rx, F_PEERS, r[2]), n}
+    end
+  end
+end
+why = why or mark
+if why then
+  set_status(tx, 'Failed', now_ms(), ttl, why)
+  touch(KEYS[2], ttl)
+  mark_room(KEYS[3], why, ARGV[3])
+  trace(tx, 'Failed', F_REASON, why)
+  return {'Failed', why}
+end
+if cur[1] ~= 'Transferring' and cur[1] ~= 'Success' then return cur end
 if cur[1] ~= 'Success' then
   set_status(tx, 'Success', now_ms(), ttl, nil)
   trace(tx, 'Success')
 end
+if cur[1] == 'Success' then redis.call('PEXPIRE', tx, ttl) end
 touch(KEYS[2], ttl)
-for j = 1, (#KEYS - 2) / 2 do
-  local rx, acks = KEYS[2 * j + 1], KEYS[2 * j + 2]
-  local r = redis.call('HMGET', rx, F_STATUS, F_PEERS)
-  if r[1] then
-    local rank = rank_of(rx, r[1])
-    if rank ~= 0 and rank ~= 4 then
-      redis.call('SADD', acks, ARGV[2])
-      redis.call('PEXPIRE', acks, ttl)
-      local peers = number_of(rx, F_PEERS, r[2])
-      if peers >= 1 and redis.call('SCARD', acks) >= peers then
-        set_status(rx, 'Success', now_ms(), ttl, nil)
-        trace(rx, 'Success')
-      end
-    end
+for _, w in ipairs(waiting) do
+  local acked = w[4] + redis.call('SADD', w[2], ARGV[2])  -- + 1 unless acked before
+  redis.call('PEXPIRE', w[2], ttl)
+  if w[3] >= 1 and acked >= w[3] then
+    set_status(w[1], 'Success', now_ms(), ttl, nil)
+    trace(w[1], 'Success')
   end
 end
 return {'Success', ''}

@@ -10,25 +10,30 @@
 -- written for a missing, Failed or Success receiver. A receiver that binds to a sender
 -- that already Failed (aborted before the decode side allocated its pages) fails at
 -- once with the sender's reason instead of waiting for acks that can never come.
+-- A receiver in a room that failed (its failure mark is set) fails with the mark's
+-- reason. Everything is read and checked before anything is written (design rule 7).
 -- KEYS[1] receiver participant hash
 -- KEYS[2] room parts hash (TTL refreshed with the participants')
--- KEYS[2i+1], KEYS[2i+2] (i = 1..n) sender i's participant hash, sender i's xfer hash
+-- KEYS[3] room failure mark
+-- KEYS[2i+2], KEYS[2i+3] (i = 1..n) sender i's participant hash, sender i's xfer hash
 -- ARGV[1] ttl in ms
 -- ARGV[2] receiver engine (the field name in each xfer hash)
 -- ARGV[3] msgpack transfer info, or '' to bind only (init() not called yet)
 -- ARGV[4] senders required, written if the receiver has none yet (0: not known yet)
--- ARGV[3+2i], ARGV[4+2i] sender i's engine and the incarnation to bind
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[5] the failure mark's ttl in ms
+-- ARGV[4+2i], ARGV[5+2i] sender i's engine and the incarnation to bind
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
+--         _lib.lua): after the senders, taken off first, so the lists above hold
 -- Returns the receiver's {status, reason}; status '' means missing.
 take_trace()
 local rx = KEYS[1]
 local ttl = ARGV[1]
-local n = (#KEYS - 2) / 2
+local n = (#KEYS - 3) / 2
 -- Everything read of the receiver, in one HMGET; everything written to it, in one HSET
 -- at the end. (HSET of read values rather than HSETNX/HINCRBY: the engine ACL in the
 -- README lists the commands kvstate needs, and the script is atomic anyway.)
 local want = {F_STATUS, F_REASON, F_BOUND, F_PEERS}
-for i = 1, n do want[4 + i] = F_PEER_PREFIX .. ARGV[3 + 2 * i] end
+for i = 1, n do want[4 + i] = F_PEER_PREFIX .. ARGV[4 + 2 * i] end
 local h = redis.call('HMGET', rx, unpack(want))
 if not h[1] then return {'', 'missing'} end
 rank_of(rx, h[1])
@@ -45,16 +50,16 @@ local newly = {}  -- senders bound by this call, traced once every read is done
 for i = 1, n do
   held[i] = h[4 + i]
   if not held[i] then
-    held[i] = ARGV[4 + 2 * i]
+    held[i] = ARGV[5 + 2 * i]
     put(want[4 + i], held[i])
     bound = bound + 1
     newly[#newly + 1] = i
   end
 end
 if #writes > 0 then put(F_BOUND, bound) end
-local peers = h[4]
+local peers = number_of(rx, F_PEERS, h[4])
 local required = tonumber(ARGV[4])
-if required > 0 and number_of(rx, F_PEERS, peers) < 1 then
+if required > 0 and peers < 1 then
   peers = required
   put(F_PEERS, required)
 end
@@ -62,7 +67,7 @@ end
 -- mistyped key raises, and must leave nothing written: design rule 7)
 local function trace_bound()
   for _, i in ipairs(newly) do
-    trace(rx, F_EV_BOUND, F_TRACE_PEER, ARGV[3 + 2 * i], F_INCARNATION, held[i])
+    trace(rx, F_EV_BOUND, F_TRACE_PEER, ARGV[4 + 2 * i], F_INCARNATION, held[i])
   end
   newly = {}
 end
@@ -78,16 +83,26 @@ local function finish_rx(status, reason)
   redis.call('PEXPIRE', rx, ttl)
   touch(KEYS[2], ttl)
 end
-local senders = {}
+-- the senders, read and checked before any write: their status and peers, and the
+-- size of their xfer hashes (a key of the wrong type raises here, nothing written)
+local senders, why = {}, read_mark(KEYS[3])
 for i = 1, n do
-  local t = redis.call('HMGET', KEYS[2 * i + 1], F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
-  if t[1] == 'Failed' then
-    local reason = t[2] or 'sender failed'
-    finish_rx('Failed', reason)
-    trace(rx, 'Failed', F_REASON, reason)
-    return {'Failed', reason}
+  local tx, xfer = KEYS[2 * i + 2], KEYS[2 * i + 3]
+  local t = redis.call('HMGET', tx, F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
+  if t[1] then
+    rank_of(tx, t[1])
+    if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
+    if t[1] == 'Bootstrapping' then number_of(tx, F_PEERS, t[3]) end
   end
+  t[5] = redis.call('HLEN', xfer)
+  t[6] = redis.call('HEXISTS', xfer, ARGV[2])
   senders[i] = t
+end
+if why then
+  finish_rx('Failed', why)
+  mark_room(KEYS[3], why, ARGV[5])
+  trace(rx, 'Failed', F_REASON, why)
+  return {'Failed', why}
 end
 if ARGV[3] == '' then
   finish_rx(nil, nil)
@@ -95,16 +110,16 @@ if ARGV[3] == '' then
 end
 trace_bound()
 for i = 1, n do
-  local tx, xfer = KEYS[2 * i + 1], KEYS[2 * i + 2]
-  if held[i] == ARGV[4 + 2 * i] then
+  local tx, xfer = KEYS[2 * i + 2], KEYS[2 * i + 3]
+  if held[i] == ARGV[5 + 2 * i] then
     redis.call('HSET', xfer, ARGV[2], ARGV[3])
     redis.call('PEXPIRE', xfer, ttl)
-    trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, ARGV[3 + 2 * i])
+    trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, ARGV[4 + 2 * i])
     local t = senders[i]
     if t[1] then
       local fields = {F_INFOS_V, (tonumber(t[4]) or 0) + 1}
-      local ready = rank_of(tx, t[1]) == 1
-        and redis.call('HLEN', xfer) >= number_of(tx, F_PEERS, t[3])
+      local ready = t[1] == 'Bootstrapping'
+        and t[5] + 1 - t[6] >= tonumber(t[3])
       if ready then
         fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_ms()
       end
@@ -116,7 +131,7 @@ for i = 1, n do
     end
   end
 end
-if RANK[cur[1]] < 2 and number_of(rx, F_PEERS, peers) >= 1 and bound >= tonumber(peers) then
+if RANK[cur[1]] < 2 and peers >= 1 and bound >= peers then
   finish_rx('WaitingForInput', nil)
   trace(rx, 'WaitingForInput')
   return {'WaitingForInput', cur[2]}

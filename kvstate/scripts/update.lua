@@ -1,11 +1,16 @@
 -- update.lua: move one participant's status by the merge rule (design rule 3):
--- forward only, Failed is sticky, Success is final here (only abort.lua fails
--- it). A missing participant is never re-created (rule 2). Idempotent.
+-- forward only, Failed is sticky, Success is final here (only a room failure fails
+-- it: abort.lua, or the mark read by poll.lua). A participant that fails sets the
+-- room's failure mark; one moving forward in a room that failed elsewhere (the mark
+-- is set) becomes Failed with the mark's reason instead. A missing participant is
+-- never re-created (rule 2). Idempotent.
 -- KEYS[1] participant hash
 -- KEYS[2] room parts hash (TTL refreshed with the participant's)
+-- KEYS[3] room failure mark
 -- ARGV[1] new status name
 -- ARGV[2] reason (recorded when the new status is Failed)
 -- ARGV[3] ttl in ms, refreshed whenever the status changes
+-- ARGV[4] the failure mark's ttl in ms
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns {status, reason} after the update; status '' means missing.
 take_trace()
@@ -14,11 +19,15 @@ local new = RANK[ARGV[1]]
 if new == nil then return redis.error_reply('ERR unknown status ' .. tostring(ARGV[1])) end
 local cur = read_status(key)
 if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
-if new == 0 then
-  set_status(key, 'Failed', now_ms(), ARGV[3], ARGV[2])
+local mark = read_mark(KEYS[3])
+if new == 0 or (mark and new > RANK[cur[1]]) then
+  local reason = ARGV[2]
+  if new ~= 0 then reason = mark end
+  set_status(key, 'Failed', now_ms(), ARGV[3], reason)
   touch(KEYS[2], ARGV[3])
-  trace(key, 'Failed', F_REASON, ARGV[2])
-  return {'Failed', ARGV[2]}
+  mark_room(KEYS[3], reason, ARGV[4])
+  trace(key, 'Failed', F_REASON, reason)
+  return {'Failed', reason}
 end
 if new > RANK[cur[1]] then
   set_status(key, ARGV[1], now_ms(), ARGV[3], nil)

@@ -2,7 +2,8 @@
 
 ``process`` (one redis-server with TCP, TLS, passwords, kill and restart, on the
 core's :mod:`kvstate.redis_server`), ``cluster`` (a local Redis Cluster with
-failover), ``tls`` (throwaway certificates), ``cli_runner`` (the real redis-cli).
+failover), ``tls`` (throwaway certificates), ``cli_runner`` (the real redis-cli),
+``roundtrips`` (counts round trips to Redis).
 """
 
 from kvstate.redis_server import (
@@ -21,6 +22,7 @@ from kvstate.testing.process import (
     free_port,
     free_port_pair,
 )
+from kvstate.testing.roundtrips import RoundTrips
 from kvstate.testing.tls import TLSFiles, make_test_certs, supports_tls
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "RedisProcess",
     "RedisServer",
     "RedisServerError",
+    "RoundTrips",
     "TLSFiles",
     "binary_version",
     "find_redis_cli",

@@ -364,7 +364,8 @@ def inflight_queue_outcome(
     group: Any, tx: Any, pl: dict[str, Any], deadline: float
 ) -> dict[str, Any]:
     """Run SGLang's prefill inflight queue (process_disagg_prefill_inflight_queue) on the
-    real sender until the room leaves it; report what SGLang did with it."""
+    real sender until the room leaves it; report what SGLang did with it. A stand-in
+    scheduler, for the reason transfer_queue_outcome gives."""
     from types import MethodType
     from unittest import mock
 
@@ -433,7 +434,13 @@ def transfer_queue_outcome(
     sg: SimpleNamespace, group: Any, side: Rank, rx: Any, pl: dict[str, Any], deadline: float
 ) -> dict[str, Any]:
     """Run SGLang's DecodeTransferQueue.pop_transferred on the real receiver until the
-    room leaves the queue; report what SGLang did with it."""
+    room leaves the queue; report what SGLang did with it.
+
+    The queue is made with ``__new__`` and a stand-in scheduler: its constructor takes a
+    Scheduler and reads SGLang's process-wide runtime context (published server args,
+    the attention-TP group the scheduler builds), and a Scheduler needs a model runner.
+    The real queues (PrefillBootstrapQueue, DecodePreallocQueue, DecodeTransferQueue)
+    with a real Scheduler run in test_sglang_e2e and test_sglang_faults (real servers)."""
     from unittest import mock
 
     from sglang.srt.disaggregation.decode import DecodeTransferQueue
@@ -727,3 +734,17 @@ def error_of(part: Any) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def pynccl_on_cpu(rank: int, init_file: str, out: str) -> None:
+    """What SGLang's CPU engine does when it builds a TP 2 group: a PyNcclCommunicator
+    on the CPU device, over a real 2-rank gloo group."""
+    from sglang.srt.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    group = init_group(rank, 2, init_file)
+    try:
+        comm = PyNcclCommunicator(group, device="cpu")
+        result = "disabled" if comm.disabled else "constructed"
+    except Exception as exc:
+        result = f"{type(exc).__name__}: {exc}"
+    Path(out, f"pynccl{rank}.json").write_text(json.dumps(result))

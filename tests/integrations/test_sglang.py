@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.store import connect
-from tests.helpers import keys_of, wait_for
+from tests.helpers import keys_of, scaled, wait_for
 
 pytestmark = pytest.mark.sglang
 
@@ -70,9 +70,15 @@ def test_plugin_entry_point_server_args_and_rebound_get_kv_class() -> None:
         assert (
             module.get_kv_class(TransferBackend.FAKE, KVClassType.SENDER).__name__ == "FakeKVSender"
         )
-    from tests.integrations.rig import server_args
+    # the name goes through SGLang's own command-line parser (ServerArgs alone accepts
+    # any string: only argparse's choices check it)
+    from sglang.srt.server_args import prepare_server_args
 
-    assert server_args("prefill", 1).disaggregation_transfer_backend == "kvstate"
+    argv = ["--model-path", "dummy", "--disaggregation-mode", "prefill"]
+    parsed = prepare_server_args([*argv, "--disaggregation-transfer-backend", "kvstate"])
+    assert parsed.disaggregation_transfer_backend == "kvstate"
+    with pytest.raises(SystemExit):
+        prepare_server_args([*argv, "--disaggregation-transfer-backend", "nonsense"])
 
 
 def test_unsupported_version_is_refused_with_what_to_do() -> None:
@@ -162,7 +168,7 @@ def test_sigkilled_decode_fails_the_prefill_room_through_sglangs_queue(
         _wait_file(tmp_path / "decode.ready", decode)
         _wait_file(tmp_path / "prefill.ready", prefill)
         os.kill(decode.pid, signal.SIGKILL)
-        decode.join(10)
+        decode.join(scaled(10))
         (tmp_path / "go").write_text("1")
         prefill.join(SPAWN_TIMEOUT)
         res = json.loads((tmp_path / "prefill.json").read_text())
@@ -241,3 +247,36 @@ def test_unsupported_layouts_are_refused_at_start(field: str, value: object, mes
     setattr(sa, field, value)  # the check reads ServerArgs; no Redis, no buffers needed
     with pytest.raises(UnsupportedLayoutError, match=message):
         KVStateKVManager(KVArgs(), DisaggregationMode.DECODE, sa)
+
+
+def test_a_restarted_rank_clears_what_its_killed_predecessor_left(redis_url: str) -> None:
+    """A decode killed after one transfer landed and while another room waited: the rank
+    restarted under its name fails those rooms (the prefill learns why) and deletes its
+    predecessor's part, instead of both waiting for the rooms' TTL."""
+    import numpy as np
+
+    from kvstate import KVPoll
+    from kvstate.integrations.sglang.predecessor import clear_predecessor
+    from tests.helpers import PREFILL_ADDR, managers, room_keys
+
+    store = connect(redis_url)
+    p, d = managers(store)
+    with p:
+        waiting, landed = p.sender(31), p.sender(32)
+        with d:
+            d.receiver(31, PREFILL_ADDR).init(np.arange(4))
+            d.receiver(32, PREFILL_ADDR).init(np.arange(4))
+            assert waiting.poll() == KVPoll.WaitingForInput
+            landed.begin_transfer()
+            assert landed.finish_transfer() == KVPoll.Success
+            landed.clear()  # the prefill is done with it; the decode never cleared
+        left = [k for k in keys_of(store) if ":rx:" in k]
+        assert len(left) == 2, "the killed decode's receivers stayed in Redis"
+        assert sorted(clear_predecessor(store, "rx", "decode-b.tp0")) == [31, 32]
+        assert waiting.poll() == KVPoll.Failed
+        with pytest.raises(Exception, match="restarted"):
+            raise waiting.failure_exception()
+        waiting.clear()
+        assert room_keys(store, 31) == [] and room_keys(store, 32) == []
+        assert clear_predecessor(store, "rx", "decode-b.tp0") == []  # nothing twice
+    assert keys_of(store) == []

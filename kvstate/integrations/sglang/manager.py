@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.integrations.sglang.predecessor import clear_predecessor
 from kvstate.integrations.sglang.spaces import (
     Settings,
     Spaces,
@@ -114,8 +115,15 @@ class _Adapter:
         with self._lock:
             reason = self._local_reason
             if self._part is not None:
-                exc = self._part.failure_exception()
-                reason = reason or exc.reason
+                part = self._part
+                try:
+                    exc = part.failure_exception()  # None: not Failed in Redis
+                    part.clear()
+                    reason = reason or (exc.reason if exc else "")
+                except KVStateError as err:  # a room kvstate cannot read (corrupt)
+                    reason = reason or str(err)
+                    self._guard("abort", lambda: part.abort(reason))  # fails it, garbage too
+                    self._guard("clear", part.clear)
             self._forget()
         raise KVTransferError(self.bootstrap_room, reason or "transfer failed")
 
@@ -231,6 +239,11 @@ class KVStateKVManager(_BaseManager):
             waiting_timeout=waiting,
         )
         self.engine = engine
+        # restarted under the same name: fail and clear the rooms the killed process
+        # left, so that their other side need not wait for the rooms' timeouts
+        self.predecessor_rooms = clear_predecessor(
+            self.store, "tx" if self.role == "prefill" else "rx", engine
+        )
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lock = threading.Lock()
         self._rooms: dict[int, _Adapter] = {}
@@ -326,6 +339,10 @@ class KVStateKVManager(_BaseManager):
             try:
                 got = self.kv.poll_many(rooms) if rooms else {}
                 self._store_down_since = None
+                for p in held:  # a room kvstate cannot read (corrupt) fails alone
+                    err = getattr(got, "errors", {}).get(p.bootstrap_room)
+                    if err is not None and not isinstance(err, StateConnectionError):
+                        p._fail_local(f"kvstate cannot read room {p.bootstrap_room}: {err}")
             except KVStateError as exc:
                 self._store_trouble(held, exc)
                 got = {}
