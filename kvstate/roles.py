@@ -1,5 +1,7 @@
 """KVSender and KVReceiver: one engine's side of one room, where room state and KV
-bytes meet (their KVManager, in kvstate.manager, makes them).
+bytes meet. Their KVManager (kvstate.manager) makes them; they know it only as a
+``kvstate.rank.Rank``, and it drives them in batches through their step interface
+(``kvstate.rank.Step``).
 
 A participant is written to Redis with its first operation (poll, init,
 abort...), in the same round trip, so creating one costs no round trip of its own.
