@@ -23,6 +23,12 @@ IndexArray = npt.NDArray[np.int32]
 _PAIR = np.dtype("<i4")
 
 
+def is_int(value: object) -> bool:
+    """An int that is not a bool (True is an int to Python): counts and indices passed
+    by the caller are checked with it before anything is encoded or sent."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def as_indices(value: object, what: str = "kv_indices") -> IndexArray:
     """Validate a page-index array: 1-D, integer, non-negative, fits int32."""
     arr = np.asarray(value)

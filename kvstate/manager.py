@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
+from kvstate.codec import is_int
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
 from kvstate.errors import (
     CorruptStateError,
@@ -28,14 +29,15 @@ from kvstate.errors import (
 from kvstate.gpu import gpu_facts
 from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll, PollResults
+from kvstate.rank import Lookups, Step
 from kvstate.registry import Claim, EngineInfo, Registry
-from kvstate.roles import KVReceiver, KVSender, _is_int, _Lookups, _Participant
+from kvstate.roles import KVReceiver, KVSender, Participant
 from kvstate.stats import TransferRecorder
 from kvstate.store import Call, Store, one_call
 from transports.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
-_P = TypeVar("_P", bound=_Participant)
+_P = TypeVar("_P", bound=Participant)
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 # what begin_many / finish_many may answer for a room; any other status is not ready
 _READY = {
@@ -87,7 +89,7 @@ class KVManager:
             raise InvalidValueError(
                 "lease and transfer_timeout must be > 0, timeouts >= 0 (0 = none)"
             )
-        if not _is_int(ranks) or ranks < 1:
+        if not is_int(ranks) or ranks < 1:
             raise InvalidValueError(f"ranks must be an int >= 1, got {ranks!r}")
         self.store = store
         self.role = role
@@ -103,7 +105,7 @@ class KVManager:
         self.incarnation = uuid.uuid4().hex[:16]
         self.registry = Registry(store)
         self._lock = threading.Lock()
-        self._live: dict[int, _Participant] = {}
+        self._live: dict[int, Participant] = {}
         self._watched: set[tuple[str, str, str]] = set()  # (peer engine, addr, incarnation)
         self._misses: dict[tuple[str, str], int] = {}  # (engine, incarnation) -> checks missing
         self._peers: dict[tuple[str, str], EngineInfo] = {}
@@ -158,7 +160,7 @@ class KVManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_usable(self, new: bool = False) -> None:
+    def check_usable(self, new: bool = False) -> None:
         """Refuse use of a closed manager or from a forked child, and (``new``) new
         participants of a manager whose engine name another process holds now."""
         if self._closed and not self._forked:
@@ -200,7 +202,7 @@ class KVManager:
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
         return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
 
-    def _lease_lapsed(self) -> str:
+    def lease_lapsed(self) -> str:
         """Why this engine may have lost its lease ('' while it surely holds it): no
         renewal confirmed within a lease (the process was stopped or cut off from
         Redis), or another process took the name. Its peers may have failed its rooms
@@ -233,18 +235,19 @@ class KVManager:
             self._live[p.room] = p
         return p
 
-    def _forget(self, p: _Participant) -> None:
+    def forget(self, part: Step) -> None:
+        """A participant cleared: the batches and the heartbeat no longer see it."""
         with self._lock:
-            if self._live.get(p.room) is p:
-                del self._live[p.room]
+            if self._live.get(part.room) is part:
+                del self._live[part.room]
 
-    def _prefill_engines(
-        self, addr: str, names: list[str] | None, lookups: _Lookups | None = None
+    def prefill_engines(
+        self, addr: str, names: list[str] | None, lookups: Lookups | None = None
     ) -> list[EngineInfo]:
         """The live prefill engines at ``addr`` (or among ``names``), read fresh for
         each call or batch (``lookups``): a remembered answer would bind a receiver to a
         group that has grown since."""
-        self._check_usable()
+        self.check_usable()
         memo = (addr, tuple(names) if names else None)
         if lookups is not None and memo in lookups:
             return lookups[memo]
@@ -260,13 +263,15 @@ class KVManager:
             lookups[memo] = found
         return found
 
-    def _watch(self, addr: str, bound: dict[str, str]) -> None:
+    def watch(self, addr: str, bound: dict[str, str]) -> None:
+        """A receiver bound these prefill engines (engine -> incarnation) at ``addr``:
+        the heartbeat fails the rooms bound to any of them that dies."""
         with self._lock:
             self._watched.update((engine, addr, inc) for engine, inc in bound.items())
 
     def peer(self, engine: str, incarnation: str) -> EngineInfo:
         """A receiver's registration (endpoint, layout), cached per incarnation."""
-        self._check_usable()
+        self.check_usable()
         with self._lock:
             info = self._peers.get((engine, incarnation))
         if info is None:
@@ -310,12 +315,12 @@ class KVManager:
         partial results (``.errors``) as ``poll_many``. Arguments are checked (and the
         transport told) before anything is sent; a room without a live receiver here is
         refused. For aux, state indices, prefix or dummy, call ``init`` itself."""
-        self._check_usable()
+        self.check_usable()
         wanted = {check_room(room): indices for room, indices in pages.items()}
 
-        def prepare(p: _Participant) -> None:
+        def prepare(p: Participant) -> None:
             assert isinstance(p, KVReceiver)
-            p._prepare(wanted[p.room], None, None, 0, False)
+            p.prepare(wanted[p.room], None, None, 0, False)
 
         return self._many(wanted, "init", prepare)
 
@@ -325,20 +330,20 @@ class KVManager:
         StateConnectionError (Cluster, node unreachable): they stay live here and can be
         cleared again; rooms without a live participant here are skipped (a clear is
         idempotent). Raises StateConnectionError when no node answered."""
-        self._check_usable()
-        todo: list[_Participant] = []
+        self.check_usable()
+        todo: list[Participant] = []
         for room in rooms:
             r = check_room(room)
             with self._lock:
                 p = self._live.get(r)
-            if p is not None and not p._cleared:
+            if p is not None and not p.cleared:
                 todo.append(p)
-        sent = [p for p in todo if p._create_sent]
-        errors = self.store.clear_many([p._clear_calls() for p in sent])
+        sent = [p for p in todo if p.create_sent]
+        errors = self.store.clear_many([p.clear_calls() for p in sent])
         failed = {p.room: e for p, e in zip(sent, errors, strict=True) if e is not None}
         for p in todo:
             if p.room not in failed:
-                p._after_clear()
+                p.after_clear()
         return dict(failed)
 
     @one_call
@@ -346,7 +351,7 @@ class KVManager:
         self,
         rooms: Iterable[object],
         op: str,
-        prepare: Callable[[_Participant], None] | None = None,
+        prepare: Callable[[Participant], None] | None = None,
     ) -> PollResults:
         """One batch of ``op`` (poll, begin, finish, init) over many rooms: creates and
         bindings still due go first in the same batch, one registry read per address;
@@ -354,22 +359,56 @@ class KVManager:
         one-room call would refuse (NotReadyError: begin before its receivers
         published, finish before begin) or whose state is corrupt (CorruptStateError)
         is listed in ``.errors``, the other rooms answered."""
-        self._check_usable()
+        self.check_usable()
         side = "rx" if op == "init" else "tx"
         if op != "poll" and self.side != side:
             raise KVStateError(
                 f"{op}_many is for a {'decode' if side == 'rx' else 'prefill'} manager's "
                 f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
             )
-        lapsed = self._lease_lapsed() if op == "finish" else ""  # once for the batch
-        plan: list[tuple[int, _Participant | None, int]] = []
+        plan, calls = self._plan(rooms, op, prepare)
+        try:
+            replies = self.store.execute(calls, partial=True)
+        except BaseException:
+            for _, p, _ in plan:  # bindings in that batch did not run (or not whole)
+                if p is not None:
+                    p.step_lost()
+            raise
+        out = PollResults()
+        for r, p, i in plan:
+            st = replies[i]
+            if isinstance(st, KVStateError):  # that room's node did not answer
+                out.errors[r] = st
+                if p is not None:
+                    p.step_lost()
+            elif p is not None:
+                p.step_ran(st)
+                if op in _READY and p.status not in _READY[op]:
+                    out.errors[r] = _not_ready(r, op, p.status)
+                else:
+                    out[r] = p.status
+            else:
+                out[r] = st.status if st.status is not None else KVPoll.Failed
+        return out
+
+    def _plan(
+        self,
+        rooms: Iterable[object],
+        op: str,
+        prepare: Callable[[Participant], None] | None,
+    ) -> tuple[list[tuple[int, Participant | None, int]], list[Call]]:
+        """The calls of one batch, and per room (room, its live participant or None,
+        the index of the reply that is its status). A room without a live participant
+        is polled as a bare room (poll only; any other op refuses it)."""
+        lapsed = self.lease_lapsed() if op == "finish" else ""  # once for the batch
+        plan: list[tuple[int, Participant | None, int]] = []
         calls: list[Call] = []
-        lookups: _Lookups = {}  # receivers still binding: one registry read per address
+        lookups: Lookups = {}  # receivers still binding: one registry read per address
         for room in rooms:
             r = check_room(room)
             with self._lock:
                 p = self._live.get(r)
-            if p is not None and p._cleared:
+            if p is not None and p.cleared:
                 p = None
             if p is None and op != "poll":
                 raise KVStateError(
@@ -379,49 +418,13 @@ class KVManager:
             if p is not None:
                 if prepare is not None:
                     prepare(p)
-                step = (
-                    p._step_call(op, lapsed)
-                    if isinstance(p, (KVSender, KVReceiver)) and op != "poll"
-                    else None
-                )
-                more, at = p._batch(step or p._poll_call(), lookups)
+                more, at = p.step_calls(op, lookups, lapsed)
                 plan.append((r, p, len(calls) + at))
                 calls += more
             else:
                 plan.append((r, p, len(calls)))
                 calls.append(self.store.poll(r, self.side, self.engine))
-        try:
-            replies = self.store.execute(calls, partial=True)
-        except BaseException:
-            for _, p, _ in plan:  # bindings in that batch did not run (or not whole)
-                if isinstance(p, KVReceiver):
-                    p._pending = None
-            raise
-        out = PollResults()
-        for r, p, i in plan:
-            st = replies[i]
-            if isinstance(st, KVStateError):  # that room's node did not answer
-                out.errors[r] = st
-                if isinstance(p, KVReceiver):
-                    p._pending = None
-            elif p is not None:
-                p._created = True  # its create, if any, went to the same node
-                p._absorb(st)
-                if op in _READY and p.status not in _READY[op]:
-                    out.errors[r] = NotReadyError(
-                        f"room {r}: not {'begun' if op == 'begin' else 'finished'}, nothing "
-                        f"written (status {p.status.name}): "
-                        + (
-                            "wait for WaitingForInput (every receiver published), poll, then begin"
-                            if op == "begin"
-                            else "begin_many (or begin_transfer) first"
-                        )
-                    )
-                else:
-                    out[r] = p.status
-            else:
-                out[r] = st.status if st.status is not None else KVPoll.Failed
-        return out
+        return plan, calls
 
     # -- peers and leases ------------------------------------------------------------
     @one_call
@@ -430,7 +433,7 @@ class KVManager:
     ) -> int:
         """Fail every non-terminal receiver bound to a peer (and so its room: the failure
         mark); returns how many failed."""
-        self._check_usable()
+        self.check_usable()
         return self._fail_peer(
             self.store, check_name(bootstrap_addr, "bootstrap_addr"), reason, engine, incarnation
         )
@@ -448,8 +451,8 @@ class KVManager:
                 for p in self._live.values()
                 if isinstance(p, KVReceiver)
                 and p.bootstrap_addr == addr
-                and p._create_sent
-                and not p._cleared
+                and p.create_sent
+                and not p.cleared
             ]
         replies = store.execute(
             [store.fail_receiver(k, engine, incarnation, reason) for k in own], partial=True
@@ -477,19 +480,11 @@ class KVManager:
     def _senders_by_receiver(self) -> dict[tuple[str, str], list[KVSender]]:
         """The live senders that write to each (receiver engine, incarnation)."""
         with self._lock:
-            senders = [
-                p
-                for p in self._live.values()
-                if isinstance(p, KVSender)
-                and p._infos
-                and not p._cleared
-                and not p._peer_failed
-                and p._status not in (KVPoll.Failed, KVPoll.Success)
-            ]
+            senders = [p for p in self._live.values() if isinstance(p, KVSender)]
         writes_to: dict[tuple[str, str], list[KVSender]] = {}
         for snd in senders:
             try:
-                incarnations = snd._receiver_incarnations()
+                incarnations = snd.writes_to()
             except CorruptStateError as exc:  # that room's send() will say so; watch the rest
                 log.warning("heartbeat of %s: %s", self.engine, exc)
                 continue
@@ -527,7 +522,7 @@ class KVManager:
                 log.warning("%s: failed %d sender(s)", reason, len(snds))
         _count(self._hb_store.execute(calls, partial=True))  # a corrupt room fails alone
         for snd in failed:
-            snd._peer_failed = True  # once is enough: its next poll reads Failed
+            snd.peer_died()  # once is enough: its next poll reads Failed
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
@@ -560,7 +555,7 @@ class KVManager:
         self._stop.set()
         log.error("%s", reason)
         with self._lock:
-            mine = [p for p in self._live.values() if p._create_sent and not p._cleared]
+            mine = [p for p in self._live.values() if p.create_sent and not p.cleared]
         self._hb_store.execute(
             [
                 self._hb_store.update(p.room, p.side, self.engine, KVPoll.Failed, reason)
@@ -590,6 +585,19 @@ class KVManager:
             log.warning("could not drop the registration of %s: %s", self.engine, exc)
         finally:
             self._hb_store.close()
+
+
+def _not_ready(room: int, op: str, status: KVPoll) -> NotReadyError:
+    """What a batch says of a room its one-room call would refuse (nothing written)."""
+    return NotReadyError(
+        f"room {room}: not {'begun' if op == 'begin' else 'finished'}, nothing "
+        f"written (status {status.name}): "
+        + (
+            "wait for WaitingForInput (every receiver published), poll, then begin"
+            if op == "begin"
+            else "begin_many (or begin_transfer) first"
+        )
+    )
 
 
 def _count(replies: Iterable[object]) -> int:

@@ -1,5 +1,7 @@
 """KVSender and KVReceiver: one engine's side of one room, where room state and KV
-bytes meet (their KVManager, in kvstate.manager, makes them).
+bytes meet. Their KVManager (kvstate.manager) makes them; they know it only as a
+``kvstate.rank.Rank``, and it drives them in batches through their step interface
+(``kvstate.rank.Step``).
 
 A participant is written to Redis with its first operation (poll, init,
 abort...), in the same round trip, so creating one costs no round trip of its own.
@@ -12,10 +14,10 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstate import schema
-from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, unpack
+from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, is_int, unpack
 from kvstate.connection import paused
 from kvstate.errors import (
     CorruptStateError,
@@ -28,22 +30,17 @@ from kvstate.errors import (
 )
 from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll
-from kvstate.registry import EngineInfo
+from kvstate.rank import Lookups, Rank
 from kvstate.store import Call, Status, one_call
 from transports.base import Target, TransportError
 
-if TYPE_CHECKING:
-    from kvstate.manager import KVManager
-
 log = logging.getLogger(__name__)
-# (bootstrap addr, named senders or None) -> the prefill engines found there
-_Lookups = dict[tuple[str, tuple[str, ...] | None], list[EngineInfo]]
 STATE_LOST = (
     "state lost: the participant's keys are gone (expired, cleared elsewhere, or Redis restarted)"
 )
 
 
-_S = TypeVar("_S", bound="_Participant")
+_S = TypeVar("_S", bound="Participant")
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -55,15 +52,11 @@ def _call(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S,
     bounded = one_call(method)
 
     def checked(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        self.mgr._check_usable()
+        self.mgr.check_usable()
         return bounded(self, *args, **kwargs)
 
     functools.update_wrapper(checked, method)
     return checked
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _MIN_BULK_LIMIT = 1 << 20  # the smallest proto-max-bulk-len Redis accepts
@@ -79,13 +72,14 @@ def _reason(reason: object) -> str:
     return reason
 
 
-class _Participant:
-    """What senders and receivers share: lazy creation, status, abort, the one clear."""
+class Participant:
+    """What senders and receivers share: lazy creation, status, abort, the one clear,
+    and the step interface (``kvstate.rank.Step``) their KVManager's batches use."""
 
     side: Side
 
-    def __init__(self, mgr: KVManager, room: object, peers: int, fields: dict[str, Any]) -> None:
-        mgr._check_usable(new=True)
+    def __init__(self, mgr: Rank, room: object, peers: int, fields: dict[str, Any]) -> None:
+        mgr.check_usable(new=True)
         if mgr.side != self.side:
             raise KVStateError(f"a {mgr.role} manager cannot make a {type(self).__name__}")
         self.mgr = mgr
@@ -110,10 +104,10 @@ class _Participant:
         return f"<{type(self).__name__} room={self.room} engine={self.engine} {self._status.name}>"
 
     # -- plumbing -------------------------------------------------------------
-    def _create_calls(self, lookups: _Lookups | None = None) -> list[Call]:
+    def _create_calls(self, lookups: Lookups | None = None) -> list[Call]:
         """Calls that go ahead of this participant's next operation, in its batch: the
         create (the first time) and, for a receiver, any binding still to make."""
-        self.mgr._check_usable()
+        self.mgr.check_usable()
         if self._created:
             return []
         self._create_sent = True
@@ -122,7 +116,7 @@ class _Participant:
     def _poll_call(self) -> Call:
         return self.store.poll(self.room, self.side, self.engine)
 
-    def _batch(self, call: Call, lookups: _Lookups | None = None) -> tuple[list[Call], int]:
+    def _batch(self, call: Call, lookups: Lookups | None = None) -> tuple[list[Call], int]:
         """The calls of one operation (the create and bindings still due first) and the
         index of the one whose reply is the participant's status. A first poll is the
         create alone: create.lua answers it (with a sender's infos), one script less."""
@@ -195,37 +189,70 @@ class _Participant:
         """Delete everything this participant created (the room's failure mark stays,
         for participants that join later; it expires on its own). Idempotent; never
         raises for state already gone."""
-        self.mgr._check_usable()
+        self.mgr.check_usable()
         if self._cleared:
             return
         if self._create_sent:
-            self.store.clear_many([self._clear_calls()], partial=False)
-        self._after_clear()
-
-    def _clear_calls(self) -> list[Call]:
-        """What deletes this participant's keys (``clear``, ``KVManager.clear_many``)."""
-        return self.store.clear_calls(self.room, self.side, self.engine, **self._clear_args())
+            self.store.clear_many([self.clear_calls()], partial=False)
+        self.after_clear()
 
     def _clear_args(self) -> dict[str, Any]:
         return {}
-
-    def _after_clear(self) -> None:
-        self._cleared = True
-        self._release()
-        self.mgr._forget(self)
 
     def _release(self) -> None:
         if self.mgr.transport is not None:
             self.mgr.transport.release(self.room)
 
+    # -- step interface (kvstate.rank.Step): what KVManager's batches and heartbeat use
+    @property
+    def cleared(self) -> bool:
+        """clear() ran: the participant is done; batches skip it."""
+        return self._cleared
 
-class KVSender(_Participant):
+    @property
+    def create_sent(self) -> bool:
+        """Its create went out (it may exist in Redis even if that call failed): it has
+        keys to clear and can be failed by key."""
+        return self._create_sent
+
+    def step_calls(self, op: str, lookups: Lookups, lapsed: str = "") -> tuple[list[Call], int]:
+        """The calls of ``op`` (poll, begin, finish, init) in a batch, the create and
+        bindings still due first, and the index of the one whose reply is the status."""
+        return self._batch(
+            self._poll_call() if op == "poll" else self._step_call(op, lapsed), lookups
+        )
+
+    def _step_call(self, op: str, lapsed: str = "") -> Call:
+        """A side's call for ``op`` in a batch (each side answers its own)."""
+        return self._poll_call()
+
+    def step_ran(self, st: Status) -> None:
+        """The batch carrying ``step_calls`` ran; ``st`` is the status reply."""
+        self._created = True  # its create, if any, went to the same node
+        self._absorb(st)
+
+    def step_lost(self) -> None:
+        """The batch did not run, or not whole: nothing to undo here (a receiver's
+        binding is made again by its next operation)."""
+
+    def clear_calls(self) -> list[Call]:
+        """What deletes this participant's keys (``clear``, ``KVManager.clear_many``)."""
+        return self.store.clear_calls(self.room, self.side, self.engine, **self._clear_args())
+
+    def after_clear(self) -> None:
+        """Its keys are deleted: release its pages and leave the rank's live rooms."""
+        self._cleared = True
+        self._release()
+        self.mgr.forget(self)
+
+
+class KVSender(Participant):
     """The prefill side of a room."""
 
     side: Side = "tx"
 
-    def __init__(self, mgr: KVManager, room: object, required_receivers: int = 1) -> None:
-        if not _is_int(required_receivers) or required_receivers < 1:
+    def __init__(self, mgr: Rank, room: object, required_receivers: int = 1) -> None:
+        if not is_int(required_receivers) or required_receivers < 1:
             raise InvalidValueError(
                 f"required_receivers must be an int >= 1, got {required_receivers!r}"
             )
@@ -250,9 +277,24 @@ class KVSender(_Participant):
                 self._infos, self._decoded = st.infos, None
         return super()._absorb(st)
 
-    def _receiver_incarnations(self) -> dict[str, str]:
-        """Receiver engine -> its incarnation, from the infos (for the heartbeat's
-        fan-out; reads only the incarnation, cached per infos)."""
+    @property
+    def published(self) -> list[str]:
+        """The receivers that published to this sender, as of the last poll (no round
+        trip)."""
+        return list(self._infos)
+
+    def writes_to(self) -> dict[str, str]:
+        """Receiver engine -> the incarnation this sender writes to, for its KVManager's
+        heartbeat to watch; {} when there is nothing to watch (no receiver published
+        yet, cleared, terminal, or failed by the heartbeat already). Reads only the
+        incarnation, cached per infos (CorruptStateError when one is not text)."""
+        if (
+            not self._infos
+            or self._cleared
+            or self._peer_failed
+            or self._status in (KVPoll.Failed, KVPoll.Success)
+        ):
+            return {}
         infos = self._infos
         cached = self._incarnations
         if cached is not None and cached[0] is infos:
@@ -267,6 +309,11 @@ class KVSender(_Participant):
                 out[receiver] = inc
         self._incarnations = (infos, out)
         return out
+
+    def peer_died(self) -> None:
+        """The heartbeat failed this sender (a receiver's engine died): once is enough,
+        its next poll reads Failed."""
+        self._peer_failed = True
 
     @_call
     def transfer_infos(self) -> dict[str, TransferInfo]:
@@ -287,8 +334,8 @@ class KVSender(_Participant):
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """Announce how many pages ``send()`` will move (checked there). ``aux_index`` is
         accepted for SGLang's signature; aux data is not moved by kvstate's transport."""
-        self.mgr._check_usable()
-        if not _is_int(num_kv_indices) or num_kv_indices < 0:
+        self.mgr.check_usable()
+        if not is_int(num_kv_indices) or num_kv_indices < 0:
             raise InvalidIndicesError(f"num_kv_indices must be an int >= 0, got {num_kv_indices!r}")
         self._num_pages = num_kv_indices
 
@@ -345,7 +392,7 @@ class KVSender(_Participant):
         cut off past its lease, whose peers may have failed the room): then the sender
         fails instead, and the room with it (the failure mark), never Success."""
         if lapsed is None:  # a batch asks once for all its rooms
-            lapsed = self.mgr._lease_lapsed()
+            lapsed = self.mgr.lease_lapsed()
         if lapsed:
             return self.store.update(self.room, "tx", self.engine, KVPoll.Failed, lapsed)
         return self.store.finish(self.room, self.engine, receivers)
@@ -422,7 +469,7 @@ class KVSender(_Participant):
         return targets
 
 
-class KVReceiver(_Participant):
+class KVReceiver(Participant):
     """The decode side of a room. It binds to the prefill engines of its address as they
     register (until it has ``required_senders`` of them, or the engines named in
     ``senders``), each at its incarnation of that moment; the binding is part of its
@@ -433,13 +480,13 @@ class KVReceiver(_Participant):
 
     def __init__(
         self,
-        mgr: KVManager,
+        mgr: Rank,
         room: object,
         bootstrap_addr: str,
         senders: list[str] | None,
         required_senders: int | None,
     ) -> None:
-        if required_senders is not None and (not _is_int(required_senders) or required_senders < 1):
+        if required_senders is not None and (not is_int(required_senders) or required_senders < 1):
             raise InvalidValueError(
                 f"required_senders must be an int >= 1, got {required_senders!r}"
             )
@@ -462,14 +509,14 @@ class KVReceiver(_Participant):
         """How many senders to bind: the named ones, else the required count (0: ask)."""
         return len(self._explicit) if self._explicit else self._required
 
-    def _create_calls(self, lookups: _Lookups | None = None) -> list[Call]:
+    def _create_calls(self, lookups: Lookups | None = None) -> list[Call]:
         calls = super()._create_calls()
         if calls:
             calls.append(self.store.track(self.bootstrap_addr, self.key))
         bind = self._bind_call(lookups)
         return calls + [bind] if bind is not None else calls
 
-    def _bind_call(self, lookups: _Lookups | None = None) -> Call | None:
+    def _bind_call(self, lookups: Lookups | None = None) -> Call | None:
         """Bind the senders registered since the last look (and publish to them, once
         init() ran), or None when there is nothing to bind. ``lookups`` shares one
         registry read per address among the receivers of one batch."""
@@ -480,7 +527,7 @@ class KVReceiver(_Participant):
             or (wanted and len(self._bound) >= wanted)
         ):
             return None
-        found = self.mgr._prefill_engines(self.bootstrap_addr, self._explicit, lookups)
+        found = self.mgr.prefill_engines(self.bootstrap_addr, self._explicit, lookups)
         required = self._required
         if not required and found:  # the group's declared size, or all of it that is up
             required = max(len(found), *(e.ranks for e in found))
@@ -498,10 +545,15 @@ class KVReceiver(_Participant):
             self._pending = None
             self._bound.update(new)
             self._required = required
-            self.mgr._watch(self.bootstrap_addr, new)
+            self.mgr.watch(self.bootstrap_addr, new)
         return super()._absorb(st)
 
-    def _prepare(
+    def step_lost(self) -> None:
+        """The batch that carried a binding did not run (or not whole): bind again on
+        the next operation."""
+        self._pending = None
+
+    def prepare(
         self,
         kv_indices: object,
         aux_index: int | None,
@@ -509,14 +561,15 @@ class KVReceiver(_Participant):
         prefix_len: int,
         dummy: bool,
     ) -> None:
-        """Check init()'s arguments, make the pages ready, encode the transfer info."""
+        """Check init()'s arguments, make the pages ready, encode the transfer info
+        (``init``, and ``KVManager.init_many`` before its batch)."""
         idx = as_indices(kv_indices)
         state = None if state_indices is None else as_indices(state_indices, "state_indices")
         # bounded like page indices (aux) and by msgpack's int64 (prefix): an int too
         # large to encode must be refused here, not surface as msgpack's OverflowError
-        if aux_index is not None and (not _is_int(aux_index) or not 0 <= aux_index <= MAX_INDEX):
+        if aux_index is not None and (not is_int(aux_index) or not 0 <= aux_index <= MAX_INDEX):
             raise InvalidIndicesError(f"aux_index must be an int in [0, 2**31), got {aux_index!r}")
-        if not _is_int(prefix_len) or not 0 <= prefix_len < 2**63:
+        if not is_int(prefix_len) or not 0 <= prefix_len < 2**63:
             raise InvalidIndicesError(
                 f"prefix_len must be an int in [0, 2**63), got {prefix_len!r}"
             )
@@ -547,7 +600,7 @@ class KVReceiver(_Participant):
     ) -> KVPoll:
         """Publish where each sender must write; the pages are made ready first. Senders
         that bind later get the same info when they do."""
-        self._prepare(kv_indices, aux_index, state_indices, prefix_len, dummy)
+        self.prepare(kv_indices, aux_index, state_indices, prefix_len, dummy)
         creating = not self._created
         try:
             self._run(
@@ -592,4 +645,4 @@ class KVReceiver(_Participant):
         }
 
 
-__all__ = ["KVReceiver", "KVSender"]
+__all__ = ["KVReceiver", "KVSender", "Participant"]

@@ -63,7 +63,7 @@ def test_step_batches_one_round_trip_per_node(store: Store) -> None:
             before = rt.count
             assert d.clear_many(rooms) == {}
             assert rt.count - before <= _nodes(store)
-        assert all(s._cleared for s in senders.values())
+        assert all(s.cleared for s in senders.values())
         assert p.clear_many(rooms) == {}  # again: nothing to do, nothing sent
         assert [k for k in keys_of(store) if ":engine" not in k] == []
         assert not store.client.zrange(store.keys.addr(PREFILL_ADDR), 0, -1)

@@ -136,7 +136,7 @@ class RoomMachine(RuleBasedStateMachine):
             got = {}
             for s in ("tx", "rx"):
                 part = self.parts.get((room, s))
-                if part is None or part._cleared or s in self.closed:
+                if part is None or part.cleared or s in self.closed:
                     continue
                 got[s] = part.poll()
             if KVPoll.Failed in got.values():
@@ -177,7 +177,7 @@ class RoomMachine(RuleBasedStateMachine):
         if snd is None:
             return
         got = self._call("tx", snd.begin_transfer, NotReadyError)
-        if got is None and "tx" not in self.closed and not snd._cleared:
+        if got is None and "tx" not in self.closed and not snd.cleared:
             assert snd.status == KVPoll.Bootstrapping  # refused: not every receiver published
 
     def op_finish(self, i: int, s: str, why: str) -> None:
@@ -185,9 +185,9 @@ class RoomMachine(RuleBasedStateMachine):
         if snd is None:
             return
         got = self._call("tx", snd.finish_transfer, NotReadyError)
-        if got is None and "tx" not in self.closed and not snd._cleared:
+        if got is None and "tx" not in self.closed and not snd.cleared:
             assert snd.status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
-        if self.lapsed == "pending" and got is not None and not snd._cleared:
+        if self.lapsed == "pending" and got is not None and not snd.cleared:
             # the first finish after the lapse finds the registration gone: Failed (it
             # registers again, as its heartbeat would: later ones may succeed)
             assert got == KVPoll.Failed, "a process past its lease wrote Success"
@@ -207,7 +207,7 @@ class RoomMachine(RuleBasedStateMachine):
         if part is None:
             return
         self._call(s, part.clear)
-        if part._cleared:
+        if part.cleared:
             self.cleared.add(part.key)
 
     def op_fail_peer(self, i: int, s: str, why: str) -> None:

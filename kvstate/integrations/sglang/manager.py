@@ -16,12 +16,13 @@ from typing import Any
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
 from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.integrations.sglang.base import BaseManager
 from kvstate.integrations.sglang.predecessor import clear_predecessor
 from kvstate.integrations.sglang.spaces import (
     Settings,
     Spaces,
     UnsupportedLayoutError,
-    _default_memory,
+    default_memory,
 )
 from kvstate.integrations.sglang_release import check_version
 from kvstate.manager import KVManager
@@ -52,15 +53,10 @@ def prefill_engine(addr: str, dp_rank: int, tp_rank: int) -> str:
     return f"{addr}/dp{dp_rank}/tp{tp_rank}"
 
 
-def _sglang_base() -> Any:
-    from sglang.srt.disaggregation.base import conn
-
-    return conn
-
-
-class _Adapter:
-    """What the sender and receiver share: admission, the step's cached poll, the
-    failure as SGLang's KVTransferError, locking (scheduler and worker threads)."""
+class Adapter:
+    """What the sender and receiver (``participants``) share: admission, the step's
+    cached poll, the failure as SGLang's KVTransferError, locking (scheduler and worker
+    threads)."""
 
     kv_mgr: KVStateKVManager
     bootstrap_room: Any
@@ -151,16 +147,7 @@ class _Adapter:
             self._admitted = False
 
 
-# SGLang's base classes are abstract; the concrete adapters derive from them so
-# isinstance checks in SGLang hold. Importing them here is what the extra installs.
-_conn = _sglang_base()
-_BaseManager: Any = _conn.BaseKVManager
-_BaseSender: Any = _conn.BaseKVSender
-_BaseReceiver: Any = _conn.BaseKVReceiver
-_BaseServer: Any = _conn.BaseKVBootstrapServer
-
-
-class KVStateKVManager(_BaseManager):
+class KVStateKVManager(BaseManager):
     """One SGLang rank: a kvstate KVManager plus the tables SGLang's scheduler reads."""
 
     supports_role_switch = False
@@ -217,7 +204,7 @@ class KVStateKVManager(_BaseManager):
             self.addr = f"{host}:{server_args.port}"
             engine = f"decode@{self.addr}/dp{self.dp_rank}/tp{self.tp_rank}"
         self.store = store or connect(self.settings.url, self.settings.namespace)
-        memory = self.settings.memory or _default_memory()
+        memory = self.settings.memory or default_memory()
         # mirror mode: another backend moves the bytes, kvstate keeps the state only
         self.mirror = mirror
         self.spaces: Transport | None = None
@@ -246,7 +233,7 @@ class KVStateKVManager(_BaseManager):
         )
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lock = threading.Lock()
-        self._rooms: dict[int, _Adapter] = {}
+        self._rooms: dict[int, Adapter] = {}
         self._cache: dict[int, KVPoll] = {}
         self._cache_at = 0.0
         self._store_down_since: float | None = None
@@ -287,7 +274,7 @@ class KVStateKVManager(_BaseManager):
         return self.try_ensure_parallel_info(bootstrap_addr)
 
     # -- rooms ---------------------------------------------------------------------------
-    def _admit(self, p: _Adapter) -> str:
+    def _admit(self, p: Adapter) -> str:
         """Refuse (as a Failed room, with the reason) what must not share or grow state."""
         room = p.bootstrap_room
         if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
@@ -307,7 +294,7 @@ class KVStateKVManager(_BaseManager):
             self._rooms[room] = p
         return ""
 
-    def _forget(self, p: _Adapter) -> None:
+    def _forget(self, p: Adapter) -> None:
         with self._lock:
             if self._rooms.get(p.bootstrap_room) is p:
                 del self._rooms[p.bootstrap_room]
@@ -317,7 +304,7 @@ class KVStateKVManager(_BaseManager):
         with self._lock:
             self._cache.pop(room, None)
 
-    def poll_room(self, p: _Adapter) -> KVPoll:
+    def poll_room(self, p: Adapter) -> KVPoll:
         """One room's status, from this step's batch (one poll_many per node for all
         rooms of the rank); the first room asked again starts the next batch."""
         now = time.monotonic()
@@ -354,7 +341,7 @@ class KVStateKVManager(_BaseManager):
             self._cache = dict(got)
             self._cache_at = time.monotonic()
 
-    def _store_trouble(self, parts: list[_Adapter], exc: KVStateError) -> None:
+    def _store_trouble(self, parts: list[Adapter], exc: KVStateError) -> None:
         """Redis unreachable: keep the last statuses for a grace period, then fail
         the rooms locally (SGLang frees their pages) rather than wait forever."""
         now = time.monotonic()

@@ -9,15 +9,8 @@ from typing import Any
 import numpy as np
 
 from kvstate.errors import KVStateError, PeerNotFoundError
-from kvstate.integrations.sglang.manager import (
-    KVStateKVManager,
-    _Adapter,
-    _BaseReceiver,
-    _BaseSender,
-    _BaseServer,
-    _conn,
-    prefill_engine,
-)
+from kvstate.integrations.sglang.base import BaseReceiver, BaseSender, BaseServer, conn
+from kvstate.integrations.sglang.manager import Adapter, KVStateKVManager, prefill_engine
 from kvstate.integrations.sglang.spaces import Spaces
 from kvstate.poll import KVPoll
 from kvstate.roles import KVReceiver, KVSender
@@ -26,7 +19,7 @@ from transports.base import TransportError
 log = logging.getLogger(__name__)
 
 
-class KVStateKVSender(_Adapter, _BaseSender):
+class KVStateKVSender(Adapter, BaseSender):
     """Prefill side of one room."""
 
     def __init__(
@@ -55,7 +48,7 @@ class KVStateKVSender(_Adapter, _BaseSender):
         st = self._polled(self.kv_mgr.poll_room(self))
         if st in (KVPoll.WaitingForInput, KVPoll.Transferring):
             assert isinstance(self._part, KVSender)
-            infos = self._part._infos
+            infos = self._part.published
             if len(infos) > 1:
                 # a second decode request published into this room (sglang#40125)
                 with self._lock:
@@ -207,7 +200,7 @@ class KVStateKVSender(_Adapter, _BaseSender):
                 self._guard("begin_transfer", part.begin_transfer)
 
     def get_transfer_metric(self) -> Any:
-        return _conn.KVTransferMetric(
+        return conn.KVTransferMetric(
             transfer_latency_s=self._latency, transfer_total_bytes=self._bytes
         )
 
@@ -218,7 +211,7 @@ class KVStateKVSender(_Adapter, _BaseSender):
         self._abort("prefill")
 
 
-class KVStateKVReceiver(_Adapter, _BaseReceiver):
+class KVStateKVReceiver(Adapter, BaseReceiver):
     """Decode side of one room. SGLang's WaitingForInput means "handshake done, send
     the metadata"; kvstate's means "metadata published": the adapter reports
     WaitingForInput after ``init()`` until ``send_metadata()``, then Transferring
@@ -319,7 +312,7 @@ class KVStateKVReceiver(_Adapter, _BaseReceiver):
         return KVPoll(int(theirs))
 
 
-class KVStateBootstrapServer(_BaseServer):
+class KVStateBootstrapServer(BaseServer):
     """Stands where SGLang starts its bootstrap HTTP server: kvstate needs none
     (engines register in Redis with a lease), so this only says so."""
 

@@ -66,7 +66,9 @@ def raw_buffer(ptr: int, nbytes: int, memory: str) -> Any:
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
 
 
-def _default_memory() -> str:
+def default_memory() -> str:
+    """Where the KV pool lives when ``KVSTATE_SGLANG_MEMORY`` does not say: on the GPU
+    when torch sees one."""
     try:
         import torch
 
