@@ -360,12 +360,15 @@ HELD_ROOM_BASE = 2**62
 
 
 def _settled_used_memory(c: redis.Redis) -> int:
-    """INFO used_memory once it stops moving (an incremental rehash done)."""
-    last = -1
-    for _ in range(50):
+    """INFO used_memory once the key dicts' incremental rehash is done: an expansion
+    allocates the new bucket array at once and frees the old one only at the end (the
+    server's cron finishes it in a few ticks), so the figure must hold still for 1 s."""
+    last, still = -1, 0
+    for _ in range(100):
         used = int(c.info("memory")["used_memory"])
-        if used == last:
-            return used
+        still = still + 1 if used == last else 0
+        if still == 10:
+            break
         last = used
         time.sleep(0.1)
     return last
@@ -373,13 +376,15 @@ def _settled_used_memory(c: redis.Redis) -> int:
 
 def _memory_sample(store: Store, nodes: list[redis.Redis], tracker: str) -> dict[str, float]:
     """used_memory, the keyspace's hash tables (MEMORY STATS: dict entries and bucket
-    arrays of the key and expiry dicts), the address tracker's MEMORY USAGE and the key
+    arrays of the key and expiry dicts, the values' robj), the address tracker's MEMORY
+    USAGE, the clients' buffers (in used_memory, not the rooms': noise) and the key
     count, summed over the primaries."""
     node: Any = store.client
     if store.cluster:
         node = node.get_node_from_key(tracker).redis_connection
     sample = {
         "used_memory": float(sum(_settled_used_memory(c) for c in nodes)),
+        "client_buffers": float(sum(int(c.info("memory")["mem_clients_normal"]) for c in nodes)),
         "address_tracker": float(node.memory_usage(tracker, samples=0) or 0),
         "hashtables": 0.0,
         "keys": float(sum(int(c.dbsize()) for c in nodes)),
@@ -449,6 +454,7 @@ def held_room_memory(
         "keys_per_room": slope("keys"),
         "key_and_expiry_dicts_bytes_per_room": slope("hashtables"),
         "address_tracker_bytes_per_room": slope("address_tracker"),
+        "client_buffers_bytes_per_room": slope("client_buffers"),
         "keys": keys,
     }
 
