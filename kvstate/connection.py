@@ -28,7 +28,7 @@ from redis.exceptions import AuthenticationError
 from redis.retry import Retry
 
 from kvstate import redispy_private as private
-from kvstate.defaults import CALL_TIMEOUT
+from kvstate.defaults import CALL_TIMEOUT, TRACE_RATE, TRACE_TTL
 from kvstate.errors import InvalidOptionError, InvalidURLError
 
 ENV_URL = "KVSTATE_REDIS_URL"
@@ -204,7 +204,10 @@ class Options:
     timeouts bound one wait on the network, ``retries`` how often a failed round trip
     is tried again within the call's time. ``durable``: a call that records Success or
     an abort answers only once a replica confirmed it (``WAIT``), else raises
-    DurabilityError (docs/design.md, Durable mode).
+    DurabilityError (docs/design.md, Durable mode). ``trace_rate``: the share of rooms
+    whose every transition is kept in a trace list (``kvstate trace ROOM``), chosen
+    by the room id so that every process with the same rate picks the same rooms;
+    ``trace_ttl``: seconds a trace outlives its last entry (docs/design.md, Data model).
     """
 
     socket_timeout: float = 5.0
@@ -215,6 +218,8 @@ class Options:
     health_check_interval: int = 10
     call_timeout: float = CALL_TIMEOUT
     durable: bool = False
+    trace_rate: float = TRACE_RATE
+    trace_ttl: float = TRACE_TTL
 
     def __post_init__(self) -> None:
         for name in ("socket_timeout", "connect_timeout", "call_timeout"):
@@ -225,6 +230,17 @@ class Options:
             raise InvalidOptionError(f"Options.retries must be an int >= 0, got {self.retries!r}")
         if not isinstance(self.durable, bool):
             raise InvalidOptionError(f"Options.durable must be True or False, got {self.durable!r}")
+        rate = self.trace_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise InvalidOptionError(
+                f"Options.trace_rate must be a number in [0, 1] (0.01: one room in 100), "
+                f"got {rate!r}"
+            )
+        ttl = self.trace_ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 1 <= ttl < 2**31:
+            raise InvalidOptionError(
+                f"Options.trace_ttl must be a number of seconds >= 1, got {ttl!r}"
+            )
 
     def retry(self) -> Retry:
         backoff = _Capped(ExponentialWithJitterBackoff(self.backoff_cap, self.backoff_base))
@@ -322,7 +338,16 @@ _FLOAT_PARAMS = {
 }
 _TLS_PARAMS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-SUPPORTED_PARAMS = ("cluster", "db", "durable", *_FLOAT_PARAMS, "retries", *sorted(_TLS_PARAMS))
+SUPPORTED_PARAMS = (
+    "cluster",
+    "db",
+    "durable",
+    *_FLOAT_PARAMS,
+    "retries",
+    "trace_rate",
+    "trace_ttl",
+    *sorted(_TLS_PARAMS),
+)
 
 
 @dataclass(frozen=True)
@@ -365,6 +390,16 @@ def _query(url: str, parts: SplitResult) -> tuple[bool | None, dict[str, Any], d
             if not 0 < seconds < float("inf"):
                 raise InvalidURLError(f"{bad}: use a number of seconds > 0")
             options[_FLOAT_PARAMS[name]] = seconds
+        elif name in ("trace_rate", "trace_ttl"):
+            try:
+                number = float(value)
+            except ValueError:
+                number = float("nan")
+            if name == "trace_rate" and not 0 <= number <= 1:
+                raise InvalidURLError(f"{bad}: use a share of rooms in [0, 1], e.g. 0.01")
+            if name == "trace_ttl" and not 1 <= number < 2**31:
+                raise InvalidURLError(f"{bad}: use a number of seconds >= 1, e.g. 3600")
+            options[name] = number
         elif name in ("retries", "db"):
             if not value.isdigit():
                 raise InvalidURLError(f"{bad}: use an integer >= 0")

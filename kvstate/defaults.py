@@ -18,3 +18,8 @@ WAITING_TIMEOUT: Final = 300.0
 # s: how long a terminal participant may wait for its clear, and an unclaimed transfer
 # info for its sender, before the audit counts it (the CLI's --grace)
 AUDIT_GRACE: Final = 60.0
+# The room trace (`kvstate trace ROOM`): the share of rooms traced (chosen by room id,
+# so both sides agree), and how long a trace is kept after its last entry (the room's
+# clear included), in s. The demo traces every room.
+TRACE_RATE: Final = 0.01
+TRACE_TTL: Final = 3600.0

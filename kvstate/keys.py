@@ -117,11 +117,22 @@ class Keys:
         later starts Failed. clear() leaves it; it expires on its own TTL."""
         return f"{self.room_prefix(room)}aborted"
 
+    def trace(self, room: int) -> str:
+        """The room's trace (a list of every transition, kvstate.trace): kept
+        after the room's clear, with a TTL of its own (``Options.trace_ttl``)."""
+        return f"{self.room_prefix(room)}trace"
+
     def is_mark(self, key: str) -> bool:
         """Whether ``key`` is a room's failure mark: intended state with a TTL that
         outlives clear(), not a participant's key left behind."""
         parsed = self.parse_room_key(key)
         return parsed is not None and parsed.kind == "aborted" and not parsed.rest
+
+    def is_trace(self, key: str) -> bool:
+        """Whether ``key`` is a room's trace: kept after clear() with its own TTL
+        (``Options.trace_ttl``), not a participant's key left behind."""
+        parsed = self.parse_room_key(key)
+        return parsed is not None and parsed.kind == "trace" and not parsed.rest
 
     @staticmethod
     def part_member(side: Side, engine: str) -> str:
@@ -186,7 +197,7 @@ class Keys:
 @dataclass(frozen=True)
 class RoomKey:
     """A per-room key read back (``Keys.parse_room_key``): ``kind`` is tx, rx, xfer,
-    acks, parts or aborted (or whatever else a foreign key holds there), ``rest`` what
+    acks, parts, aborted or trace (or whatever else a foreign key holds there), ``rest`` what
     follows it: the engine for tx, rx, xfer and acks. The parser lives beside the
     builder above so that the two cannot drift apart."""
 

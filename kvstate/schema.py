@@ -52,6 +52,22 @@ RANKS: Final = "ranks"  # prefill ranks serving the address
 # tracker     addr:<addr> zset      members: receiver participant *key names*
 # index       engines_at:<addr>     members: engine names, scored by lease deadline (ms)
 
+# -- room trace list: kvstate:<ns>:{<room>}:trace (kvstate.trace) ----------------------
+# Each entry, a JSON object: TRACE_MS (server clock), TRACE_SIDE (tx / rx, '' for the
+# room), TRACE_ENGINE, TRACE_EVENT (one of the EV_ names below or a status name), then
+# STATUS, REASON, TRACE_PEER, INCARNATION, TRACE_WAS where they apply.
+TRACE_MS: Final = "ms"
+TRACE_SIDE: Final = "side"
+TRACE_ENGINE: Final = "engine"
+TRACE_EVENT: Final = "event"
+TRACE_PEER: Final = "peer"  # bound / published: the sender engine
+TRACE_WAS: Final = "was"  # abort: the status the participant had before
+EV_CREATED: Final = "created"
+EV_BOUND: Final = "bound"  # a receiver bound a sender (at INCARNATION)
+EV_PUBLISHED: Final = "published"  # a receiver's transfer info went to a sender
+EV_ABORT: Final = "abort"
+EV_CLEARED: Final = "cleared"
+
 # -- transfer counters hash: kvstate:<ns>:stats:<engine> -------------------------------
 STATS_BYTES: Final = "bytes"
 STATS_COUNT: Final = "count"

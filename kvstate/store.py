@@ -75,6 +75,7 @@ from kvstate.errors import (
 )
 from kvstate.keys import Keys, Side
 from kvstate.poll import KVPoll
+from kvstate.trace import sampled
 
 SCRIPT_NAMES = (
     "create",
@@ -88,6 +89,7 @@ SCRIPT_NAMES = (
     "track",
     "register",
     "index",
+    "trace",
 )
 _CORRUPT = re.compile(r"CORRUPT (\S+) (\S+) (.*?)(?: script:.*)?$", re.S)
 _SCRIPT_WRAPPER = re.compile(r"^Error running script \(call to f_[0-9a-f]+\): (@\w+:? ?\d+: )*-?")
@@ -654,8 +656,32 @@ class Store:
         keys: Iterable[str],
         args: Iterable[Any],
         parse: Callable[[Any], Any] = _identity,
+        room: int | None = None,
+        follow: bool = False,
     ) -> Call:
-        return Call(tuple(keys), tuple(args), script=name, parse=parse)
+        """A script call; with ``room``, the room's trace key and argument appended at
+        the end of its keys and arguments (``_lib.lua``'s take_trace)."""
+        if room is None:
+            return Call(tuple(keys), tuple(args), script=name, parse=parse)
+        return Call(
+            (*keys, self.keys.trace(room)),
+            (*args, self.trace_arg(room, follow)),
+            script=name,
+            parse=parse,
+        )
+
+    def traced(self, room: int) -> bool:
+        """Whether this store traces ``room`` (``Options.trace_rate``, by room id)."""
+        return sampled(room, self.options.trace_rate)
+
+    def trace_arg(self, room: int, follow: bool = False) -> int:
+        """The scripts' trace argument: the trace TTL in ms when this store traces the
+        room, else 0 (nothing written) or, with ``follow``, minus the TTL: append only
+        to a trace that exists (an abort of a room someone else traces)."""
+        ttl = int(self.options.trace_ttl * 1000)
+        if self.traced(room):
+            return ttl
+        return -ttl if follow else 0
 
     @staticmethod
     def _command(
@@ -674,6 +700,7 @@ class Store:
             keys,
             [self.ttl_ms, k.part_member(side, engine), *_pairs(fields)],
             Status.parse,
+            room,
         )
 
     def poll(
@@ -685,9 +712,8 @@ class Store:
         keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
         if with_infos:
             keys.append(k.xfer(room, engine))
-        return self._script(
-            "poll", keys, [self.ttl_ms, infos_version, self.mark_ttl_ms], Status.parse
-        )
+        args = [self.ttl_ms, infos_version, self.mark_ttl_ms]
+        return self._script("poll", keys, args, Status.parse, room)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
         _check_reason(reason)
@@ -698,6 +724,7 @@ class Store:
             keys,
             [KVPoll.parse(status).name, reason, self.ttl_ms, self.mark_ttl_ms],
             Status.parse,
+            room,
         )
 
     def publish(
@@ -716,7 +743,7 @@ class Store:
         for sender, incarnation in senders.items():
             keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
             args += [sender, incarnation]
-        return self._script("publish", keys, args, Status.parse)
+        return self._script("publish", keys, args, Status.parse, room)
 
     def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
@@ -724,7 +751,7 @@ class Store:
         keys = [k.participant(room, "tx", sender), k.parts(room), k.aborted(room)]
         keys += [k.participant(room, "rx", r) for r in names]
         args = [self.ttl_ms, self.mark_ttl_ms, "", *names]
-        return self._script("begin", keys, args, Status.parse)
+        return self._script("begin", keys, args, Status.parse, room)
 
     def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
@@ -733,7 +760,7 @@ class Store:
         for receiver in names:
             keys += [k.participant(room, "rx", receiver), k.acks(room, receiver)]
         args = [self.ttl_ms, sender, self.mark_ttl_ms, *names]
-        return self._script("finish", keys, args, Status.parse)
+        return self._script("finish", keys, args, Status.parse, room)
 
     def track(self, bootstrap_addr: str, member: str) -> Call:
         return self._script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
@@ -770,9 +797,18 @@ class Store:
             self._command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
         ]
         calls += [self._command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
+        if self.traced(room):  # in the room's MULTI/EXEC: no round trip of its own
+            calls.append(self._trace_cleared(room, me))
         if peer_addr is not None:
             calls.append(self._command("ZREM", k.addr(peer_addr), args=[me]))
         return calls
+
+    def _trace_cleared(self, room: int, participant: str) -> Call:
+        """trace.lua: the ``cleared`` entry of a traced room, appended only to a trace
+        that exists (a participant that never ran a script starts none). The trace is
+        not deleted with the room: it outlives it by ``Options.trace_ttl``."""
+        ttl = int(self.options.trace_ttl * 1000)
+        return Call((participant, self.keys.trace(room)), (-ttl,), script="trace")
 
     def clear_many(
         self, participants: Sequence[Sequence[Call]], partial: bool = True
@@ -792,8 +828,13 @@ class Store:
                 # At maxmemory Redis refuses every command queued in a MULTI, even DEL;
                 # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
                 # transaction a cut connection can leave part of the participant behind:
-                # those keys have TTLs, and a clear can be repeated.
-                replies = self.execute(calls, partial=partial)
+                # those keys have TTLs, and a clear can be repeated. The trace's entry is
+                # left out: it takes memory, and the clear must go through.
+                kept = [i for i, c in enumerate(calls) if c.script != "trace"]
+                done = self.execute([calls[i] for i in kept], partial=partial)
+                replies = [None] * len(calls)
+                for i, reply in zip(kept, done, strict=True):
+                    replies[i] = reply
         out: list[KVStateError | None] = []
         at = 0
         for group in participants:
@@ -820,7 +861,8 @@ class Store:
                     raise CorruptStateError(k.parts(room), member, "not a tx:/rx: member")
                 keys.append(k.participant(room, *part))
             args = [self.ttl_ms, reason, self.mark_ttl_ms, *members]
-            n = self.execute([self._script("abort", keys, args)])[0]
+            call = self._script("abort", keys, args, room=room, follow=True)
+            n = self.execute([call])[0]
             if n >= 0:
                 return int(n)
         raise KVStateError(f"room {room} kept changing while aborting it; try again")
@@ -880,6 +922,7 @@ class Store:
             "fail_bound",
             [key, self.keys.parts(parsed.room), self.keys.aborted(parsed.room)],
             [self.ttl_ms, reason, peer_engine, incarnation, self.mark_ttl_ms],
+            room=parsed.room,
         )
 
     def server_time_ms(self) -> int:
@@ -986,6 +1029,10 @@ class Store:
         calls = [self._command("XADD", key, args=["MAXLEN", "~", maxlen, "*", *e]) for e in entries]
         if calls:
             self.execute([*calls, self.set_ttl(key, ttl_ms)], transaction=True)
+
+    def trace_entries(self, room: int) -> Call:
+        """The room's trace, oldest first: one JSON object per entry (LRANGE)."""
+        return self._command("LRANGE", self.keys.trace(room), args=[0, -1])
 
     def ledger_recent(self, count: int) -> Call:
         """The newest ``count`` ledger entries, newest first: [(id, {field: value})]."""

@@ -19,7 +19,8 @@ Fixtures
 - ``state_url`` (function, parametrized ``standalone`` / ``cluster``): a flushed URL.
 - ``store`` (function): ``kvstate.connect(store_url)`` in the module's ``NAMESPACE``
   (kvstate's default if it sets none), closed after the test; a module that sets
-  ``CHECK_TTL = True`` also has every key of the namespace checked for a TTL then.
+  ``CHECK_TTL = True`` also has every key of the namespace checked for a TTL then, and
+  one that sets ``OPTIONS`` (a ``kvstate.Options``) connects with them.
   ``store_url`` is ``state_url`` (both topologies); a module overrides it, e.g. with
   ``redis_url`` to run on the standalone server only.
 - ``redis_server_factory`` (function): start private servers (for kill/restart tests).
@@ -355,9 +356,14 @@ def store_url(state_url: str) -> str:
 
 @pytest.fixture
 def store(request: pytest.FixtureRequest, store_url: str) -> Iterator[Store]:
-    """A Store on ``store_url`` in the module's ``NAMESPACE``; with ``CHECK_TTL = True``
-    in the module, every key it left must have a TTL (design rule 1)."""
-    s = kvstate.connect(store_url, namespace=getattr(request.module, "NAMESPACE", None))
+    """A Store on ``store_url`` in the module's ``NAMESPACE`` (with its ``OPTIONS``, if
+    set); with ``CHECK_TTL = True`` in the module, every key it left must have a TTL
+    (design rule 1)."""
+    s = kvstate.connect(
+        store_url,
+        namespace=getattr(request.module, "NAMESPACE", None),
+        options=getattr(request.module, "OPTIONS", None),
+    )
     try:
         yield s
         if getattr(request.module, "CHECK_TTL", False):

@@ -49,11 +49,22 @@ def is_mark(store: Store, key: str) -> bool:
     return store.keys.is_mark(key)
 
 
-def keys_of(store: Store, pattern: str | None = None, marks: bool = False) -> list[str]:
-    """The namespace's keys (matching ``pattern``); rooms' failure marks only with
-    ``marks``: what a test counts as left behind is participant state."""
-    found = store.scan(pattern or store.keys.all_pattern)
-    return sorted(k for k in found if marks or not is_mark(store, k))
+def keys_of(
+    store: Store, pattern: str | None = None, marks: bool = False, traces: bool = False
+) -> list[str]:
+    """The namespace's keys (matching ``pattern``): what a test counts as left behind is
+    participant state, so rooms' failure marks come only with ``marks`` and room traces
+    only with ``traces``. Both outlive ``clear()`` on purpose with a TTL of their own;
+    each trace left out must have one (design rule 1)."""
+    kept = []
+    for key in sorted(store.scan(pattern or store.keys.all_pattern)):
+        if not marks and is_mark(store, key):
+            continue
+        if not traces and store.keys.is_trace(key):
+            assert store.client.pttl(key) > 0, f"trace {key} has no TTL"
+            continue
+        kept.append(key)
+    return kept
 
 
 def room_keys(store: Store, room: int, marks: bool = False) -> list[str]:
@@ -61,9 +72,10 @@ def room_keys(store: Store, room: int, marks: bool = False) -> list[str]:
 
 
 def assert_every_key_has_ttl(store: Store) -> None:
-    """Design rule 1, checked by scanning every key of the namespace (marks included)."""
+    """Design rule 1, checked by scanning every key of the namespace (marks and traces
+    included)."""
     missing = []
-    for key in keys_of(store, marks=True):
+    for key in keys_of(store, marks=True, traces=True):
         node = store.client
         pttl = node.pttl(key)
         if pttl < 0:
@@ -92,10 +104,11 @@ def wait_for(pred: Callable[[], bool], timeout: float, step: float = 0.05) -> bo
 
 
 def snapshot(store: Store) -> dict[str, object]:
-    """Every key's type and value, to show a failed call changed nothing."""
+    """Every key's type and value, marks and traces included, to show a failed call
+    changed nothing (design rule 7: not even a trace entry)."""
     c = store.client
     out: dict[str, object] = {}
-    for key in keys_of(store, marks=True):
+    for key in keys_of(store, marks=True, traces=True):
         kind = c.type(key).decode()
         if kind == "hash":
             h = c.hgetall(key)
@@ -104,6 +117,8 @@ def snapshot(store: Store) -> dict[str, object]:
             out[key] = c.smembers(key)
         elif kind == "zset":
             out[key] = c.zrange(key, 0, -1)
+        elif kind == "list":
+            out[key] = c.lrange(key, 0, -1)
         else:
             out[key] = c.get(key) if kind == "string" else kind
     return out
@@ -118,7 +133,8 @@ def snapshot(store: Store) -> dict[str, object]:
 # - ping, client|setname: connection set-up (redis-py) and health checks
 # - script|load at connect; evalsha, and eval after NOSCRIPT (server restart, failover,
 #   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hlen, hexists,
-#   hgetall, pexpire, sadd, scard, zadd, zremrangebyscore, time
+#   hgetall, pexpire, sadd, scard, zadd, zremrangebyscore, time; rpush and rpushx (a
+#   traced room, its clear)
 # - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
 # - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
 #   hkeys (abort), zrange (dead-peer fan-out)
@@ -130,7 +146,7 @@ ENGINE_ACL = (
     "+evalsha +eval +script|load "
     "+multi +exec +del +exists +pexpire +pttl +get +set "
     "+hget +hmget +hgetall +hset +hdel +hkeys +hlen +hexists "
-    "+sadd +scard +zadd +zrange +zrem +zremrangebyscore"
+    "+sadd +scard +zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
 )
 ACL_PASSWORD = "engine-Pw_7"
 

@@ -110,7 +110,7 @@ def test_ls_filters(room: tuple[Store, Any, Any], state_url: str) -> None:
         assert rows("--side", "tx", "--status", "2") == [(77, "tx", "WaitingForInput")]
         table = run("--url", state_url, "ls", "--older-than", "30s")
         # created 2 minutes before the first listing; the table is read a moment later
-        assert "prefill-old" in table.output and re.search(r"\b2m(\d\ds?)?\b", table.output)
+        assert "prefill-old" in table.output and re.search(r"\b2m(\d{1,2}s?)?\b", table.output)
         bad = run("--url", state_url, "ls", "--status", "Nope")
         assert bad.exit_code == 2 and "unknown status" in bad.output
         bad = run("--url", state_url, "ls", "--older-than", "soon")

@@ -555,7 +555,7 @@ def test_read_only_operator_reads_everything_with_read_commands(
             assert "unknown subcommand" in str(exc).lower() or "DRYRUN" in str(exc), exc
             break  # Redis 6.2: no DRYRUN
         assert answer != b"OK", attempt
-    store = kvstate.connect(server.tcp_url)
+    store = kvstate.connect(server.tcp_url, options=kvstate.Options(trace_rate=1.0))
     p, d, snd, rcv = live_room(store, 141)
     Ledger(store).append([Entry("test", None, "", "", "", None, "")])
     admin.execute_command("ACL", "LOG", "RESET")
@@ -570,6 +570,8 @@ def test_read_only_operator_reads_everything_with_read_commands(
         ["engines"],
         ["engines", "--json"],
         ["audit"],
+        ["trace", "141"],
+        ["trace", "141", "--json"],
     ):
         result = run("--url", reader, *args)
         assert result.exit_code == 0, (args, result.output)

@@ -159,3 +159,11 @@ def test_bench_quick_reports_every_figure() -> None:
         assert r["durable_round_trips_per_lifecycle"] == r["plain_round_trips_per_lifecycle"]
         for key in ("single_durable_vs_plain_median", "durable_redis_cmd_us_per_lifecycle"):
             assert r[key] > 0, (deployment, key)
+    for deployment in ("standalone", "cluster3"):  # the room trace's cost: no round trip
+        r = res["trace"][deployment]
+        trips = 9 if deployment == "standalone" else 11
+        assert r["off_round_trips_per_lifecycle"] == trips, r
+        assert r["full_round_trips_per_lifecycle"] == r["default_round_trips_per_lifecycle"]
+        assert r["full_round_trips_per_lifecycle"] == trips
+        assert r["trace_entries_per_room"] == 10 and r["trace_bytes_per_room"] > 0, r
+        assert r["full_commands_per_lifecycle"] > r["off_commands_per_lifecycle"], r

@@ -55,7 +55,8 @@ def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:
     """Every path an engine takes: connect, register, resolve peers by address and by
     name, publish, transfer, finish, poll_many, abort, dead-peer fan-out, a bootstrap
     timeout, NOSCRIPT recovery, heartbeats, clear, close."""
-    store = kvstate.connect(url, namespace=ns)
+    # every room traced: the trace's RPUSH and RPUSHX are on the paths too
+    store = kvstate.connect(url, namespace=ns, options=kvstate.Options(trace_rate=1.0))
     made: list[kvstate.KVManager] = []
     try:
         p = kvstate.KVManager(

@@ -27,10 +27,13 @@ so a busy machine moves them less than the absolute figures):
 - durable mode (``?durable=true``: Success and aborts confirmed by a replica with WAIT)
   against plain mode on the same primaries with one replica each, alternated in the
   same run: round trips per lifecycle, Redis us per lifecycle (commands, and CPU of the
-  primaries and of the replicas) and lifecycles/s, single and batched, as ratios.
+  primaries and of the replicas) and lifecycles/s, single and batched, as ratios;
+- the room trace (``kvstate trace ROOM``) at 100%, at the default rate and off, on the
+  same server in alternating rounds: round trips, Redis command us, CPU us and commands
+  per lifecycle, Redis memory of one room's trace, lifecycles/s against off.
 
     python tools/bench_state.py [--quick] [--json] [--lifecycles 2000] [--batch 16]
-                                [--procs 1 2 4] [--no-cluster] [--no-durable]
+                                [--procs 1 2 4] [--no-cluster] [--no-durable] [--no-trace]
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import numpy as np
 import redis
 
 import kvstate
+from kvstate.defaults import TRACE_RATE
 from kvstate.store import _SHAS, Store
 from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
 
@@ -626,6 +630,87 @@ def durable_runs(n: int, batch: int, cluster: bool) -> dict[str, Any]:
     return results
 
 
+# -- the room trace ------------------------------------------------------------------------
+TRACE_MODES = {"off": 0.0, "default": TRACE_RATE, "full": 1.0}
+
+
+def trace_cost(url: str, server: RedisProcess | RedisCluster, n: int, batch: int) -> dict[str, Any]:
+    """The trace off, at the default rate and on every room (100%), on one deployment
+    in many short rounds that each run all three (the order rotated): per lifecycle,
+    round trips, Redis command us (EVALSHA + EXEC), Redis CPU us, commands run;
+    lifecycles/s against off as the median of the rounds' ratios; the Redis memory of
+    one room's trace once cleared (what a traced room leaves for its trace TTL)."""
+    pages = np.arange(0, 4096, dtype=np.int32)
+    nodes = _primaries(server)
+    stores = {
+        m: kvstate.connect(url, namespace="bench", options=kvstate.Options(trace_rate=rate))
+        for m, rate in TRACE_MODES.items()
+    }
+    modes = list(TRACE_MODES)
+    rounds = max(9, n // 50)
+    single, batches = max(n // rounds, 1), max(n // rounds // batch, 1)
+    took: dict[str, dict[str, list[float]]] = {m: {"single": [], "batched": []} for m in modes}
+    spent = {m: dict.fromkeys(("redis_cmd_us", "redis_cpu_us", "commands"), 0.0) for m in modes}
+    out: dict[str, Any] = {}
+    with (
+        pair(stores["off"], 10) as off,
+        pair(stores["default"], 11) as default,
+        pair(stores["full"], 12) as full,
+    ):
+        engines = {"off": off, "default": default, "full": full}
+        for mode, (p, d) in engines.items():
+            lifecycle(p, d, 0, pages)  # warm
+            with RoundTrips.installed() as rt:
+                before = rt.count
+                lifecycle(p, d, 1, pages)
+                out[f"{mode}_round_trips_per_lifecycle"] = rt.count - before
+        p, d = engines["full"]
+        lifecycle(p, d, 2, pages)
+        key = stores["full"].keys.trace(2)
+        node: Any = stores["full"].client
+        if stores["full"].cluster:
+            node = node.get_node_from_key(key).redis_connection
+        out["trace_bytes_per_room"] = int(node.memory_usage(key, samples=0) or 0)
+        out["trace_entries_per_room"] = int(node.llen(key))
+        room = 1000
+        cost = RedisCost(nodes)
+        for r in range(rounds):
+            for mode in modes[r % 3 :] + modes[: r % 3]:
+                p, d = engines[mode]
+                with cost.measuring():
+                    t0 = time.perf_counter()
+                    for _ in range(single):
+                        lifecycle(p, d, room, pages)
+                        room += 1
+                    t1 = time.perf_counter()
+                    for _ in range(batches):
+                        batch_lifecycles(p, d, range(room, room + batch), pages)
+                        room += batch
+                    t2 = time.perf_counter()
+                took[mode]["single"].append(t1 - t0)
+                took[mode]["batched"].append(t2 - t1)
+                spent[mode]["redis_cmd_us"] += sum(cost.cmd_us)
+                spent[mode]["redis_cpu_us"] += sum(cost.cpu_us)
+                spent[mode]["commands"] += sum(cost.calls)
+    for store in stores.values():
+        store.close()
+    for c in nodes:
+        c.close()
+    lifecycles = rounds * (single + batches * batch)
+    for mode in modes:
+        for name, total in spent[mode].items():
+            out[f"{mode}_{name}_per_lifecycle"] = round(total / lifecycles, 1)
+    for mode in ("default", "full"):
+        for kind in ("single", "batched"):
+            ratios = [a / b for a, b in zip(took["off"][kind], took[mode][kind], strict=True)]
+            out[f"{kind}_{mode}_vs_off_median"] = round(float(np.median(ratios)), 3)
+            out[f"{kind}_{mode}_vs_off_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+    out["default_rate"] = TRACE_RATE
+    out["lifecycles_per_mode"] = lifecycles
+    out["rounds"] = rounds
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON document")
@@ -635,6 +720,7 @@ def main() -> None:
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-primary cluster run")
     ap.add_argument("--no-durable", action="store_true", help="skip durable mode's cost")
+    ap.add_argument("--no-trace", action="store_true", help="skip the room trace's cost")
     args = ap.parse_args()
     n, procs = args.lifecycles, args.procs
     if args.quick:
@@ -662,6 +748,15 @@ def main() -> None:
         }
     if not args.no_durable:
         results["durable"] = durable_runs(n, args.batch, not args.no_cluster)
+    if not args.no_trace:
+        results["trace"] = {}
+        with RedisProcess(port="auto") as server:
+            results["trace"]["standalone"] = trace_cost(server.url, server, n, args.batch)
+        if not args.no_cluster:
+            with RedisCluster(3, 0) as cluster:
+                results["trace"]["cluster3"] = trace_cost(
+                    cluster.url, cluster, max(n // 2, 3 * args.batch), args.batch
+                )
     results["command"] = "python tools/bench_state.py " + " ".join(
         a for a in ("--quick" if args.quick else "", f"--lifecycles {args.lifecycles}") if a
     )

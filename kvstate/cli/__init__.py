@@ -1,18 +1,18 @@
 """The ``kvstate`` command (entry point ``kvstate.cli:main``), one module per concept.
 
 ``app``: the click group, its context, exit codes and error plumbing; ``output``: how
-things print; ``rooms`` (show, ls, abort), ``engines``, ``top``, ``audit``, ``monitor``
+things print; ``rooms`` (show, ls, abort), ``trace``, ``engines``, ``top``, ``audit``, ``monitor``
 and ``doctor``: the commands. Importing a command module registers its command.
 """
 
 from __future__ import annotations
 
-from kvstate.cli import audit, doctor, engines, monitor, rooms, top
+from kvstate.cli import audit, doctor, engines, monitor, rooms, top, trace
 from kvstate.cli.app import main
 from kvstate.cli.doctor import OPERATOR_ACL, READER_ACL
 
 __all__ = ["OPERATOR_ACL", "READER_ACL", "main"]
-_COMMANDS = (audit, doctor, engines, monitor, rooms, top)  # imported to register them
+_COMMANDS = (audit, doctor, engines, monitor, rooms, top, trace)  # imported to register them
 
 try:  # the demo's own dependencies missing must not take the operator commands down
     from kvstate.demo import demo as _demo

@@ -120,25 +120,27 @@ def _setting_checks(store: Store, node: str, name: str) -> list[Check]:
 # What `audit`, `monitor` and `doctor` need on top of the engine user's rights (README,
 # Security): INFO and CONFIG (server checks; CONFIG SET only to enable expiry events),
 # OBJECT IDLETIME (unclaimed transfer infos), the ledger stream, expiry notifications,
-# SMEMBERS (acks in `show`) and ACL WHOAMI.
+# SMEMBERS (acks in `show`), the room traces (RPUSH, RPUSHX: `abort`; LRANGE: `trace`)
+# and ACL WHOAMI.
 OPERATOR_ACL = (
     "ACL SETUSER kvstate-operator reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "&__keyevent@*__:expired -@all +ping +client|setname +time +scan +evalsha +eval "
     "+script|load +multi +exec +del +exists +pexpire +pttl +get +set +hget +hmget +hgetall "
     "+hset +hdel +hkeys +hlen +hexists +sadd +scard +smembers +zadd +zrange +zrem "
     "+zremrangebyscore +info +config|get +config|set +object|idletime +xadd +xrevrange "
-    "+subscribe +unsubscribe +acl|whoami"
+    "+rpush +rpushx +lrange +subscribe +unsubscribe +acl|whoami"
 )
 
 
-# A read-only operator: `ls`, `show`, `top`, `engines` and `audit` (without --fix) read
-# with these plain read commands only (no script, no write; tests/test_cli_operator.py
-# runs them as this user). MULTI/EXEC group two reads; INFO, CONFIG GET, OBJECT IDLETIME
-# and XREVRANGE are the audit's server, idle-time and ledger checks.
+# A read-only operator: `ls`, `show`, `top`, `engines`, `trace` and `audit` (without
+# --fix) read with these plain read commands only (no script, no write;
+# tests/test_cli_operator.py runs them as this user). MULTI/EXEC group two reads; INFO,
+# CONFIG GET, OBJECT IDLETIME and XREVRANGE are the audit's server, idle-time and ledger
+# checks; LRANGE reads a room's trace.
 READER_ACL = (
     "ACL SETUSER kvstate-reader reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "-@all +ping +client|setname +time +scan +multi +exec +exists +pttl +get +hget +hmget "
-    "+hgetall +hkeys +hexists +smembers +zrange +object|idletime +xrevrange +info "
+    "+hgetall +hkeys +hexists +smembers +zrange +object|idletime +xrevrange +lrange +info "
     "+config|get +acl|whoami"
 )
 

@@ -124,6 +124,8 @@ def show(obj: Ctx, room: str, as_json: bool) -> None:
             f"room {r}: nothing stored (cleared, reaped by TTL, or never created) in "
             f"namespace {store.namespace}"
         )
+        if view.traced:
+            out.print(f"its trace is kept: kvstate trace {r} shows where its time went")
         sys.exit(EXIT_FINDINGS)
     out.print(styled(f"room {r}", "bold"), f" namespace {store.namespace}  {store.url}")
     if view.aborted is not None:
@@ -153,6 +155,8 @@ def show(obj: Ctx, room: str, as_json: bool) -> None:
         out.print(_infos_table(view.infos))
     for receiver, senders in sorted(view.acks.items()):
         out.print(f"acks for {receiver}: {', '.join(senders)}")
+    if view.traced:
+        out.print(f"trace: kvstate trace {r} (every step so far, on the server clock)")
 
 
 # --------------------------------------------------------------------------- ls

@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from kvstate.connection import Options
 from kvstate.defaults import LEASE
 
 __all__ = [
+    "DEMO_OPTIONS",
     "INTERRUPTED",
     "Abort",
     "Bye",
@@ -26,6 +28,8 @@ __all__ = [
 ]
 
 INTERRUPTED = "demo interrupted: the room was cleared in flight"
+# Every room of the demo is traced (`kvstate trace ROOM`); ?trace_rate= in a --url wins.
+DEMO_OPTIONS = Options(trace_rate=1.0)
 DEMO_ROOM_TTL = 60.0  # s: the demo's rooms live ~50 ms; a short TTL shows a leak within the run
 
 

@@ -20,7 +20,7 @@ import kvstate
 from kvstate import embedded
 from kvstate.connection import ENV_URL
 from kvstate.demo.engines import WORKERS
-from kvstate.demo.messages import WorkerConfig
+from kvstate.demo.messages import DEMO_OPTIONS, WorkerConfig
 from kvstate.demo.outcome import Track
 from kvstate.demo.queues import attach
 from kvstate.demo.router import Interrupted, Options, Router, Signals
@@ -30,8 +30,10 @@ from kvstate.demo.summary import (
     run_audit,
     summary,
     take_transfer_counters,
+    traces_kept,
     wait_for_no_keys,
 )
+from kvstate.ops.durations import fmt_ms
 from kvstate.store import EMBEDDED, Store
 
 __all__ = ["EXIT_CHECK_FAILED", "discovery_path", "run_router", "run_worker"]
@@ -107,6 +109,11 @@ def _banner(
             f"  (URL: {store.url}; with a password, export {ENV_URL} rather than pass --url, "
             "which `ps` shows)"
         )
+    say(
+        f"  every room is traced (trace_rate {store.options.trace_rate:g}): kvstate trace ROOM "
+        f"shows where its time went, for {fmt_ms(int(store.options.trace_ttl * 1000))} "
+        "after its clear"
+    )
     if cfg.hold:
         say(f"  each room waits {cfg.hold:g} s in WaitingForInput before its transfer (--hold)")
     else:
@@ -121,7 +128,7 @@ def run_router(
     its URL to every worker it spawns."""
     real_url = url if url is not None and url != EMBEDDED else embedded.ensure_server()
     own = real_url != url
-    store = kvstate.connect(real_url, namespace, base.room_ttl)
+    store = kvstate.connect(real_url, namespace, base.room_ttl, options=DEMO_OPTIONS)
     cfg = WorkerConfig(**{**asdict(base), "url": real_url, "namespace": store.namespace})
     err = console(stderr=True)
     announce = _announced(real_url, store.namespace) if own else contextlib.nullcontext(None)
@@ -173,6 +180,7 @@ def _checked(
     after: dict[str, int] = {}
     counters: dict[str, dict[str, Any]] = {}
     left: list[str] | None = None
+    traces: int | None = None
     waited = 0.0
     audit: dict[str, Any] = {"result": "skipped (interrupted)"}
     try:
@@ -180,12 +188,15 @@ def _checked(
         counters = take_transfer_counters(store, rtr)
         wait = cfg.room_ttl + cfg.lease + 5 if rtr.killed else cfg.lease + 2
         left, waited = wait_for_no_keys(store, wait)
+        traces = traces_kept(store)
         if not rtr.interrupted:
             audit = run_audit(store)
     except KeyboardInterrupt:
         audit = {"result": f"skipped ({signal.Signals(signals.last).name})"}
     cut = signal.Signals(signals.last).name if signals.last and not rtr.interrupted else None
-    return summary(opts, cfg, rtr, seconds, before, after, left, waited, audit, counters, cut)
+    return summary(
+        opts, cfg, rtr, seconds, before, after, left, waited, audit, counters, cut, traces
+    )
 
 
 def _progress(rtr: Router, err: Any, counts: dict[str, int], as_json: bool) -> float:

@@ -25,6 +25,7 @@ __all__ = [
     "run_audit",
     "summary",
     "take_transfer_counters",
+    "traces_kept",
     "wait_for_no_keys",
 ]
 
@@ -33,13 +34,21 @@ _CMA_OFF = ("0", "n", "no", "false", "off")
 
 
 def _keys_left(store: Store) -> list[str]:
-    """Every key of the namespace except the ledger (a record of leaks, kept on purpose)
-    and the failed rooms' marks (kept past clear() on purpose, with their own TTL, for
-    a side that joins late)."""
+    """Every key of the namespace except those kept on purpose: the ledger (a record of
+    leaks), the failed rooms' marks (kept past clear() with their own TTL, for a side
+    that joins late) and the room traces that have their TTL (kvstate.trace: they
+    outlive ``clear()`` by design; one without a TTL would be a leak, and is counted)."""
     k = store.keys
-    return sorted(
-        key for key in store.scan(k.all_pattern) if key != k.ledger and not k.is_mark(key)
-    )
+    found = [key for key in store.scan(k.all_pattern) if key != k.ledger and not k.is_mark(key)]
+    traces = [key for key in found if k.is_trace(key)]
+    ttls = store.execute([store.key_ttl(key) for key in traces]) if traces else []
+    kept = {key for key, ttl in zip(traces, ttls, strict=True) if int(ttl) > 0}
+    return sorted(key for key in found if key not in kept)
+
+
+def traces_kept(store: Store) -> int:
+    """How many room traces the run left for ``kvstate trace ROOM`` (each with its TTL)."""
+    return sum(1 for key in store.scan(store.keys.all_pattern) if store.keys.is_trace(key))
 
 
 def wait_for_no_keys(store: Store, limit: float) -> tuple[list[str], float]:
@@ -170,6 +179,7 @@ def summary(
     audit: dict[str, Any],
     counters: dict[str, dict[str, Any]],
     cut: str | None = None,
+    traces: int | None = None,
 ) -> dict[str, Any]:
     """The run as one JSON document: what ``--json`` prints and the table is made of.
     ``left`` is None when a signal (``cut``, or the one that interrupted the run) stopped
@@ -223,6 +233,8 @@ def summary(
         "transfer_counters": counters,
         "keys_left": None if left is None else len(left),
         "keys_left_sample": (left or [])[:10],
+        # room traces kept on purpose, each with its TTL (not counted in keys_left)
+        "traces_kept": traces,
         "waited_for_keys_s": round(waited, 2),
         "audit": audit,
         "killed": rtr.killed,
@@ -344,6 +356,14 @@ def print_summary(doc: dict[str, Any]) -> None:
                 if doc["waited_for_keys_s"] >= 0.5
                 else ""
             ),
+        )
+    if doc.get("traces_kept"):
+        example = doc["rooms"][0]["room"] if doc["rooms"] else "ROOM"
+        t.add_row(
+            "room traces",
+            f"{doc['traces_kept']} kept for their TTL: kvstate --url {doc['redis']['url']} -n "
+            f"{doc['redis']['namespace']} trace {example} shows where that room's time went (an "
+            "embedded Redis stops with the demo: give --url, or --hold, to look after it)",
         )
     t.add_row("audit", escape(doc["audit"]["result"]))
     if doc["killed"]:

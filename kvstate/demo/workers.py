@@ -23,6 +23,7 @@ import numpy as np
 
 import kvstate
 from kvstate.demo.messages import (
+    DEMO_OPTIONS,
     INTERRUPTED,
     Abort,
     Bye,
@@ -93,7 +94,7 @@ class Worker(Generic[P]):
         from transports.ucx import UCXTransport  # the core does not need UCX; the demo does
 
         self.cfg, self.engine, self.inbox, self.outbox = cfg, engine, inbox, outbox
-        self.store = kvstate.connect(cfg.url, cfg.namespace, cfg.room_ttl)
+        self.store = kvstate.connect(cfg.url, cfg.namespace, cfg.room_ttl, options=DEMO_OPTIONS)
         self.round_trips = _count_round_trips(self.store)
         self.pool = Pool(cfg, seed=zlib.crc32(engine.encode()))
         self.transport: UCXTransport = UCXTransport()

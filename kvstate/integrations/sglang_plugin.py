@@ -7,38 +7,16 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from kvstate.errors import KVStateError
+from kvstate.integrations.sglang_release import (
+    BACKEND,
+    SUPPORTED_SGLANG,
+    UnsupportedSGLangError,
+    check_version,
+)
 
-BACKEND = "kvstate"
-# Exact releases whose interfaces the backend was tested against.
-SUPPORTED_SGLANG = ("0.5.23",)
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
-
-
-class UnsupportedSGLangError(KVStateError):
-    """The installed SGLang is not a release this backend was tested with."""
-
-
-def check_version(found: str | None = None) -> str:
-    """Return the SGLang version, or raise naming the supported ones."""
-    if found is None:
-        try:
-            found = version("sglang")
-        except PackageNotFoundError:
-            raise UnsupportedSGLangError(
-                "SGLang is not installed: pip install 'kvstate[sglang]' "
-                f"sglang=={SUPPORTED_SGLANG[-1]}"
-            ) from None
-    if found not in SUPPORTED_SGLANG:
-        raise UnsupportedSGLangError(
-            f"kvstate's SGLang backend supports sglang {', '.join(SUPPORTED_SGLANG)}; found "
-            f"{found}. Install a supported release (pip install sglang=={SUPPORTED_SGLANG[-1]}) "
-            "or use another --disaggregation-transfer-backend"
-        )
-    return found
 
 
 def plugin() -> None:

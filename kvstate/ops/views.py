@@ -237,6 +237,7 @@ class RoomView:
     acks: dict[str, list[str]]  # receiver -> senders that acked
     aborted: str | None = None  # the abort mark's reason, if the room was aborted
     aborted_ttl_ms: int | None = None
+    traced: bool = False  # the room has a trace (kvstate trace ROOM), even once cleared
 
     @property
     def empty(self) -> bool:
@@ -273,6 +274,7 @@ class RoomView:
             "aborted": None
             if self.aborted is None
             else {"reason": self.aborted, "ttl_ms": self.aborted_ttl_ms},
+            "traced": self.traced,
         }
 
 
@@ -323,9 +325,10 @@ def room_view(store: Store, room: int) -> RoomView:
     calls = [store.read_hash(k.xfer(room, s)) for s in sender_list]
     calls += [store.acks_of(room, r) for r in receiver_list]
     calls += store.abort_mark(room)
+    calls.append(store.key_exists(k.trace(room)))
     raw = store.execute(calls)
-    mark, mark_ttl = raw[-2:]
-    raw = raw[:-2]
+    mark, mark_ttl, traced = raw[-3:]
+    raw = raw[:-3]
     infos = {
         s: _decode_infos(k.xfer(room, s), h)
         for s, h in zip(sender_list, raw[: len(sender_list)], strict=True)
@@ -339,7 +342,15 @@ def room_view(store: Store, room: int) -> RoomView:
     parts.sort(key=lambda p: (p.side != "tx", p.engine))
     aborted = None if mark is None else mark.decode("utf-8", "replace")
     return RoomView(
-        room, now, members, parts, infos, acks, aborted, None if mark is None else int(mark_ttl)
+        room,
+        now,
+        members,
+        parts,
+        infos,
+        acks,
+        aborted,
+        None if mark is None else int(mark_ttl),
+        bool(traced),
     )
 
 

@@ -20,6 +20,18 @@ local F_INCARNATION = 'incarnation'
 local F_HOST = 'host'
 local F_PID = 'pid'
 local F_CREATED_MS = 'created_ms'
+-- the room trace's fields and events (besides the status names)
+local F_TRACE_MS = 'ms'
+local F_TRACE_SIDE = 'side'
+local F_TRACE_ENGINE = 'engine'
+local F_TRACE_EVENT = 'event'
+local F_TRACE_PEER = 'peer'
+local F_TRACE_WAS = 'was'
+local F_EV_CREATED = 'created'
+local F_EV_BOUND = 'bound'
+local F_EV_PUBLISHED = 'published'
+local F_EV_ABORT = 'abort'
+local F_EV_CLEARED = 'cleared'
 
 local RANK = {Failed = 0, Bootstrapping = 1, WaitingForInput = 2, Transferring = 3, Success = 4}
 
@@ -93,4 +105,42 @@ local function read_status(key)
   if not h[1] then return {'', 'missing'} end
   rank_of(key, h[1])
   return {h[1], h[2] or ''}
+end
+
+-- The room trace (kvstate/trace.py). Every room script is called with the room's trace
+-- list as its LAST key and the trace TTL in ms as its LAST argument: > 0 the room is
+-- traced; 0 it is not (nothing written); < 0 append only to a trace that exists (an
+-- abort by a process that does not trace the room, a clear). take_trace() takes both off
+-- KEYS and ARGV, first thing, so that the script reads its lists as its header says.
+local tracing = nil
+local function take_trace()
+  tracing = {table.remove(KEYS), tonumber(table.remove(ARGV)) or 0}
+end
+
+-- Append one entry (a JSON object) to the room's trace, if it is traced: the server
+-- clock in ms (design rule 9), who (tx/rx and engine, read from the participant key
+-- `key`; nil for the room itself), the event, then field, value pairs (a nil value drops
+-- its pair). Each call refreshes the list's TTL, so the trace outlives its room. Called
+-- after every read that can raise (bad input writes nothing, design rule 7) and, where
+-- the script allows, after its own writes (at maxmemory the state write is refused).
+local function trace(key, event, ...)
+  local ttl = tracing[2]
+  if ttl == 0 then return end
+  local side, engine = nil, nil
+  if key then side, engine = string.match(key, '}:([tr]x):(.*)$') end
+  local entry = {[F_TRACE_MS] = now_ms(), [F_TRACE_SIDE] = side or '',
+    [F_TRACE_ENGINE] = engine or '', [F_TRACE_EVENT] = event}
+  for i = 1, select('#', ...), 2 do
+    local name, value = select(i, ...)
+    if value ~= nil then entry[name] = value end
+  end
+  if ttl < 0 then
+    if redis.call('RPUSHX', tracing[1], cjson.encode(entry)) == 0 then return end
+  else
+    redis.call('RPUSH', tracing[1], cjson.encode(entry))
+  end
+  if not tracing[3] then  -- the TTL once per script call: its entries share its clock
+    redis.call('PEXPIRE', tracing[1], math.abs(ttl))
+    tracing[3] = true
+  end
 end

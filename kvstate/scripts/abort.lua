@@ -12,7 +12,10 @@
 -- ARGV[2] reason (unless the room already failed: its first reason stays)
 -- ARGV[3] the failure mark's ttl in ms
 -- ARGV[3+i] parts member i, as the caller read it
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
+--         _lib.lua): after the participants, taken off first, so the lists above hold
 -- Returns the number of participants moved to Failed, or -1.
+take_trace()
 local parts = KEYS[1]
 local n = #KEYS - 2
 if redis.call('HLEN', parts) ~= n then return -1 end
@@ -43,8 +46,11 @@ local failed = 0
 for i = 1, n do
   if statuses[i] and statuses[i] ~= 'Failed' then
     set_status(KEYS[2 + i], 'Failed', now, ARGV[1], reason)
+    trace(KEYS[2 + i], F_EV_ABORT, F_STATUS, 'Failed', F_REASON, reason,
+      F_TRACE_WAS, statuses[i])
     failed = failed + 1
   end
 end
 if failed > 0 then touch(parts, ARGV[1]) end
+if failed == 0 then trace(nil, F_EV_ABORT, F_REASON, reason) end
 return failed

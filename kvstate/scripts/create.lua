@@ -14,8 +14,10 @@
 -- ARGV[2] parts member (tx:<engine> | rx:<engine>)
 -- ARGV[3..] field, value pairs (addr, peers, timeouts, peer bindings); side and
 --           engine are in the key name, not repeated in the hash
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns {status, reason}, or for a new sender in WaitingForInput
 -- {status, reason, {field, value, ...}, 0} (poll.lua's answer: infos at version 0).
+take_trace()
 local key = KEYS[1]
 local ttl = ARGV[1]
 if redis.call('EXISTS', key) == 1 then return read_status(key) end
@@ -44,5 +46,6 @@ redis.call('HSET', key, unpack(fields))
 redis.call('PEXPIRE', key, ttl)
 redis.call('HSET', KEYS[2], ARGV[2], now)
 redis.call('PEXPIRE', KEYS[2], ttl)
+trace(key, F_EV_CREATED, F_STATUS, status, F_REASON, reason)
 if status == 'WaitingForInput' then return {status, '', redis.call('HGETALL', KEYS[4]), 0} end
 return {status, reason or ''}

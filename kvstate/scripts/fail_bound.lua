@@ -14,7 +14,9 @@
 --         is bound to some engine there)
 -- ARGV[4] peer incarnation, or '' for any
 -- ARGV[5] the failure mark's ttl in ms
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns 1 if it failed the participant, else 0.
+take_trace()
 local key = KEYS[1]
 local h = redis.call('HMGET', key, F_STATUS, F_PEER_PREFIX .. ARGV[3])
 if not h[1] then return 0 end
@@ -27,4 +29,5 @@ end
 set_status(key, 'Failed', now_ms(), ARGV[1], ARGV[2])
 touch(KEYS[2], ARGV[1])
 mark_room(KEYS[3], ARGV[2], ARGV[5])
+trace(key, 'Failed', F_REASON, ARGV[2])
 return 1

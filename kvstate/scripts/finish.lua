@@ -16,7 +16,10 @@
 -- ARGV[2] sender engine (the member added to each acks set)
 -- ARGV[3] the failure mark's ttl in ms
 -- ARGV[3+j] receiver j's engine (named in a reason)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
+--         _lib.lua): after the receivers, taken off first, so the lists above hold
 -- Returns the sender's {status, reason}; status '' means missing.
+take_trace()
 local tx = KEYS[1]
 local ttl = ARGV[1]
 local cur = read_status(tx)
@@ -49,10 +52,14 @@ if why then
   set_status(tx, 'Failed', now_ms(), ttl, why)
   touch(KEYS[2], ttl)
   mark_room(KEYS[3], why, ARGV[3])
+  trace(tx, 'Failed', F_REASON, why)
   return {'Failed', why}
 end
 if cur[1] ~= 'Transferring' and cur[1] ~= 'Success' then return cur end
-if cur[1] ~= 'Success' then set_status(tx, 'Success', now_ms(), ttl, nil) end
+if cur[1] ~= 'Success' then
+  set_status(tx, 'Success', now_ms(), ttl, nil)
+  trace(tx, 'Success')
+end
 if cur[1] == 'Success' then redis.call('PEXPIRE', tx, ttl) end
 touch(KEYS[2], ttl)
 for _, w in ipairs(waiting) do
@@ -60,6 +67,7 @@ for _, w in ipairs(waiting) do
   redis.call('PEXPIRE', w[2], ttl)
   if w[3] >= 1 and acked >= w[3] then
     set_status(w[1], 'Success', now_ms(), ttl, nil)
+    trace(w[1], 'Success')
   end
 end
 return {'Success', ''}

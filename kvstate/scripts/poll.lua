@@ -14,8 +14,11 @@
 -- ARGV[2] the infos version the caller holds (with KEYS[4]): the infos are returned
 --         only when the sender's infos_v (bumped by publish.lua) differs from it
 -- ARGV[3] the failure mark's ttl in ms
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
+--         _lib.lua): after the mark's key and TTL, so KEYS[4] stays optional
 -- Returns {status, reason, {field, value, ...}, version}; status '' means missing;
 -- version is -1 when no infos were returned.
+take_trace()
 local key = KEYS[1]
 local h = redis.call('HMGET', key, F_STATUS, F_REASON, F_SINCE_MS,
   F_BOOTSTRAP_TIMEOUT_MS, F_WAITING_TIMEOUT_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS)
@@ -49,6 +52,7 @@ if mark or timed_out then
   set_status(key, status, now_ms(), ARGV[1], reason)
   touch(KEYS[2], ARGV[1])
   if timed_out then mark_room(KEYS[3], reason, ARGV[3]) end
+  trace(key, 'Failed', F_REASON, reason)
   return {status, reason, {}, -1}
 end
 local infos, version = {}, -1

@@ -22,7 +22,10 @@
 -- ARGV[4] senders required, written if the receiver has none yet (0: not known yet)
 -- ARGV[5] the failure mark's ttl in ms
 -- ARGV[4+2i], ARGV[5+2i] sender i's engine and the incarnation to bind
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
+--         _lib.lua): after the senders, taken off first, so the lists above hold
 -- Returns the receiver's {status, reason}; status '' means missing.
+take_trace()
 local rx = KEYS[1]
 local ttl = ARGV[1]
 local n = (#KEYS - 3) / 2
@@ -43,12 +46,14 @@ local function put(field, value)
 end
 local bound = tonumber(h[3]) or 0
 local held = {}  -- the incarnation each sender is bound at, after this call
+local newly = {}  -- senders bound by this call, traced once every read is done
 for i = 1, n do
   held[i] = h[4 + i]
   if not held[i] then
     held[i] = ARGV[5 + 2 * i]
     put(want[4 + i], held[i])
     bound = bound + 1
+    newly[#newly + 1] = i
   end
 end
 if #writes > 0 then put(F_BOUND, bound) end
@@ -58,8 +63,17 @@ if required > 0 and peers < 1 then
   peers = required
   put(F_PEERS, required)
 end
+-- the bindings' trace entries, once, after the reads that can fail (a corrupt or
+-- mistyped key raises, and must leave nothing written: design rule 7)
+local function trace_bound()
+  for _, i in ipairs(newly) do
+    trace(rx, F_EV_BOUND, F_TRACE_PEER, ARGV[4 + 2 * i], F_INCARNATION, held[i])
+  end
+  newly = {}
+end
 -- the receiver's writes, TTLs refreshed; `status`: a new status to record with them
 local function finish_rx(status, reason)
+  trace_bound()
   if status then
     put(F_STATUS, status)
     put(F_SINCE_MS, now_ms())
@@ -87,17 +101,20 @@ end
 if why then
   finish_rx('Failed', why)
   mark_room(KEYS[3], why, ARGV[5])
+  trace(rx, 'Failed', F_REASON, why)
   return {'Failed', why}
 end
 if ARGV[3] == '' then
   finish_rx(nil, nil)
   return cur
 end
+trace_bound()
 for i = 1, n do
   local tx, xfer = KEYS[2 * i + 2], KEYS[2 * i + 3]
   if held[i] == ARGV[5 + 2 * i] then
     redis.call('HSET', xfer, ARGV[2], ARGV[3])
     redis.call('PEXPIRE', xfer, ttl)
+    trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, ARGV[4 + 2 * i])
     local t = senders[i]
     if t[1] then
       local fields = {F_INFOS_V, (tonumber(t[4]) or 0) + 1}
@@ -107,12 +124,16 @@ for i = 1, n do
         fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_ms()
       end
       redis.call('HSET', tx, unpack(fields))
-      if ready then redis.call('PEXPIRE', tx, ttl) end
+      if ready then
+        redis.call('PEXPIRE', tx, ttl)
+        trace(tx, 'WaitingForInput')
+      end
     end
   end
 end
 if RANK[cur[1]] < 2 and peers >= 1 and bound >= peers then
   finish_rx('WaitingForInput', nil)
+  trace(rx, 'WaitingForInput')
   return {'WaitingForInput', cur[2]}
 end
 finish_rx(nil, nil)

@@ -11,7 +11,9 @@
 -- ARGV[2] reason (recorded when the new status is Failed)
 -- ARGV[3] ttl in ms, refreshed whenever the status changes
 -- ARGV[4] the failure mark's ttl in ms
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns {status, reason} after the update; status '' means missing.
+take_trace()
 local key = KEYS[1]
 local new = RANK[ARGV[1]]
 if new == nil then return redis.error_reply('ERR unknown status ' .. tostring(ARGV[1])) end
@@ -24,11 +26,13 @@ if new == 0 or (mark and new > RANK[cur[1]]) then
   set_status(key, 'Failed', now_ms(), ARGV[3], reason)
   touch(KEYS[2], ARGV[3])
   mark_room(KEYS[3], reason, ARGV[4])
+  trace(key, 'Failed', F_REASON, reason)
   return {'Failed', reason}
 end
 if new > RANK[cur[1]] then
   set_status(key, ARGV[1], now_ms(), ARGV[3], nil)
   touch(KEYS[2], ARGV[3])
+  trace(key, ARGV[1])
   return {ARGV[1], cur[2]}
 end
 return cur

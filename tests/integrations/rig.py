@@ -711,7 +711,11 @@ def mirror(sg: SimpleNamespace, url: str) -> dict[str, Any]:
             )
         tx.send(np.arange(3))
         seen += [int(tx.poll()), int(rx.poll())]
-        keys = sorted(k.split(":", 2)[2] for k in store.scan(store.keys.room_prefix(room) + "*"))
+        keys = sorted(
+            k.split(":", 2)[2]
+            for k in store.scan(store.keys.room_prefix(room) + "*")
+            if not k.endswith("}:trace")  # kept after clear on purpose (kvstate.trace)
+        )
         phases.append(
             {"seen": seen, "keys": keys, "tx_error": error_of(tx), "rx_error": error_of(rx)}
         )

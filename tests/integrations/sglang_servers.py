@@ -282,15 +282,15 @@ class Deployment:
             return sorted(k.decode() for k in c.scan_iter("*"))
 
     def room_keys(self) -> list[str]:
-        """Everything but the engines' own registrations and rooms' failure marks, which
-        outlive clear() on purpose (docs/design.md): each must have its TTL."""
+        """Everything but the engines' own registrations and rooms' failure marks and
+        traces, which outlive clear() on purpose (docs/design.md): each must have its TTL."""
         import redis
 
         keys = [k for k in self.keys() if ":engine:" not in k and ":engines_at:" not in k]
-        marks = [k for k in keys if k.endswith("}:aborted")]
+        kept = [k for k in keys if k.endswith(("}:aborted", "}:trace"))]
         with redis.Redis.from_url(self.redis_url) as c:
-            assert all(c.pttl(k) > 0 for k in marks), marks
-        return [k for k in keys if k not in marks]
+            assert all(c.pttl(k) > 0 for k in kept), kept
+        return [k for k in keys if k not in kept]
 
     def logs(self) -> str:
         return "\n".join(p.log.read_text(errors="replace") for p in self.procs() if p.log.exists())

@@ -158,15 +158,15 @@ def settle(p: Engine, d: Engine, max_steps: int = 400) -> None:
 
 
 def room_keys(url: str) -> list[str]:
-    """Every room key in Redis (engine registrations aside) but rooms' failure marks,
-    which outlive clear() on purpose (docs/design.md): each must have its TTL."""
+    """Every room key in Redis (engine registrations aside) but rooms' failure marks and
+    traces, which outlive clear() on purpose (docs/design.md): each must have its TTL."""
     import redis
 
     with redis.Redis.from_url(url) as c:
         keys = sorted(k.decode() for k in c.scan_iter("kvstate:*{*"))
-        marks = [k for k in keys if k.endswith("}:aborted")]
-        assert all(c.pttl(k) > 0 for k in marks), marks
-    return [k for k in keys if k not in marks]
+        kept = [k for k in keys if k.endswith(("}:aborted", "}:trace"))]
+        assert all(c.pttl(k) > 0 for k in kept), kept
+    return [k for k in keys if k not in kept]
 
 
 def ask(p: Engine, d: Engine, rid: str, prompt: list[int], n: int) -> None:

@@ -23,7 +23,7 @@ from kvstate.integrations.sglang.spaces import (
     UnsupportedLayoutError,
     _default_memory,
 )
-from kvstate.integrations.sglang_plugin import check_version
+from kvstate.integrations.sglang_release import check_version
 from kvstate.manager import KVManager
 from kvstate.poll import KVPoll
 from kvstate.roles import KVReceiver, KVSender

@@ -1,0 +1,164 @@
+"""A room's trace read back as a timeline: each step with the time since the one before,
+and the room's named phases (``kvstate trace ROOM``).
+
+The steps come from the list the scripts write (kvstate.trace); their times are the
+Redis server's clock, so the gaps compare steps taken by different
+hosts without comparing their clocks (design rule 9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstate import schema
+from kvstate.store import Store
+from kvstate.trace import TraceEntry
+
+TERMINAL_FAILURE = ("Failed", schema.EV_ABORT)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of the room's life between two milestones (server ms)."""
+
+    name: str
+    start_ms: int
+    end_ms: int
+
+    @property
+    def ms(self) -> int:
+        return self.end_ms - self.start_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "ms": self.ms, "from_ms": self.start_ms, "to_ms": self.end_ms}
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Everything ``kvstate trace`` prints about one room."""
+
+    room: int
+    entries: list[TraceEntry]
+    ttl_ms: int | None  # PTTL of the trace list
+
+    @property
+    def empty(self) -> bool:
+        return not self.entries
+
+    @property
+    def start_ms(self) -> int:
+        return self.entries[0].ms if self.entries else 0
+
+    @property
+    def total_ms(self) -> int:
+        return self.entries[-1].ms - self.entries[0].ms if self.entries else 0
+
+    def deltas(self) -> list[int | None]:
+        """Each step's time since the step before (None for the first)."""
+        if not self.entries:
+            return []
+        out: list[int | None] = [None]
+        out += [b.ms - a.ms for a, b in zip(self.entries, self.entries[1:], strict=False)]
+        return out
+
+    def _first(self, side: str | None, *events: str) -> TraceEntry | None:
+        return next((e for e in self.entries if _is(e, side, events)), None)
+
+    def _last(self, side: str | None, *events: str) -> TraceEntry | None:
+        return next((e for e in reversed(self.entries) if _is(e, side, events)), None)
+
+    @property
+    def failure(self) -> TraceEntry | None:
+        """The first step that failed a participant (a Failed status or an abort)."""
+        return self._first(None, *TERMINAL_FAILURE)
+
+    @property
+    def outcome(self) -> str:
+        """Success, Failed (with the first reason), in flight, or cleared early."""
+        fail = self.failure
+        if fail is not None:
+            return f"Failed: {fail.fields.get(schema.REASON, '') or fail.event}"
+        if self._last("rx", "Success") or self._last("tx", "Success"):
+            return "Success"
+        if self._last(None, schema.EV_CLEARED):
+            return "cleared before Success"
+        return "in flight"
+
+    def phases(self) -> list[Phase]:
+        """The room's phases, each from one milestone to the next: bootstrap (the first
+        step -> the last sender holds every receiver's transfer info: WaitingForInput),
+        waiting for input (-> the first sender Transferring: the prefill computing),
+        transfer (-> the last Success), until clear (-> the last cleared). A failure
+        ends the phase it fell in ("transfer until failure"); a room still in flight
+        has the phases it reached."""
+        if not self.entries:
+            return []
+        ready = self._last("tx", "WaitingForInput")
+        for e in self.entries:  # a sender created after every receiver published
+            waiting = e.side == "tx" and e.fields.get(schema.STATUS) == "WaitingForInput"
+            if waiting and (ready is None or _after(e, ready)):
+                ready = e
+        ready = ready or self._last("rx", "WaitingForInput")
+        marks = [
+            ("bootstrap", ready),
+            ("waiting for input", self._first("tx", "Transferring")),
+            ("transfer", self._last("rx", "Success") or self._last("tx", "Success")),
+        ]
+        fail = self.failure
+        out: list[Phase] = []
+        at = self.entries[0]
+        for name, mark in marks:
+            if fail is not None and (mark is None or _after(mark, fail)):
+                out.append(Phase(f"{name} until failure", at.ms, fail.ms))
+                at = fail
+                break
+            if mark is None:
+                break
+            out.append(Phase(name, at.ms, mark.ms))
+            at = mark
+        cleared = self._last(None, schema.EV_CLEARED)
+        if cleared is not None and _after(cleared, at):
+            out.append(Phase("until clear", at.ms, cleared.ms))
+        return out
+
+    def summary(self) -> str:
+        """One line: outcome, total, each phase's time."""
+        if not self.entries:
+            return f"room {self.room}: no trace"
+        parts = ", ".join(f"{p.name} {p.ms} ms" for p in self.phases())
+        return (
+            f"room {self.room}: {self.outcome}; {self.total_ms} ms from first to last step"
+            + (f": {parts}" if parts else "")
+            + f"; {len(self.entries)} steps"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        steps = []
+        for e, delta in zip(self.entries, self.deltas(), strict=True):
+            steps.append({**e.to_json(), "delta_ms": delta, "since_start_ms": e.ms - self.start_ms})
+        return {
+            "room": self.room,
+            "outcome": self.outcome if self.entries else None,
+            "total_ms": self.total_ms,
+            "phases": [p.to_json() for p in self.phases()],
+            "steps": steps,
+            "ttl_ms": self.ttl_ms,
+        }
+
+
+def _is(e: TraceEntry, side: str | None, events: tuple[str, ...]) -> bool:
+    return (side is None or e.side == side) and e.event in events
+
+
+def _after(a: TraceEntry, b: TraceEntry) -> bool:
+    """Whether step ``a`` came after step ``b`` (the trace's order)."""
+    return (a.ms, a.seq) > (b.ms, b.seq)
+
+
+def read_timeline(store: Store, room: int) -> Timeline:
+    """The room's trace and its TTL, in one round trip (one slot)."""
+    key = store.keys.trace(room)
+    raw, ttl = store.execute([store.trace_entries(room), store.key_ttl(key)])
+    entries = TraceEntry.parse_all(raw or [])
+    return Timeline(room, entries, int(ttl) if entries else None)

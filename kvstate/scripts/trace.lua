@@ -1,0 +1,10 @@
+-- trace.lua: one entry in a room's trace for an event that no other script makes: a
+-- participant's clear (plain DEL/HDEL in the clear's MULTI/EXEC, where this call rides:
+-- no round trip of its own). Appends only to a trace that exists (a participant that
+-- never ran a script left none), with the server clock like every entry.
+-- KEYS[1] the participant hash (named in the entry, never read: it is being deleted)
+-- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- Returns 1.
+take_trace()
+trace(KEYS[1], F_EV_CLEARED)
+return 1

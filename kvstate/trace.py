@@ -1,0 +1,107 @@
+"""The room trace: which rooms are traced, and what a trace entry holds.
+
+A traced room's every transition (created, bound, published, each status, abort,
+cleared) is appended by the script that makes it to the list
+``kvstate:<ns>:{<room>}:trace`` (``Keys.trace``), one JSON object per entry stamped
+with the Redis server's clock (design rule 9). The list is not deleted by ``clear()``:
+it keeps its own TTL (``Options.trace_ttl``), refreshed by each entry, so an operator
+can ask after the fact where a request's transfer spent its time (``kvstate trace
+ROOM``). A list, not a stream: Redis 7 preallocates a stream's first node (4 KiB), so a
+10-entry stream took 4.7 KB where the list takes under 1 KB. Its length is bounded by
+the room (a few entries per participant and binding), so it needs no cap.
+docs/design.md, Data model, says more.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstate import schema
+
+_MASK = 2**64 - 1
+
+
+def _mix(room: int) -> int:
+    """SplitMix64's finalizer: a 64-bit integer hash, the same in every process and
+    language (Python's ``hash()`` is salted per process), that spreads consecutive
+    room ids evenly."""
+    z = (room + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def sampled(room: int, rate: float) -> bool:
+    """Whether ``room`` is traced at ``rate`` (in [0, 1]): a pure function of the room
+    id, so the prefill and decode sides of a room (and ``kvstate trace``) agree
+    without talking to each other when they run at the same rate."""
+    if rate >= 1:
+        return True
+    if rate <= 0:
+        return False
+    return _mix(room) < rate * 2**64
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One entry of a room's trace: ``ms`` the server clock, ``seq`` its order among
+    the entries of that ms; ``side`` tx / rx ('' for the room itself: an abort that
+    found nobody), ``engine`` the participant's engine, ``event`` one of created,
+    bound, published, a status name (WaitingForInput, Transferring, Success, Failed),
+    abort, cleared; ``fields`` the rest (status, reason, peer, incarnation, was)."""
+
+    ms: int
+    seq: int
+    side: str
+    engine: str
+    event: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{self.ms}-{self.seq}"
+
+    @classmethod
+    def parse_all(cls, raw: list[Any]) -> list[TraceEntry]:
+        """The entries of an LRANGE of the trace, in order; an entry that does not
+        parse (no kvstate code wrote it) is kept as an event named ``unreadable``."""
+        out: list[TraceEntry] = []
+        for item in raw:
+            e = cls.parse(item)
+            seq = out[-1].seq + 1 if out and out[-1].ms == e.ms else 0
+            out.append(cls(e.ms, seq, e.side, e.engine, e.event, e.fields))
+        return out
+
+    @classmethod
+    def parse(cls, raw: Any) -> TraceEntry:
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict):
+                raise ValueError(text)
+            fields = {str(k): _text(v) for k, v in doc.items()}
+            ms = int(doc.get(schema.TRACE_MS, 0))
+        except ValueError:
+            return cls(0, 0, "", "", "unreadable", {"raw": text[:200]})
+        fields.pop(schema.TRACE_MS, None)
+        side = fields.pop(schema.TRACE_SIDE, "")
+        engine = fields.pop(schema.TRACE_ENGINE, "")
+        event = fields.pop(schema.TRACE_EVENT, "")
+        return cls(ms, 0, side, engine, event, fields)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ms": self.ms,
+            "side": self.side,
+            "engine": self.engine,
+            "event": self.event,
+            **self.fields,
+        }
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return value if isinstance(value, str) else str(value)
