@@ -238,7 +238,7 @@ def measure(url: str, server: RedisProcess | RedisCluster, n: int, batch: int) -
         out["room_memory_bytes"] = mem["used_memory_bytes_per_room"]
         out["room_memory_usage_bytes"], out["room_keys"] = (
             mem["memory_usage_bytes_per_room"],
-            len(mem["keys"]),
+            len(mem["keys"]) - ("trace" in mem["keys"]),
         )
     store.close()
     for c in nodes:
@@ -413,7 +413,10 @@ def held_room_memory(
     pages, 19-digit room ids), in one run: what the rooms cost the server. MEMORY
     USAGE of a room's keys (beside it) leaves out their expiry entries, the key dicts'
     buckets and the room's member of its address tracker. Beside the slope, those
-    parts' own slopes and each key of one held room: MEMORY USAGE, encoding, fields."""
+    parts' own slopes and each key of one held room: MEMORY USAGE, encoding, fields.
+    A room's trace (kept for the share Options.trace_rate of rooms) is in the slope at
+    that share (keys_per_room shows it), listed with the keys when this room has one,
+    and left out of the MEMORY USAGE sum, which is a room's state."""
     base, held = HELD_ROOM_BASE, 0
     samples: list[dict[str, float]] = []
     tracker = store.keys.addr(p.bootstrap_addr)
@@ -454,8 +457,8 @@ def held_room_memory(
         "held_rooms": list(counts),
         "used_memory": [int(lo["used_memory"]), int(hi["used_memory"])],
         "used_memory_bytes_per_room": slope("used_memory"),
-        "memory_usage_bytes_per_room": sum(k["bytes"] for k in keys.values()),
-        "keys_per_room": slope("keys"),
+        "memory_usage_bytes_per_room": sum(v["bytes"] for k, v in keys.items() if k != "trace"),
+        "keys_per_room": round((hi["keys"] - lo["keys"]) / rooms, 3),
         "key_and_expiry_dicts_bytes_per_room": slope("hashtables"),
         "address_tracker_bytes_per_room": slope("address_tracker"),
         "client_buffers_bytes_per_room": slope("client_buffers"),
