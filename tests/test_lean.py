@@ -141,7 +141,19 @@ def test_bench_quick_reports_every_figure() -> None:
             step = r["round_trips_per_step"][n]
             nodes = 3 if deployment == "cluster3" else 1
             assert step["poll_many"] <= nodes and step["begin_many"] <= nodes, step
-    assert "ping_raw_tcp_per_s" in res["standalone"]
+    for deployment in ("standalone", "cluster3"):  # memory per in-flight room
+        mem = res[deployment]["room_memory"]
+        assert res[deployment]["room_memory_bytes"] == mem["used_memory_bytes_per_room"] > 0
+        assert mem["memory_usage_bytes_per_room"] == res[deployment]["room_memory_usage_bytes"]
+        assert res[deployment]["room_keys"] == len(set(mem["keys"]) - {"trace"}) == 4
+        assert mem["keys_per_room"] >= 4, mem
+        assert {"tx", "rx", "xfer", "parts"} <= set(mem["keys"]), mem["keys"]
+    standalone = res["standalone"]
+    assert "ping_raw_tcp_per_s" in standalone
+    for kind in ("single", "batched"):  # the PING bound sampled in each round
+        low, high = standalone[f"{kind}_ratio_to_ping_bound_unix_range"]
+        assert 0 < low <= standalone[f"{kind}_ratio_to_ping_bound_unix"] <= high
+    assert standalone["ping_rounds"] >= 8
     assert "scale_out_3_vs_1" in res
     for deployment in ("standalone", "cluster3_with_replicas"):  # durable mode's cost
         r = res["durable"][deployment]

@@ -5,11 +5,13 @@ One run, on private redis-servers it starts, prints (ratios are taken within the
 so a busy machine moves them less than the absolute figures):
 
 - the PING bound: redis-py ``ping()`` over a unix socket, and a raw ``PING`` over TCP
-  (a plain socket, no client library), in round trips per second;
+  (a plain socket, no client library), in round trips per second, sampled in each of
+  8-20 rounds that alternate with the workload's (median and range);
 - lifecycles/s, single (one room at a time: KVReceiver/KVSender calls) and batched
   (``--batch`` rooms per step: init_many, poll_many, begin_many, finish_many,
-  clear_many), each against the bound = PING/s / round trips of one single lifecycle
-  (target: batched >= 1.0x per client process);
+  clear_many), each against the bound = PING/s / round trips of one single lifecycle,
+  as the median (and range) of the rounds' ratios, each round against its own PING
+  sample (target: batched >= 1.0x per client process);
 - Redis command us per lifecycle (INFO commandstats delta; target <= 100) and Redis CPU
   us per lifecycle (INFO cpu, used_cpu_sys + used_cpu_user delta);
 - us per call of each script and of MULTI/EXEC (SLOWLOG at threshold 0, a separate pass);
@@ -19,7 +21,9 @@ so a busy machine moves them less than the absolute figures):
   with clients enough, which a small machine cannot run);
 - round trips per scheduler step (poll_many, begin_many, finish_many, clear_many of every
   in-flight room) with 1, 64 and 256 rooms in flight;
-- Redis memory per in-flight room (4096 contiguous pages; target <= 1 KiB);
+- Redis memory per in-flight room (4096 contiguous pages; target <= 1 KiB): the slope of
+  INFO used_memory between 1,024 and 4,096 rooms held in WaitingForInput, with MEMORY
+  USAGE of one room's keys beside it and the parts of the slope;
 - durable mode (``?durable=true``: Success and aborts confirmed by a replica with WAIT)
   against plain mode on the same primaries with one replica each, alternated in the
   same run: round trips per lifecycle, Redis us per lifecycle (commands, and CPU of the
@@ -213,36 +217,29 @@ def measure(url: str, server: RedisProcess | RedisCluster, n: int, batch: int) -
             out[f"round_trips_per_{batch}_batched_lifecycles"] = batch_trips
             out["round_trips_per_step"] = step_trips(p, d)
 
-        cost = RedisCost(nodes)
-        with cost.measuring():
-            t0 = time.perf_counter()
-            for i in range(n):
-                lifecycle(p, d, 100_000 + i, pages)
-            single_rate = n / (time.perf_counter() - t0)
-        out["single_redis_cmd_us_per_lifecycle"] = round(sum(cost.cmd_us) / n, 1)
-        out["single_redis_cpu_us_per_lifecycle"] = round(sum(cost.cpu_us) / n, 1)
-        out["single_redis_commands_per_lifecycle"] = round(sum(cost.calls) / n, 1)
+        rounds = workload_rounds(server, nodes, p, d, pages, n, batch, trips)
+        single, batched = rounds.pop("single"), rounds.pop("batched")
         nb = max(n // batch, 1)
-        with cost.measuring():
-            t0 = time.perf_counter()
-            for b in range(nb):
-                batch_lifecycles(p, d, range(300_000 + b * batch, 300_000 + (b + 1) * batch), pages)
-            batch_rate = nb * batch / (time.perf_counter() - t0)
-        out["batched_redis_cmd_us_per_lifecycle"] = round(sum(cost.cmd_us) / (nb * batch), 1)
-        out["batched_redis_cpu_us_per_lifecycle"] = round(sum(cost.cpu_us) / (nb * batch), 1)
-        out["batched_redis_commands_per_lifecycle"] = round(sum(cost.calls) / (nb * batch), 1)
+        for kind, cost, count in (("single", single, n), ("batched", batched, nb * batch)):
+            out[f"{kind}_redis_cmd_us_per_lifecycle"] = round(sum(cost.cmd_us) / count, 1)
+            out[f"{kind}_redis_cpu_us_per_lifecycle"] = round(sum(cost.cpu_us) / count, 1)
+            out[f"{kind}_redis_commands_per_lifecycle"] = round(sum(cost.calls) / count, 1)
         out["batched_busiest_primary_cpu_us_per_lifecycle"] = round(
-            max(cost.cpu_us) / (nb * batch), 1
+            max(batched.cpu_us) / (nb * batch), 1
         )
+        out.update(rounds)
 
         def traced() -> None:
             for b in range(max(nb // 4, 2)):
                 batch_lifecycles(p, d, range(400_000 + b * batch, 400_000 + (b + 1) * batch), pages)
 
         out["script_us_per_call"] = script_costs(nodes, traced)
-        out["room_memory_bytes"], out["room_keys"] = room_memory(store, p, d, pages)
-    out["single_lifecycles_per_s"] = round(single_rate, 1)
-    out["batched_lifecycles_per_s"] = round(batch_rate, 1)
+        mem = out["room_memory"] = held_room_memory(store, nodes, p, d, pages)
+        out["room_memory_bytes"] = mem["used_memory_bytes_per_room"]
+        out["room_memory_usage_bytes"], out["room_keys"] = (
+            mem["memory_usage_bytes_per_room"],
+            len(mem["keys"]) - ("trace" in mem["keys"]),
+        )
     store.close()
     for c in nodes:
         c.close()
@@ -272,23 +269,201 @@ def step_trips(p: kvstate.KVManager, d: kvstate.KVManager) -> dict[str, dict[str
     return out
 
 
-def room_memory(
-    store: Store, p: kvstate.KVManager, d: kvstate.KVManager, pages: np.ndarray
-) -> tuple[int, int]:
-    rcv = d.receiver(5, p.bootstrap_addr)
-    rcv.init(pages)
-    snd = p.sender(5)
-    snd.poll()
-    keys = list(store.scan(store.keys.room_prefix(5) + "*"))
-    memory = 0
-    for key in keys:
+# -- the PING bound, interleaved with the workload --------------------------------------------
+def _add_cost(total: RedisCost, block: RedisCost) -> None:
+    total.cmd_us = [a + b for a, b in zip(total.cmd_us, block.cmd_us, strict=True)]
+    total.cpu_us = [a + b for a, b in zip(total.cpu_us, block.cpu_us, strict=True)]
+    total.calls = [a + b for a, b in zip(total.calls, block.calls, strict=True)]
+
+
+def _median_range(values: list[float], digits: int) -> tuple[float, list[float]]:
+    return round(float(np.median(values)), digits), [
+        round(min(values), digits),
+        round(max(values), digits),
+    ]
+
+
+def workload_rounds(
+    server: RedisProcess | RedisCluster,
+    nodes: list[redis.Redis],
+    p: kvstate.KVManager,
+    d: kvstate.KVManager,
+    pages: np.ndarray,
+    n: int,
+    batch: int,
+    trips: int,
+) -> dict[str, Any]:
+    """``n`` single and ~``n`` batched lifecycles in short rounds; on a standalone server
+    each round also samples both PING bounds (as many PINGs as the round's single
+    lifecycles make round trips; PING first in every other round). Each round's
+    lifecycles/s is divided by its own bound and the median of those ratios is reported
+    with their range: a load swing on a shared host moves a round and its bound
+    together, where one PING sample after the workload moved the ratio with it.
+    Returns the Redis cost of each kind (RedisCost sums, PINGs left out) and the rates."""
+    rounds = max(8, min(20, n // 50))
+    per_round = [n // rounds + (r < n % rounds) for r in range(rounds)]
+    nb = max(n // batch, 1)
+    batches = [nb // rounds + (r < nb % rounds) for r in range(rounds)]
+    totals = {kind: RedisCost(nodes) for kind in ("single", "batched")}
+    block = RedisCost(nodes)
+    took: dict[str, list[float]] = {"single": [], "batched": []}
+    done: dict[str, list[int]] = {"single": [], "batched": []}
+    bounds: dict[str, list[float]] = {"unix": [], "raw_tcp": []}
+    room, broom = 100_000, 300_000
+
+    def sample_bounds(pings: int) -> None:
+        if isinstance(server, RedisProcess):
+            bounds["unix"].append(ping_unix(server, pings))
+            bounds["raw_tcp"].append(ping_raw_tcp(server.host, server.port, pings))
+
+    for r in range(rounds):
+        if r % 2 == 0:
+            sample_bounds(max(per_round[r] * trips, 300))
+        with block.measuring():
+            t0 = time.perf_counter()
+            for _ in range(per_round[r]):
+                lifecycle(p, d, room, pages)
+                room += 1
+            took["single"].append(time.perf_counter() - t0)
+        _add_cost(totals["single"], block)
+        with block.measuring():
+            t0 = time.perf_counter()
+            for _ in range(batches[r]):
+                batch_lifecycles(p, d, range(broom, broom + batch), pages)
+                broom += batch
+            took["batched"].append(time.perf_counter() - t0)
+        _add_cost(totals["batched"], block)
+        done["single"].append(per_round[r])
+        done["batched"].append(batches[r] * batch)
+        if r % 2 == 1:
+            sample_bounds(max(per_round[r] * trips, 300))
+    out: dict[str, Any] = dict(totals)
+    for kind in ("single", "batched"):
+        out[f"{kind}_lifecycles_per_s"] = round(sum(done[kind]) / sum(took[kind]), 1)
+    if not bounds["unix"]:
+        return out
+    out["ping_rounds"] = rounds
+    for name, key in (("unix", "ping_redis_py_unix_per_s"), ("raw_tcp", "ping_raw_tcp_per_s")):
+        out[key], out[f"{key}_range"] = _median_range(bounds[name], 1)
+        for kind in ("single", "batched"):
+            ratios = [
+                (k / t) / (bound / trips)
+                for k, t, bound in zip(done[kind], took[kind], bounds[name], strict=True)
+                if k
+            ]
+            stem = f"{kind}_ratio_to_ping_bound_{name}"
+            out[stem], out[f"{stem}_range"] = _median_range(ratios, 3)
+    return out
+
+
+# -- Redis memory per in-flight room ------------------------------------------------------------
+HELD_ROOMS = (1024, 4096)
+# Room ids of 19 digits, as engines draw them (random in [0, 2**63): the demo, SGLang):
+# every per-room key name and the tracker's member carry the id.
+HELD_ROOM_BASE = 2**62
+
+
+def _settled_used_memory(c: redis.Redis) -> int:
+    """INFO used_memory once the key dicts' incremental rehash is done: an expansion
+    allocates the new bucket array at once and frees the old one only at the end (the
+    server's cron finishes it in a few ticks), so the figure must hold still for 1 s."""
+    last, still = -1, 0
+    for _ in range(100):
+        used = int(c.info("memory")["used_memory"])
+        still = still + 1 if used == last else 0
+        if still == 10:
+            break
+        last = used
+        time.sleep(0.1)
+    return last
+
+
+def _memory_sample(store: Store, nodes: list[redis.Redis], tracker: str) -> dict[str, float]:
+    """used_memory, the keyspace's hash tables (MEMORY STATS: dict entries and bucket
+    arrays of the key and expiry dicts, the values' robj), the address tracker's MEMORY
+    USAGE, the clients' buffers (in used_memory, not the rooms': noise) and the key
+    count, summed over the primaries."""
+    node: Any = store.client
+    if store.cluster:
+        node = node.get_node_from_key(tracker).redis_connection
+    sample = {
+        "used_memory": float(sum(_settled_used_memory(c) for c in nodes)),
+        "client_buffers": float(sum(int(c.info("memory")["mem_clients_normal"]) for c in nodes)),
+        "address_tracker": float(node.memory_usage(tracker, samples=0) or 0),
+        "hashtables": 0.0,
+        "keys": float(sum(int(c.dbsize()) for c in nodes)),
+    }
+    for c in nodes:
+        db = c.memory_stats().get("db.0", {})
+        sample["hashtables"] += float(db.get("overhead.hashtable.main", 0))
+        sample["hashtables"] += float(db.get("overhead.hashtable.expires", 0))
+    return sample
+
+
+def held_room_memory(
+    store: Store,
+    nodes: list[redis.Redis],
+    p: kvstate.KVManager,
+    d: kvstate.KVManager,
+    pages: np.ndarray,
+    counts: tuple[int, int] = HELD_ROOMS,
+) -> dict[str, Any]:
+    """Redis memory per in-flight room as the slope of INFO used_memory between two
+    counts of rooms held in WaitingForInput (both sides published, 4096 contiguous
+    pages, 19-digit room ids), in one run: what the rooms cost the server. MEMORY
+    USAGE of a room's keys (beside it) leaves out their expiry entries, the key dicts'
+    buckets and the room's member of its address tracker. Beside the slope, those
+    parts' own slopes and each key of one held room: MEMORY USAGE, encoding, fields.
+    A room's trace (kept for the share Options.trace_rate of rooms) is in the slope at
+    that share (keys_per_room shows it), listed with the keys when this room has one,
+    and left out of the MEMORY USAGE sum, which is a room's state."""
+    base, held = HELD_ROOM_BASE, 0
+    samples: list[dict[str, float]] = []
+    tracker = store.keys.addr(p.bootstrap_addr)
+    for target in counts:
+        while held < target:
+            chunk = list(range(base + held, base + min(held + 256, target)))
+            for r in chunk:
+                d.receiver(r, p.bootstrap_addr)
+                p.sender(r)
+            d.init_many(dict.fromkeys(chunk, pages))
+            ready = p.poll_many(chunk)
+            assert set(ready.values()) == {kvstate.KVPoll.WaitingForInput}, ready
+            held += len(chunk)
+        samples.append(_memory_sample(store, nodes, tracker))
+    keys: dict[str, dict[str, Any]] = {}
+    for key in sorted(store.scan(store.keys.room_prefix(base) + "*")):
         node: Any = store.client
         if store.cluster:
             node = node.get_node_from_key(key).redis_connection
-        memory += int(node.memory_usage(key, samples=0) or 0)
-    snd.clear()
-    rcv.clear()
-    return memory, len(keys)
+        parsed = store.keys.parse_room_key(key)
+        keys[parsed.kind if parsed else key] = {
+            "bytes": int(node.memory_usage(key, samples=0) or 0),
+            "encoding": node.object("encoding", key).decode(),
+            "fields": int(node.hlen(key)) if node.type(key) == b"hash" else None,
+            "name_length": len(key),
+        }
+    for start in range(base, base + held, 256):
+        chunk = list(range(start, min(start + 256, base + held)))
+        p.clear_many(chunk)
+        d.clear_many(chunk)
+    lo, hi = samples
+    rooms = counts[1] - counts[0]
+
+    def slope(name: str) -> float:
+        return round((hi[name] - lo[name]) / rooms, 1)
+
+    return {
+        "held_rooms": list(counts),
+        "used_memory": [int(lo["used_memory"]), int(hi["used_memory"])],
+        "used_memory_bytes_per_room": slope("used_memory"),
+        "memory_usage_bytes_per_room": sum(v["bytes"] for k, v in keys.items() if k != "trace"),
+        "keys_per_room": round((hi["keys"] - lo["keys"]) / rooms, 3),
+        "key_and_expiry_dicts_bytes_per_room": slope("hashtables"),
+        "address_tracker_bytes_per_room": slope("address_tracker"),
+        "client_buffers_bytes_per_room": slope("client_buffers"),
+        "keys": keys,
+    }
 
 
 # -- client processes -----------------------------------------------------------------------
@@ -557,16 +732,6 @@ def main() -> None:
     results: dict[str, Any] = {}
     with RedisProcess(port="auto") as server:
         res = measure(server.url, server, n, args.batch)
-        pings = max(n * res["round_trips_per_lifecycle"], 2000)
-        unix = ping_unix(server, pings)
-        raw = ping_raw_tcp(server.host, server.port, pings)
-        res["ping_redis_py_unix_per_s"] = round(unix, 1)
-        res["ping_raw_tcp_per_s"] = round(raw, 1)
-        single_trips = res["round_trips_per_lifecycle"]
-        for kind in ("single", "batched"):
-            rate = res[f"{kind}_lifecycles_per_s"]
-            res[f"{kind}_ratio_to_ping_bound_unix"] = round(rate / (unix / single_trips), 3)
-            res[f"{kind}_ratio_to_ping_bound_raw_tcp"] = round(rate / (raw / single_trips), 3)
         res["processes"] = processes(server.url, server, procs, per_proc, args.batch)
         results["standalone"] = res
     if not args.no_cluster:
