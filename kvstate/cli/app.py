@@ -262,7 +262,7 @@ class KVGroup(click.Group):
             return super().invoke(ctx)
         except BrokenPipeError:  # `kvstate ls | head`: click quiets it, no error line
             raise
-        except (KVStateError, redis.RedisError, RedisServerError, OSError) as exc:
+        except (KVStateError, redis.RedisError, OSError) as exc:
             obj = ctx.find_object(Ctx)
             raise Failure(scrub(describe(exc), obj.secrets if obj else [])) from None
 
@@ -271,14 +271,14 @@ CLI_URL_SOURCE = f"--url or ${ENV_URL}"
 
 
 def describe(exc: BaseException) -> str:
+    if isinstance(exc, RedisServerError):  # a KVStateError too: its hint first
+        return f"embedded redis-server: {exc} (install redis-server or pass --url)"
     if isinstance(exc, KVStateError):
         return str(exc).replace(URL_SOURCE, CLI_URL_SOURCE)
     if isinstance(exc, NoPermissionError):
         return f"Redis refused a command under its ACL ({exc}); use a user with more rights"
     if isinstance(exc, redis.RedisError):
         return f"Redis error: {exc} (is the URL right and the server healthy?)"
-    if isinstance(exc, RedisServerError):
-        return f"embedded redis-server: {exc} (install redis-server or pass --url)"
     return f"{type(exc).__name__}: {exc}"
 
 

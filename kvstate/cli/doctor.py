@@ -34,7 +34,6 @@ from kvstate.connection import ENV_URL
 from kvstate.errors import KVStateError
 from kvstate.ops.audit import acl_refused
 from kvstate.ops.ledger import Ledger
-from kvstate.redis_server import RedisServerError
 from kvstate.store import Store
 
 
@@ -287,7 +286,7 @@ def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
     try:
         with opened(obj, need_url=False) as store:
             _redis_checks(store, checks)
-    except (KVStateError, redis.RedisError, RedisServerError) as exc:
+    except (KVStateError, redis.RedisError) as exc:
         checks.append(Check("redis", "fail", scrub(describe(exc), obj.secrets)))
         unreachable = not any(c.name == "redis" and c.state == "ok" for c in checks)
     if not no_ucx:
