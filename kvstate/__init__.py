@@ -1,7 +1,6 @@
 """kvstate: per-room KV-transfer state for disaggregated LLM serving, kept in Redis."""
 
 from kvstate.codec import TransferInfo
-from kvstate.connection import Options
 from kvstate.errors import (
     ClosedError,
     CorruptStateError,
@@ -27,7 +26,7 @@ from kvstate.errors import (
 from kvstate.manager import KVManager
 from kvstate.poll import KVPoll, PollResults
 from kvstate.roles import KVReceiver, KVSender
-from kvstate.store import Store, connect
+from kvstate.store import Options, Store, connect
 
 __version__ = "0.1.0"
 

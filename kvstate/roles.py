@@ -18,7 +18,6 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstate import schema
 from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, is_int, unpack
-from kvstate.connection import paused
 from kvstate.errors import (
     CorruptStateError,
     InvalidArgumentError,
@@ -32,6 +31,7 @@ from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll
 from kvstate.rank import Lookups, Rank
 from kvstate.store import Call, Status, one_call
+from kvstate.store.deadline import paused
 from transports.base import Target, TransportError
 
 log = logging.getLogger(__name__)

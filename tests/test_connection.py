@@ -1,4 +1,4 @@
-"""kvstate.connection without a server: URL checks and their one-line errors, redaction
+"""kvstate.store.connection without a server: URL checks and their one-line errors, redaction
 (design rule 8), Options and the URL parameters that override them, the per-call
 deadline and the retry policy that keeps within it."""
 
@@ -15,20 +15,16 @@ from hypothesis import strategies as st
 from redis.exceptions import AuthenticationError
 
 import kvstate
-from kvstate.connection import (
+from kvstate.errors import InvalidOptionError, InvalidURLError, KVStateError
+from kvstate.store.connection import Options, check_url, effective_options, make_client, redact
+from kvstate.store.deadline import (
     DeadlineExceeded,
-    Options,
-    check_url,
     deadline,
-    effective_options,
     is_tls_refusal,
-    make_client,
     paused,
-    redact,
     refused_for_maxclients,
     time_left,
 )
-from kvstate.errors import InvalidOptionError, InvalidURLError, KVStateError
 from tests.helpers import scaled
 
 # --------------------------------------------------------------------------- redaction

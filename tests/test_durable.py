@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 import kvstate
-from kvstate import KVPoll, Options, wire
+from kvstate import KVPoll, Options
 from kvstate.errors import DurabilityError, StateConnectionError
-from kvstate.store import Store
+from kvstate.store import Store, wire
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import (
     ENGINE_ACL,

@@ -29,10 +29,10 @@ from redis.retry import Retry
 
 import kvstate
 from kvstate import KVPoll
-from kvstate.connection import Options
 from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.roles import STATE_LOST
 from kvstate.store import Store
+from kvstate.store.connection import Options
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import (
     PREFILL_ADDR,

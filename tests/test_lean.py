@@ -1,4 +1,4 @@
-"""The Store's lean execution path (kvstate.wire) on real Redis: one packed write and
+"""The Store's lean execution path (kvstate.store.wire) on real Redis: one packed write and
 one read loop per round trip, with redis-py's reply shapes for plain commands, NOSCRIPT
 reload, error translation, reconnects, and Cluster transactions one trip per node."""
 

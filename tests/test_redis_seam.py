@@ -1,6 +1,6 @@
-"""The redis-py seam (kvstate/redispy_private.py): every name kvstate uses outside
+"""The redis-py seam (kvstate/store/redispy_private.py): every name kvstate uses outside
 redis-py's public API is where kvstate expects it in the installed redis-py, and the
-seam's functions do what kvstate.wire and kvstate.connection need of them. No server:
+seam's functions do what kvstate.store.wire and kvstate.store.connection need of them. No server:
 a local socket pair stands in for one (fast tier)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 import redis
 from redis.retry import Retry
 
-from kvstate import redispy_private as private
-from kvstate.connection import DeadlineBoundConnection, DeadlineExceeded, _BoundedPool, deadline
+from kvstate.store import redispy_private as private
+from kvstate.store.deadline import BoundedPool, DeadlineBoundConnection, DeadlineExceeded, deadline
 
 
 def test_every_private_name_is_where_kvstate_expects_it() -> None:
     gone = private.missing()
     assert not gone, (
         f"redis-py {redis.__version__} moved what kvstate relies on: {', '.join(gone)} "
-        "(see kvstate/redispy_private.py; pyproject.toml pins the redis-py versions tested)"
+        "(see kvstate/store/redispy_private.py; pyproject.toml pins the redis-py versions tested)"
     )
 
 
@@ -56,7 +56,7 @@ def pair() -> Iterator[tuple[redis.Connection, socket.socket]]:
 
 
 def test_the_lean_read_over_the_seam(pair: tuple[redis.Connection, socket.socket]) -> None:
-    """What kvstate.wire does: gets() until the reply is whole, reading more between."""
+    """What kvstate.store.wire does: gets() until the reply is whole, reading more between."""
     conn, server = pair
     found = private.hiredis_reader(conn)
     assert found is not None, "the hiredis parser is not the connection's"
@@ -92,7 +92,7 @@ def test_connects_go_through_the_deadline() -> None:
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    pool = _BoundedPool(connection_class=redis.Connection, host="127.0.0.1", port=port)
+    pool = BoundedPool(connection_class=redis.Connection, host="127.0.0.1", port=port)
     conn = pool.make_connection()
     assert isinstance(conn, DeadlineBoundConnection)
     with pytest.raises(DeadlineExceeded), deadline(-1.0):

@@ -52,11 +52,11 @@ def test_each_script_carries_only_the_helpers_it_uses() -> None:
     """Redis runs a script's whole source per call: _lib.lua's helpers go only into the
     scripts that call them (directly or through another helper), and every helper a
     script calls is there."""
-    from kvstate.store import _SOURCES
+    from kvstate.store.scripts import SOURCES
 
     lib = (resources.files("kvstate") / "scripts" / "_lib.lua").read_text()
     all_helpers = re.findall(r"^local function (\w+)\(", lib, re.M)
-    for name, source in _SOURCES.items():
+    for name, source in SOURCES.items():
         defined = re.findall(r"^local function (\w+)\(", source, re.M)
         for helper in defined:
             if helper not in all_helpers:

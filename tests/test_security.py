@@ -21,7 +21,6 @@ import redis
 
 import kvstate
 from kvstate import KVPoll
-from kvstate.connection import Options, redact
 from kvstate.errors import (
     InvalidIndicesError,
     InvalidNameError,
@@ -30,6 +29,7 @@ from kvstate.errors import (
     StateConnectionError,
 )
 from kvstate.store import Store
+from kvstate.store.connection import Options, redact
 from kvstate.testing import RedisProcess, make_test_certs
 from tests.helpers import (
     ACL_PASSWORD,

@@ -1,5 +1,5 @@
 """The local Redis layer the rest of the suite stands on (kvstate.testing, the core's
-kvstate.redis_server under it, and the fixtures)."""
+kvstate.store.redis_server under it, and the fixtures)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from kvstate import testing
-from kvstate.redis_server import RedisServer
+from kvstate.store.redis_server import RedisServer
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import scaled
 
@@ -99,7 +99,7 @@ def test_embedded_server_needs_nothing_from_kvstate_testing() -> None:
     code = (
         "import sys, redis\n"
         "import kvstate, kvstate.store\n"
-        "from kvstate.embedded import ensure_server\n"
+        "from kvstate.store.embedded import ensure_server\n"
         "url = ensure_server()\n"
         "assert redis.Redis.from_url(url).ping()\n"
         "print(sorted(m for m in sys.modules if m.startswith('kvstate.testing')))\n"

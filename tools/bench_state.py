@@ -52,11 +52,12 @@ import redis
 
 import kvstate
 from kvstate.defaults import TRACE_RATE
-from kvstate.store import _SHAS, Store
+from kvstate.store import Store
+from kvstate.store.scripts import SHAS
 from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
 
 HB = 3600.0  # lease: keeps heartbeats out of the counts
-_SCRIPT_OF = {sha: name for name, sha in _SHAS.items()}
+_SCRIPT_OF = {sha: name for name, sha in SHAS.items()}
 
 
 # -- workloads ------------------------------------------------------------------------

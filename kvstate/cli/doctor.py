@@ -30,11 +30,11 @@ from kvstate.cli.app import (
     scrub,
 )
 from kvstate.cli.output import console, emit_json, styled
-from kvstate.connection import ENV_URL
 from kvstate.errors import KVStateError
 from kvstate.ops.audit import acl_refused
 from kvstate.ops.ledger import Ledger
 from kvstate.store import Store
+from kvstate.store.connection import ENV_URL
 
 
 @dataclass

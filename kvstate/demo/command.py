@@ -13,7 +13,6 @@ from typing import Any
 
 import click
 
-from kvstate.connection import ENV_NAMESPACE, ENV_URL, redact
 from kvstate.defaults import LEASE
 from kvstate.demo.messages import DEMO_ROOM_TTL, WorkerConfig
 from kvstate.demo.pattern import cuda_backend
@@ -22,6 +21,7 @@ from kvstate.demo.router import Options
 from kvstate.demo.run import run_router, run_worker
 from kvstate.errors import KVStateError
 from kvstate.store import URL_SOURCE
+from kvstate.store.connection import ENV_NAMESPACE, ENV_URL, redact
 
 __all__ = ["EXIT_ERROR", "demo"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from kvstate.connection import Options
 from kvstate.defaults import LEASE
+from kvstate.store.connection import Options
 
 __all__ = [
     "DEMO_OPTIONS",

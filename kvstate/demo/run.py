@@ -17,8 +17,6 @@ from typing import Any
 import click
 
 import kvstate
-from kvstate import embedded
-from kvstate.connection import ENV_URL
 from kvstate.demo.engines import WORKERS
 from kvstate.demo.messages import DEMO_OPTIONS, WorkerConfig
 from kvstate.demo.outcome import Track
@@ -34,7 +32,8 @@ from kvstate.demo.summary import (
     wait_for_no_keys,
 )
 from kvstate.ops.durations import fmt_ms
-from kvstate.store import EMBEDDED, Store
+from kvstate.store import EMBEDDED, Store, embedded
+from kvstate.store.connection import ENV_URL
 
 __all__ = ["EXIT_CHECK_FAILED", "discovery_path", "run_router", "run_worker"]
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from kvstate.connection import redact
 from kvstate.demo.messages import WorkerConfig
 from kvstate.demo.outcome import ABORT_KINDS, OUTCOMES
 from kvstate.demo.router import Options, Router
 from kvstate.ops.metrics import read_transfer_totals
 from kvstate.store import Store
+from kvstate.store.connection import redact
 
 __all__ = [
     "console",

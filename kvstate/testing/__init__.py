@@ -1,12 +1,12 @@
 """Redis servers and clusters for tests and tools: not imported by the core.
 
 ``process`` (one redis-server with TCP, TLS, passwords, kill and restart, on the
-core's :mod:`kvstate.redis_server`), ``cluster`` (a local Redis Cluster with
+core's :mod:`kvstate.store.redis_server`), ``cluster`` (a local Redis Cluster with
 failover), ``tls`` (throwaway certificates), ``cli_runner`` (the real redis-cli),
 ``roundtrips`` (counts round trips to Redis).
 """
 
-from kvstate.redis_server import (
+from kvstate.store.redis_server import (
     UNIX_PATH_MAX,
     RedisServer,
     RedisServerError,

@@ -18,7 +18,7 @@ from typing import Any, Self
 import redis
 import redis.cluster
 
-from kvstate.redis_server import RedisServerError, find_redis_server, log_tail, no_retry
+from kvstate.store.redis_server import RedisServerError, find_redis_server, log_tail, no_retry
 from kvstate.testing.process import (
     RedisProcess,
     binary_version,

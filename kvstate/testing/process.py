@@ -1,6 +1,6 @@
 """One redis-server for tests and tools: TCP ports, TLS, passwords, kill and restart.
 
-Builds on the core's :class:`kvstate.redis_server.RedisServer` (binary lookup,
+Builds on the core's :class:`kvstate.store.redis_server.RedisServer` (binary lookup,
 unix socket, dying with the parent), which the embedded default uses alone.
 ``$KVSTATE_REDIS_CLI`` picks redis-cli the way ``$KVSTATE_REDIS_SERVER`` picks
 the server.
@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import redis
 
-from kvstate.redis_server import RedisServer, RedisServerError, find_binary
+from kvstate.store.redis_server import RedisServer, RedisServerError, find_binary
 from kvstate.testing.tls import TLSFiles, make_test_certs
 
 __all__ = [

@@ -4,12 +4,12 @@ The Store's hot path: every command of a batch is packed by hiredis into one buf
 written with one ``send_packed_command`` and read back in one loop over the
 connection's own hiredis reader. The connection comes from the client's pool, so
 connecting, AUTH/ACL, TLS, unix sockets, health checks, reconnects and kvstate's
-deadline-bounded sockets (kvstate.connection) stay redis-py's; what this skips is the
+deadline-bounded sockets (kvstate.store.connection) stay redis-py's; what this skips is the
 pipeline object, per-command bookkeeping and observability hooks, which cost more
 than Redis itself per call (issue 12). Replies come back raw: error replies as the
 exception objects redis-py's parser makes of them (NoScriptError, MovedError, ...),
 never raised here; only connection trouble raises. What it needs of redis-py beyond
-its public API (the reader, the sentinel, ...) comes through kvstate.redispy_private.
+its public API (the reader, the sentinel, ...) comes through kvstate.store.redispy_private.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvstate import redispy_private as private
-from kvstate.connection import DeadlineBoundConnection
+from kvstate.store import redispy_private as private
+from kvstate.store.deadline import DeadlineBoundConnection
 
 _MORE = private.NOT_ENOUGH_DATA  # what the reader returns while a reply is incomplete
 
@@ -65,7 +65,7 @@ def _exchange(conn: Any, payload: bytes, count: int) -> list[Any]:
         return _exchange_slow(conn, count)
     reader, read_more = found
     replies: list[Any] = []
-    # kvstate's deadline on each wait (a client made by kvstate.connection)
+    # kvstate's deadline on each wait (a client made by kvstate.store.connection)
     bound = conn.bound_socket if isinstance(conn, DeadlineBoundConnection) else None
     try:
         while len(replies) < count:

@@ -1,7 +1,7 @@
 """The redis-py names outside its public API that kvstate relies on, all in one place.
 
-The lean round trip (kvstate.wire) reads replies straight from a connection's hiredis
-reader, and kvstate.connection cuts each socket wait to the call's deadline; both need
+The lean round trip (kvstate.store.wire) reads replies straight from a connection's hiredis
+reader, and kvstate.store.connection cuts each socket wait to the call's deadline; both need
 names redis-py does not promise to keep (underscored, or attributes its documentation
 does not name). Only this module touches them, through the small functions below, and
 ``PRIVATE`` lists each one (where it lives, what kvstate uses it for): ``missing()``
@@ -94,7 +94,7 @@ def host_error(conn: Any) -> str:
 
 
 def retry_of(conn: Any) -> Retry:
-    """The retry policy of ``conn`` (its client's, kvstate.connection's bounded one)."""
+    """The retry policy of ``conn`` (its client's, kvstate.store.connection's bounded one)."""
     retry: Retry = conn.retry
     return retry
 
@@ -122,7 +122,7 @@ def connect_over(conn: Any, sock: socket.socket) -> None:
 class SocketOpener:
     """Base of a mixin into redis-py's connection classes: redis-py opens a connection's
     socket in its private ``_connect``; this sends that through ``open_socket(connect)``,
-    which the mixin overrides (kvstate.connection: connect under the call's deadline)."""
+    which the mixin overrides (kvstate.store.connection: connect under the call's deadline)."""
 
     def _connect(self) -> Any:
         return self.open_socket(super()._connect)  # type: ignore[misc]

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 
-from kvstate.redis_server import RedisServer
+from kvstate.store.redis_server import RedisServer
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()

@@ -1,6 +1,6 @@
 """A private redis-server child process: found, started on a unix socket, dying with us.
 
-What the core needs for the private server a caller asks for (``kvstate.embedded``),
+What the core needs for the private server a caller asks for (``kvstate.store.embedded``),
 and what ``kvstate.testing`` builds its servers and clusters on. Imports nothing else
 from kvstate.
 

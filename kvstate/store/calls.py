@@ -1,0 +1,355 @@
+"""Calls built apart from their execution: what to send, never sending it.
+
+A ``Call`` is one command or script invocation with how to read its reply. ``Calls``
+(mixed into ``Store``) builds every call kvstate makes about room state, from the
+namespace's key names, the room TTL and the trace settings; no method here does I/O.
+Roles batch the calls they build and hand them to ``Store.execute``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstate import schema
+from kvstate.defaults import BOOTSTRAP_TIMEOUT
+from kvstate.errors import CorruptStateError, InvalidArgumentError
+from kvstate.keys import Keys, Side
+from kvstate.poll import KVPoll
+from kvstate.store.connection import Options
+from kvstate.trace import sampled
+
+# s: the shortest life of a room's failure mark (docs/design.md, Data model): a
+# participant joining late waits at most its bootstrap timeout, 300 s by default
+MARK_MIN_TTL = max(300.0, BOOTSTRAP_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class Status:
+    """A script's answer about one participant; ``status`` None means it does not exist."""
+
+    status: KVPoll | None
+    reason: str
+    infos: dict[str, bytes] = field(default_factory=dict)
+    version: int = -1  # of the infos (poll.lua); -1 when none came back
+
+    @classmethod
+    def parse(cls, raw: Any) -> Status:
+        name = raw[0].decode()
+        reason = raw[1].decode("utf-8", "replace")
+        infos: dict[str, bytes] = {}
+        if len(raw) > 2:
+            flat = raw[2]
+            infos = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+        version = int(raw[3]) if len(raw) > 3 else -1
+        return cls(KVPoll[name] if name else None, "" if not name else reason, infos, version)
+
+
+def _identity(raw: Any) -> Any:
+    return raw
+
+
+@dataclass(frozen=True)
+class Call:
+    """One command or script invocation, with how to read its reply."""
+
+    keys: tuple[str, ...]
+    args: tuple[Any, ...]
+    script: str | None = None
+    command: str | None = None
+    parse: Callable[[Any], Any] = _identity
+
+
+class Calls:
+    """The call builders of ``Store``: pure functions of the namespace and options."""
+
+    keys: Keys
+    room_ttl: float
+    options: Options
+
+    @property
+    def ttl_ms(self) -> int:
+        return int(self.room_ttl * 1000)
+
+    @property
+    def mark_ttl_ms(self) -> int:
+        """The TTL of a room's failure mark: it must outlive any participant that can
+        still join the room (a late one waits up to its bootstrap timeout), so at least
+        the room TTL and ``MARK_MIN_TTL`` (the default bootstrap timeout)."""
+        return max(self.ttl_ms, int(MARK_MIN_TTL * 1000))
+
+    def _script(
+        self,
+        name: str,
+        keys: Iterable[str],
+        args: Iterable[Any],
+        parse: Callable[[Any], Any] = _identity,
+        room: int | None = None,
+        follow: bool = False,
+    ) -> Call:
+        """A script call; with ``room``, the room's trace key and argument appended at
+        the end of its keys and arguments (``_lib.lua``'s take_trace)."""
+        if room is None:
+            return Call(tuple(keys), tuple(args), script=name, parse=parse)
+        return Call(
+            (*keys, self.keys.trace(room)),
+            (*args, self.trace_arg(room, follow)),
+            script=name,
+            parse=parse,
+        )
+
+    def traced(self, room: int) -> bool:
+        """Whether this store traces ``room`` (``Options.trace_rate``, by room id)."""
+        return sampled(room, self.options.trace_rate)
+
+    def trace_arg(self, room: int, follow: bool = False) -> int:
+        """The scripts' trace argument: the trace TTL in ms when this store traces the
+        room, else 0 (nothing written) or, with ``follow``, minus the TTL: append only
+        to a trace that exists (an abort of a room someone else traces)."""
+        ttl = int(self.options.trace_ttl * 1000)
+        if self.traced(room):
+            return ttl
+        return -ttl if follow else 0
+
+    @staticmethod
+    def _command(
+        name: str, *keys: str, args: Iterable[Any] = (), parse: Callable[[Any], Any] = _identity
+    ) -> Call:
+        return Call(tuple(keys), tuple(args), command=name, parse=parse)
+
+    # -- participant calls ----------------------------------------------------------
+    def create(self, room: int, side: Side, engine: str, fields: dict[str, Any]) -> Call:
+        k = self.keys
+        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
+        if side == "tx":
+            keys.append(k.xfer(room, engine))
+        return self._script(
+            "create",
+            keys,
+            [self.ttl_ms, k.part_member(side, engine), *pairs(fields)],
+            Status.parse,
+            room,
+        )
+
+    def poll(
+        self, room: int, side: Side, engine: str, with_infos: bool = False, infos_version: int = -1
+    ) -> Call:
+        """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
+        they are still at ``infos_version`` (the version the caller holds)."""
+        k = self.keys
+        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
+        if with_infos:
+            keys.append(k.xfer(room, engine))
+        args = [self.ttl_ms, infos_version, self.mark_ttl_ms]
+        return self._script("poll", keys, args, Status.parse, room)
+
+    def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
+        check_reason(reason)
+        k = self.keys
+        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
+        return self._script(
+            "update",
+            keys,
+            [KVPoll.parse(status).name, reason, self.ttl_ms, self.mark_ttl_ms],
+            Status.parse,
+            room,
+        )
+
+    def publish(
+        self,
+        room: int,
+        receiver: str,
+        senders: dict[str, str],
+        payload: bytes = b"",
+        required: int = 0,
+    ) -> Call:
+        """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
+        publish it to them; see publish.lua."""
+        k = self.keys
+        keys = [k.participant(room, "rx", receiver), k.parts(room), k.aborted(room)]
+        args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
+        for sender, incarnation in senders.items():
+            keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
+            args += [sender, incarnation]
+        return self._script("publish", keys, args, Status.parse, room)
+
+    def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
+        k = self.keys
+        names = list(receivers)
+        keys = [k.participant(room, "tx", sender), k.parts(room), k.aborted(room)]
+        keys += [k.participant(room, "rx", r) for r in names]
+        args = [self.ttl_ms, self.mark_ttl_ms, "", *names]
+        return self._script("begin", keys, args, Status.parse, room)
+
+    def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
+        k = self.keys
+        names = list(receivers)
+        keys = [k.participant(room, "tx", sender), k.parts(room), k.aborted(room)]
+        for receiver in names:
+            keys += [k.participant(room, "rx", receiver), k.acks(room, receiver)]
+        args = [self.ttl_ms, sender, self.mark_ttl_ms, *names]
+        return self._script("finish", keys, args, Status.parse, room)
+
+    def track(self, bootstrap_addr: str, member: str) -> Call:
+        return self._script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
+
+    def clear_calls(
+        self,
+        room: int,
+        side: Side,
+        engine: str,
+        senders: Iterable[str] = (),
+        peer_addr: str | None = None,
+    ) -> list[Call]:
+        """What deletes everything one participant created (see ``clear_many``)."""
+        k = self.keys
+        me = k.participant(room, side, engine)
+        calls = [
+            # the room's failure mark stays: a participant joining later must see it
+            self._command(
+                "DEL", me, k.xfer(room, engine) if side == "tx" else k.acks(room, engine)
+            ),
+            self._command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
+        ]
+        calls += [self._command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
+        if self.traced(room):  # in the room's MULTI/EXEC: no round trip of its own
+            calls.append(self._trace_cleared(room, me))
+        if peer_addr is not None:
+            calls.append(self._command("ZREM", k.addr(peer_addr), args=[me]))
+        return calls
+
+    def _trace_cleared(self, room: int, participant: str) -> Call:
+        """trace.lua: the ``cleared`` entry of a traced room, appended only to a trace
+        that exists (a participant that never ran a script starts none). The trace is
+        not deleted with the room: it outlives it by ``Options.trace_ttl``."""
+        ttl = int(self.options.trace_ttl * 1000)
+        return Call((participant, self.keys.trace(room)), (-ttl,), script="trace")
+
+    def fail_receiver(self, key: str, peer_engine: str, incarnation: str, reason: str) -> Call:
+        """Fail one receiver (by key) if it is bound to that peer (and incarnation)."""
+        parsed = self.keys.parse_room_key(key)
+        if parsed is None or parsed.side != "rx":
+            raise CorruptStateError(key, "*", "not a receiver participant key")
+        return self._script(
+            "fail_bound",
+            [key, self.keys.parts(parsed.room), self.keys.aborted(parsed.room)],
+            [self.ttl_ms, reason, peer_engine, incarnation, self.mark_ttl_ms],
+            room=parsed.room,
+        )
+
+    # -- named operations for ops/, the registry and the integrations ---------------
+    # Named reads and writes, so that no module outside this one spells a Redis command.
+    # Each returns a Call to batch with others in one execute(), unless it says it runs.
+
+    def read_hash(self, key: str) -> Call:
+        """HGETALL of any kvstate hash (a participant, an xfer, a registration...)."""
+        return self._command("HGETALL", key)
+
+    def key_ttl(self, key: str) -> Call:
+        """PTTL in ms: -1 no TTL, -2 gone."""
+        return self._command("PTTL", key)
+
+    def key_exists(self, key: str) -> Call:
+        return self._command("EXISTS", key)
+
+    def key_idle_s(self, key: str) -> Call:
+        """OBJECT IDLETIME (refused under an LFU policy); reading the key would reset it."""
+        return self._command("OBJECT IDLETIME", key)
+
+    def set_ttl(self, key: str, ttl_ms: int) -> Call:
+        return self._command("PEXPIRE", key, args=[ttl_ms])
+
+    def delete(self, *keys: str) -> Call:
+        return self._command("DEL", *keys)
+
+    def is_member(self, room: int, side: Side, engine: str) -> Call:
+        """Whether the room's parts index lists that participant (HEXISTS)."""
+        return self._command("HEXISTS", self.keys.parts(room), args=[schema.member(side, engine)])
+
+    def index_member(self, room: int, side: Side, engine: str, created_ms: str) -> Call:
+        """Put a participant back into its room's parts index (an audit repair)."""
+        return self._command(
+            "HSET", self.keys.parts(room), args=[schema.member(side, engine), created_ms]
+        )
+
+    def acks_of(self, room: int, receiver: str) -> Call:
+        """The sender engines that finished for one receiver."""
+        return self._command("SMEMBERS", self.keys.acks(room, receiver))
+
+    def abort_mark(self, room: int) -> list[Call]:
+        """The room's abort reason (None if not aborted) and the mark's PTTL."""
+        key = self.keys.aborted(room)
+        return [self._command("GET", key), self._command("PTTL", key)]
+
+    def tracked(self, tracker: str) -> Call:
+        """Every member of an ``addr:`` tracker or ``engines_at:`` index key."""
+        return self._command("ZRANGE", tracker, args=[0, -1])
+
+    def untrack(self, tracker: str, member: str) -> Call:
+        return self._command("ZREM", tracker, args=[member])
+
+    def engine_field(self, engine: str, name: str) -> Call:
+        """One field of an engine's registration, as text (None when it has none)."""
+        return self._command("HGET", self.keys.engine(engine), args=[name], parse=_text_or_none)
+
+    def claim_engine(
+        self,
+        engine: str,
+        incarnation: str,
+        mode: str,
+        lease_ms: int,
+        fields: dict[str, Any],
+        parse: Callable[[Any], Any] = _identity,
+    ) -> Call:
+        """register.lua: register, renew (``fields`` written when the name is free) or
+        drop an engine's registration; never displaces a live holder."""
+        return self._script(
+            "register",
+            [self.keys.engine(engine)],
+            [lease_ms, incarnation, mode, *pairs(fields)],
+            parse,
+        )
+
+    def index_engine(self, addr: str, engine: str, lease_ms: int | None) -> Call:
+        """index.lua: list ``engine`` under its bootstrap address until ``lease_ms`` from
+        now, or (None) take it off the index."""
+        return self._script(
+            "index", [self.keys.engines_at(addr)], [engine, "" if lease_ms is None else lease_ms]
+        )
+
+    def trace_entries(self, room: int) -> Call:
+        """The room's trace, oldest first: one JSON object per entry (LRANGE)."""
+        return self._command("LRANGE", self.keys.trace(room), args=[0, -1])
+
+    def ledger_recent(self, count: int) -> Call:
+        """The newest ``count`` ledger entries, newest first: [(id, {field: value})]."""
+        return self._command("XREVRANGE", self.keys.ledger, args=["+", "-", "COUNT", count])
+
+    # -- the demo's bookkeeping --------------------------------------------------------
+    def unmark_aborted(self, room: int) -> Call:
+        """Delete a room's abort mark. For an abort that failed nobody because both sides
+        had already finished: no side of that room will be created again, so the mark
+        would only be a key left behind."""
+        return self._command("DEL", self.keys.aborted(room))
+
+    def drop_transfer_stats(self, engine: str) -> Call:
+        """Delete the transfer counters an engine published, once they have been read:
+        a run that reports them itself leaves no key behind."""
+        return self._command("DEL", self.keys.transfer_stats(engine))
+
+
+def pairs(fields: dict[str, Any]) -> list[Any]:
+    """A hash's fields as HSET (and the scripts) take them: name, value, name, value..."""
+    return [x for item in fields.items() for x in item]
+
+
+def _text_or_none(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+
+
+def check_reason(reason: object) -> None:
+    if not isinstance(reason, str):
+        raise InvalidArgumentError(f"a failure reason must be text (str), got {reason!r}")

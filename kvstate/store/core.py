@@ -1,0 +1,345 @@
+"""The Store: room state of one namespace in one Redis, and ``connect()`` to open one.
+
+``Store`` is its parts put together: the call builders (``calls``), their execution
+(``executor``), error translation (``translate``) and the server-level reads
+(``admin``); here are what runs several of them (clear, abort, fail-bound fan-out,
+SCAN) and the store's life (connect, dedicated, close).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+
+from kvstate import schema
+from kvstate.defaults import ROOM_TTL
+from kvstate.errors import (
+    CorruptStateError,
+    InvalidOptionError,
+    InvalidURLError,
+    KVStateError,
+    StateConnectionError,
+    StateOutOfMemoryError,
+)
+from kvstate.keys import Keys, Side
+from kvstate.store import embedded, scripts
+from kvstate.store.admin import Admin
+from kvstate.store.calls import Call, Calls, check_reason, pairs
+from kvstate.store.connection import (
+    ENV_NAMESPACE,
+    ENV_URL,
+    Client,
+    Options,
+    answers_plain_text,
+    effective_options,
+    make_client,
+    redact,
+)
+from kvstate.store.deadline import deadline
+from kvstate.store.translate import CONNECT_ERRORS, connect_error
+
+EMBEDDED = "embedded"  # connect(EMBEDDED): the private redis-server, asked for by name
+
+
+class Store(Calls, Admin):
+    """Room state of one namespace in one Redis (standalone or Cluster)."""
+
+    def __init__(
+        self,
+        client: Client,
+        url: str,
+        namespace: str = "default",
+        room_ttl: float = ROOM_TTL,
+        options: Options | None = None,
+    ) -> None:
+        _check_room_ttl(room_ttl)
+        self.client = client
+        self.url = redact(url)
+        self.keys = Keys(namespace)
+        self.namespace = self.keys.namespace
+        self.room_ttl = float(room_ttl)
+        self.cluster = not isinstance(client, redis.Redis)
+        self.options = options or Options()
+        self._pool = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
+        self.closed = False
+
+    def __repr__(self) -> str:
+        kind = "cluster" if self.cluster else "standalone"
+        return f"<kvstate.Store {self.url} namespace={self.namespace!r} {kind}>"
+
+    def close(self) -> None:
+        """Close the connections; every later call on this store (and on what was made
+        on it) raises ClosedError. Idempotent."""
+        self.closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self.client.close()
+
+    def dedicated(self) -> Store:
+        """The same Redis, options and namespace over a client with its own connection
+        pool: for a heartbeat that the workload's pool must not starve."""
+        if self.closed:
+            raise self.closed_error()
+        client: Client
+        if self.cluster:
+            cluster: Any = self.client  # redis-py's Cluster API is untyped
+            nodes = [ClusterNode(n.host, n.port) for n in cluster.get_primaries()]  # type: ignore[no-untyped-call]
+            with self.errors():  # a Cluster client asks a node for the slot map when made
+                client = RedisCluster(
+                    startup_nodes=nodes, **cluster.nodes_manager.connection_kwargs
+                )
+        else:
+            assert isinstance(self.client, redis.Redis)
+            pool = self.client.connection_pool
+            client = redis.Redis.from_pool(
+                type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs)
+            )
+        return Store(client, self.url, self.namespace, self.room_ttl, self.options)  # url redacted
+
+    def ping(self) -> None:
+        with self.bounded():
+            self.client.ping()
+
+    def load_scripts(self) -> None:
+        """Load every script on every primary up front, so steady-state calls never pay
+        a NOSCRIPT round trip (they still recover from one after a restart or flush)."""
+        with self.bounded():
+            scripts.load(node for _, node in self.nodes())
+
+    def clear(
+        self,
+        room: int,
+        side: Side,
+        engine: str,
+        senders: Iterable[str] = (),
+        peer_addr: str | None = None,
+    ) -> None:
+        """Delete everything one participant created: one MULTI/EXEC on a standalone
+        server; on a Cluster one round trip per node, a MULTI/EXEC per slot (the
+        room's, the tracker's)."""
+        self.clear_many([self.clear_calls(room, side, engine, senders, peer_addr)], False)
+
+    def clear_many(
+        self, participants: Sequence[Sequence[Call]], partial: bool = True
+    ) -> list[KVStateError | None]:
+        """Clear many participants (each given by ``clear_calls``) in one round trip
+        per node. With ``partial``, a participant whose node could not be reached
+        (Cluster) gets its StateConnectionError in the answer (clear it again later: a
+        clear can be repeated), one whose room holds a corrupt key its
+        CorruptStateError, while the others are cleared; None means cleared."""
+        calls = [c for group in participants for c in group]
+        if not calls:
+            return [None] * len(participants)
+        with self.bounded():
+            try:
+                replies = self.execute(calls, transaction=True, partial=partial)
+            except StateOutOfMemoryError:
+                # At maxmemory Redis refuses every command queued in a MULTI, even DEL;
+                # plain DEL/HDEL/ZREM are allowed (they free memory). Without the
+                # transaction a cut connection can leave part of the participant behind:
+                # those keys have TTLs, and a clear can be repeated. The trace's entry is
+                # left out: it takes memory, and the clear must go through.
+                kept = [i for i, c in enumerate(calls) if c.script != "trace"]
+                done = self.execute([calls[i] for i in kept], partial=partial)
+                replies = [None] * len(calls)
+                for i, reply in zip(kept, done, strict=True):
+                    replies[i] = reply
+        out: list[KVStateError | None] = []
+        at = 0
+        for group in participants:
+            failed = [r for r in replies[at : at + len(group)] if isinstance(r, KVStateError)]
+            out.append(failed[0] if failed else None)
+            at += len(group)
+        return out
+
+    # -- room-wide ---------------------------------------------------------------
+
+    def members(self, room: int) -> list[str]:
+        raw = self.execute([self._command("HKEYS", self.keys.parts(room))])[0]
+        return sorted(m.decode() for m in raw)
+
+    def abort(self, room: int, reason: str) -> int:
+        """Fail every participant of the room; returns how many moved to Failed."""
+        check_reason(reason)
+        k = self.keys
+        for _ in range(20):
+            members = self.members(room)
+            keys = [k.parts(room), k.aborted(room)]
+            for member in members:
+                part = schema.parse_member(member)
+                if part is None:
+                    raise CorruptStateError(k.parts(room), member, "not a tx:/rx: member")
+                keys.append(k.participant(room, *part))
+            args = [self.ttl_ms, reason, self.mark_ttl_ms, *members]
+            call = self._script("abort", keys, args, room=room, follow=True)
+            n = self.execute([call])[0]
+            if n >= 0:
+                return int(n)
+        raise KVStateError(f"room {room} kept changing while aborting it; try again")
+
+    def fail_bound(
+        self, bootstrap_addr: str, peer_engine: str, incarnation: str, reason: str
+    ) -> int:
+        """Fail the receivers bound to ``peer_engine`` (that incarnation, or any if '')
+        among the rooms tracked for ``bootstrap_addr``; returns how many failed."""
+        members = self.execute(
+            [self._command("ZRANGE", self.keys.addr(bootstrap_addr), args=[0, -1])]
+        )[0]
+        # every member, not only those before their deadline: status changes keep a
+        # receiver alive longer than the deadline its tracker entry got at creation
+        # a corrupt room (or tracker member) fails alone: the others are still failed
+        calls = []
+        for m in members:
+            with contextlib.suppress(CorruptStateError):
+                calls.append(self.fail_receiver(m.decode(), peer_engine, incarnation, reason))
+        replies = self.execute(calls, partial=True)
+        return sum(int(n) for n in replies if isinstance(n, int))
+
+    def scan(self, pattern: str, count: int = 1000) -> Iterator[str]:
+        """Keys matching ``pattern`` on every primary (SCAN, never KEYS)."""
+        with self.errors():
+            for _, node in self.nodes():
+                cursor = 0
+                while True:
+                    # bounded per step: a deadline must not span the yields below
+                    with deadline(self.options.call_timeout):
+                        cursor, keys = self._scan_step(node, cursor, pattern, count)
+                    for key in keys:
+                        yield key.decode()
+                    if cursor == 0:
+                        break
+
+    def _scan_step(
+        self, node: redis.Redis, cursor: int, pattern: str, count: int
+    ) -> tuple[int, list[bytes]]:
+        """One SCAN call, retried from the same cursor (cursors live in the client, not
+        the server): a Cluster's node clients have no redis-py retries of their own."""
+        for attempt in range(3):
+            try:
+                return node.scan(cursor, match=pattern, count=count)  # type: ignore[return-value]
+            except (redis.ConnectionError, redis.TimeoutError):
+                if attempt == 2 or not self.cluster:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def server_time_ms(self) -> int:
+        client: Any = self.client
+        with self.bounded():
+            if self.cluster:
+                secs, micros = client.time(target_nodes="random")
+            else:
+                secs, micros = client.time()
+        return int(secs) * 1000 + int(micros) // 1000
+
+    def publish_transfer_stats(self, engine: str, fields: dict[str, Any], ttl_ms: int) -> None:
+        """Runs: write an engine's transfer counters (absolute values) and their TTL."""
+        key = self.keys.transfer_stats(engine)
+        self.execute(
+            [self._command("HSET", key, args=pairs(fields)), self.set_ttl(key, ttl_ms)],
+            transaction=True,
+        )
+
+    def ledger_append(self, entries: Iterable[list[Any]], maxlen: int, ttl_ms: int) -> None:
+        """Runs: XADD each entry (field, value list) to the ledger stream, capped near
+        ``maxlen``, and refresh its TTL, in one transaction."""
+        key = self.keys.ledger
+        calls = [self._command("XADD", key, args=["MAXLEN", "~", maxlen, "*", *e]) for e in entries]
+        if calls:
+            self.execute([*calls, self.set_ttl(key, ttl_ms)], transaction=True)
+
+
+class _HasStore(Protocol):
+    store: Store
+
+
+_S = TypeVar("_S", bound=_HasStore)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def one_call(
+    method: Callable[Concatenate[_S, _P], _R],
+) -> Callable[Concatenate[_S, _P], _R]:
+    """Decorate a public method (of an object with a ``store``) that may make several
+    round trips: they share one ``Options.call_timeout`` (the method's own deadline),
+    so a failure recorded after a failed round trip cannot add a second wait."""
+
+    def bounded(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self.store.bounded():
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(bounded, method)
+    return bounded
+
+
+def _check_room_ttl(room_ttl: object) -> None:
+    if isinstance(room_ttl, bool) or not isinstance(room_ttl, (int, float)) or not room_ttl > 0:
+        raise InvalidOptionError(f"room_ttl must be a number of seconds > 0, got {room_ttl!r}")
+
+
+def connect(
+    url: str | None = None,
+    namespace: str | None = None,
+    room_ttl: float = ROOM_TTL,
+    *,
+    cluster: bool | None = None,
+    options: Options | None = None,
+    preload_scripts: bool = True,
+) -> Store:
+    """Open the state store at ``url``, else ``$KVSTATE_REDIS_URL``; with neither,
+    raise InvalidURLError naming them. ``url="embedded"`` (EMBEDDED) starts this
+    process's private redis-server instead, by choice (docs/design.md, Zero setup).
+    ``preload_scripts=False`` skips SCRIPT LOAD, for readers (a read-only ACL user):
+    a script still runs on first use, by EVAL after NOSCRIPT."""
+    if url is None:
+        url = os.environ.get(ENV_URL) or None
+        if url is None:
+            raise InvalidURLError(
+                f"no Redis URL: pass kvstate.connect(url) or set ${ENV_URL} (e.g. "
+                "redis://HOST:6379/0) on every engine process; for a private redis-server "
+                f"that only this process tree can see, ask for it: connect({EMBEDDED!r})"
+            )
+    if url == EMBEDDED:
+        url = embedded.ensure_server()
+    if namespace is None:
+        namespace = os.environ.get(ENV_NAMESPACE) or "default"
+    keys = Keys(namespace)  # validate before connecting
+    _check_room_ttl(room_ttl)
+    opts = effective_options(url, options)  # also validates the URL and its parameters
+    # One deadline for the whole of connect(): the Cluster client asks for the slots
+    # when it is made, then PING, then SCRIPT LOAD on every primary.
+    with deadline(opts.call_timeout):
+        probe_s = min(1.0, opts.connect_timeout, opts.call_timeout / 4)
+        if url.startswith("rediss") and answers_plain_text(url, probe_s):
+            raise StateConnectionError(
+                f"Redis at {redact(url)} does not speak TLS on that port (it answered a "
+                "plain-text PING): use redis://, or the port the server's tls-port names"
+            )
+        try:
+            client = make_client(url, cluster, opts)
+        except (ValueError, TypeError) as exc:  # redis-py refusing what it read of the URL
+            if isinstance(exc, KVStateError):
+                raise
+            raise InvalidURLError(f"Redis URL {redact(url)} was refused: {exc}") from None
+        except CONNECT_ERRORS as exc:
+            raise connect_error(url, exc, opts.call_timeout) from None
+        store = Store(client, url, keys.namespace, room_ttl, opts)
+        try:
+            store.ping()
+            if preload_scripts:
+                store.load_scripts()
+        except BaseException:
+            store.close()
+            raise
+    return store
