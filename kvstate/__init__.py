@@ -20,6 +20,7 @@ from kvstate.errors import (
     ManagerClosedError,
     NotReadyError,
     PeerNotFoundError,
+    PermissionDeniedError,
     StateConnectionError,
     StateOutOfMemoryError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "NotReadyError",
     "Options",
     "PeerNotFoundError",
+    "PermissionDeniedError",
     "PollResults",
     "StateConnectionError",
     "StateOutOfMemoryError",

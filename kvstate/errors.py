@@ -56,6 +56,11 @@ class StateConnectionError(KVStateError, ConnectionError):
     """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted."""
 
 
+class PermissionDeniedError(StateConnectionError):
+    """Redis refused a command under its ACL (NOPERM): a user with more rights is
+    needed; retrying does not help. A StateConnectionError, as every refusal is."""
+
+
 class DurabilityError(StateConnectionError):
     """Durable mode: Redis applied the write, but no replica confirmed it (``WAIT``)
     within the call's time; a failover of that primary could still lose it."""

@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import click
-import redis
-from redis.exceptions import NoPermissionError
 
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError
@@ -226,8 +224,9 @@ def scrub(text: str, secrets: list[str]) -> str:
 
 
 class KVGroup(click.Group):
-    """Turns kvstate and redis-py errors, and click's usage errors, into one line and
-    exit status 2; Ctrl-C into exit status 130 (click would print ``Aborted!``, exit 1)."""
+    """Turns kvstate errors (the store makes redis-py's kvstate's) and click's usage
+    errors into one line and exit status 2; Ctrl-C into exit status 130 (click would
+    print ``Aborted!``, exit 1)."""
 
     def main(
         self,
@@ -262,7 +261,7 @@ class KVGroup(click.Group):
             return super().invoke(ctx)
         except BrokenPipeError:  # `kvstate ls | head`: click quiets it, no error line
             raise
-        except (KVStateError, redis.RedisError, OSError) as exc:
+        except (KVStateError, OSError) as exc:
             obj = ctx.find_object(Ctx)
             raise Failure(scrub(describe(exc), obj.secrets if obj else [])) from None
 
@@ -275,10 +274,6 @@ def describe(exc: BaseException) -> str:
         return f"embedded redis-server: {exc} (install redis-server or pass --url)"
     if isinstance(exc, KVStateError):
         return str(exc).replace(URL_SOURCE, CLI_URL_SOURCE)
-    if isinstance(exc, NoPermissionError):
-        return f"Redis refused a command under its ACL ({exc}); use a user with more rights"
-    if isinstance(exc, redis.RedisError):
-        return f"Redis error: {exc} (is the URL right and the server healthy?)"
     return f"{type(exc).__name__}: {exc}"
 
 

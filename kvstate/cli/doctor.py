@@ -14,8 +14,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import click
-import redis
-from redis.exceptions import NoPermissionError
 from rich.table import Table
 
 from kvstate.cli.app import (
@@ -30,7 +28,7 @@ from kvstate.cli.app import (
     scrub,
 )
 from kvstate.cli.output import console, emit_json, styled
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, PermissionDeniedError
 from kvstate.ops.audit import acl_refused
 from kvstate.ops.ledger import Ledger
 from kvstate.store import Store
@@ -66,7 +64,7 @@ def _redis_checks(store: Store, checks: list[Check]) -> None:
 def _version_check(store: Store, node: str, name: str) -> Check:
     try:
         info = store.server_info(node)
-    except NoPermissionError:
+    except PermissionDeniedError:
         return Check(f"version {name}", "warn", "INFO not allowed for this user")
     version = str(info.get("redis_version", "?"))
     major = int(version.split(".")[0]) if version[0].isdigit() else 0
@@ -86,7 +84,7 @@ def _setting_checks(store: Store, node: str, name: str) -> list[Check]:
     ):
         try:
             value = store.config_get(setting, node)
-        except NoPermissionError:
+        except PermissionDeniedError:
             checks.append(
                 Check(
                     f"{setting} {name}",
@@ -166,7 +164,7 @@ def _acl_check(store: Store) -> Check:
         for name, probe in probes:
             try:
                 probe()
-            except (KVStateError, NoPermissionError) as exc:
+            except KVStateError as exc:
                 if not acl_refused(exc):
                     raise
                 out.append(name)
@@ -286,7 +284,7 @@ def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
     try:
         with opened(obj, need_url=False) as store:
             _redis_checks(store, checks)
-    except (KVStateError, redis.RedisError) as exc:
+    except KVStateError as exc:
         checks.append(Check("redis", "fail", scrub(describe(exc), obj.secrets)))
         unreachable = not any(c.name == "redis" and c.state == "ok" for c in checks)
     if not no_ucx:

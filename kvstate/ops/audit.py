@@ -22,12 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-from redis.exceptions import NoPermissionError
-
 from kvstate import schema
 from kvstate.defaults import AUDIT_GRACE
-from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.errors import KVStateError, PermissionDeniedError, StateConnectionError
 from kvstate.keys import RoomKey
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.findings import NAMES as FINDING_KINDS
@@ -94,10 +91,8 @@ class Finding:
 
 
 def acl_refused(exc: BaseException) -> bool:
-    """A command refused by the server's ACL (the store words it so)."""
-    return isinstance(exc, NoPermissionError) or (
-        isinstance(exc, StateConnectionError) and "under its ACL" in str(exc)
-    )
+    """A command refused by the server's ACL."""
+    return isinstance(exc, PermissionDeniedError)
 
 
 def _locate(f: Finding, parsed: RoomKey | None) -> None:
@@ -221,16 +216,18 @@ class Auditor:
 
     # -- checks ------------------------------------------------------------------
     def _server_settings(self, report: Report) -> None:
-        for name, client in self.store.nodes():
+        for name in self.store.primaries():
             try:
-                policy = self._config(client, "maxmemory-policy")
-            except NoPermissionError:
+                policy = self.store.config_get("maxmemory-policy", name)
+            except PermissionDeniedError:
                 report.notes.append(
                     f"{name}: CONFIG GET is not allowed for this user; eviction policy not "
                     "checked (give the audit a user with +config|get)"
                 )
                 continue
-            except redis.ResponseError as exc:
+            except StateConnectionError:
+                raise
+            except KVStateError as exc:  # refused otherwise (a renamed command...)
                 report.notes.append(
                     f"{name}: CONFIG GET failed ({exc}); eviction policy not checked"
                 )
@@ -246,18 +243,6 @@ class Auditor:
                         "set it to noeviction",
                     )
                 )
-
-    def _config(self, client: redis.Redis, name: str) -> str:
-        """CONFIG GET; ACL refusals reach the caller as NoPermissionError, connection
-        trouble as StateConnectionError."""
-        try:
-            return self.store.node_config(client, name)
-        except (NoPermissionError, redis.ResponseError):
-            raise
-        except redis.RedisError:
-            with self.store.errors():
-                raise
-        raise AssertionError("unreachable")
 
     def _no_ttl(self, all_keys: Sequence[str], report: Report) -> None:
         s = self.store

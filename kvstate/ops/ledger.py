@@ -36,7 +36,6 @@ every key has a TTL, even the long-lived ones).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -44,13 +43,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from kvstate import schema
 from kvstate.errors import KVStateError
 from kvstate.ops.metrics import Metrics
 from kvstate.ops.views import Census, Participant, scan_participants
 from kvstate.store import Store
+from kvstate.store.admin import Subscription
 
 log = logging.getLogger(__name__)
 LEDGER_MAXLEN = 10_000
@@ -155,19 +153,19 @@ class _Events:
     def __init__(self, store: Store, enable: bool) -> None:
         self.store = store
         self.enable = enable
-        self.subs: list[redis.client.PubSub] = []
+        self.subs: list[Subscription] = []
         self.healthy = False
         self.note = ""
 
     def start(self) -> bool:
         self.close()
         try:
-            for name, client in self.store.nodes():
-                if not self._ensure_flags(name, client):
+            for name in self.store.primaries():
+                if not self._ensure_flags(name):
                     self.close()
                     return False
-                self.subs.append(self.store.expiry_events(client))
-        except (redis.RedisError, OSError, KVStateError) as exc:
+                self.subs.append(self.store.expiry_events(name))
+        except (OSError, KVStateError) as exc:
             self.note = f"expiry notifications unavailable ({type(exc).__name__}: {exc})"
             self.close()
             return False
@@ -182,19 +180,19 @@ class _Events:
         if not self.healthy:
             return False
         try:
-            for name, client in self.store.nodes():
-                if not _has_expiry_flags(self.store.node_config(client, NOTIFY_SETTING)):
+            for name in self.store.primaries():
+                if not _has_expiry_flags(self.store.config_get(NOTIFY_SETTING, name)):
                     log.warning("notify-keyspace-events lost Ex on %s", name)
                     self.healthy = False
-        except (redis.RedisError, OSError, KVStateError) as exc:
+        except (OSError, KVStateError) as exc:
             log.warning("cannot read notify-keyspace-events back: %s", exc)
             self.healthy = False
         return self.healthy
 
-    def _ensure_flags(self, name: str, client: redis.Redis) -> bool:
+    def _ensure_flags(self, name: str) -> bool:
         try:
-            flags = self.store.node_config(client, NOTIFY_SETTING)
-        except redis.RedisError as exc:
+            flags = self.store.config_get(NOTIFY_SETTING, name)
+        except KVStateError as exc:
             self.note = f"cannot read notify-keyspace-events on {name} ({exc})"
             return False
         if _has_expiry_flags(flags):
@@ -204,8 +202,8 @@ class _Events:
             return False
         wanted = "".join(sorted(set(flags) | {"E", "x"}))
         try:
-            self.store.set_node_config(client, NOTIFY_SETTING, wanted)
-        except redis.RedisError as exc:
+            self.store.config_set(NOTIFY_SETTING, wanted, name)
+        except KVStateError as exc:
             self.note = f"cannot enable notify-keyspace-events Ex on {name} ({exc})"
             return False
         return True
@@ -215,22 +213,16 @@ class _Events:
         out: set[str] = set()
         for sub in self.subs:
             try:
-                while True:
-                    msg = sub.get_message(timeout=0.0)
-                    if msg is None:
-                        break
-                    if msg.get("type") == "message":
-                        data = msg["data"]
-                        out.add(data.decode() if isinstance(data, bytes) else str(data))
-            except (redis.RedisError, OSError) as exc:
+                while (key := sub.next()) is not None:
+                    out.add(key)
+            except (KVStateError, OSError) as exc:
                 log.warning("expiry subscription lost: %s", exc)
                 self.healthy = False
         return out
 
     def close(self) -> None:
         for sub in self.subs:
-            with contextlib.suppress(redis.RedisError, OSError):
-                sub.close()
+            sub.close()
         self.subs = []
         self.healthy = False
 

@@ -9,12 +9,45 @@ subscription is a ``Subscription``, not redis-py's PubSub.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import redis
 
-from kvstate.errors import InvalidArgumentError
+from kvstate.errors import InvalidArgumentError, KVStateError, StateConnectionError
 from kvstate.store.executor import Executor
+from kvstate.store.translate import Translating
+
+
+class Subscription:
+    """One node's subscription to a channel; reads what has arrived without waiting.
+    A subscription that broke raises StateConnectionError."""
+
+    def __init__(self, store: Translating, node: str, pubsub: redis.client.PubSub) -> None:
+        self._store = store
+        self._node = node
+        self._sub = pubsub
+
+    def next(self) -> str | None:
+        """The data of the next message that has arrived, as text; None when none has."""
+        try:
+            while True:
+                msg = self._sub.get_message(timeout=0.0)
+                if msg is None:
+                    return None
+                if msg.get("type") == "message":
+                    data = msg["data"]
+                    return data.decode() if isinstance(data, bytes) else str(data)
+        except (redis.RedisError, OSError) as exc:
+            better = self._store.translate_error(exc)
+            if isinstance(better, KVStateError):
+                raise better from None
+            raise StateConnectionError(f"subscription on {self._node} lost ({exc})") from None
+
+    def close(self) -> None:
+        """Unsubscribe and drop the connection; a broken one is closed quietly."""
+        with contextlib.suppress(redis.RedisError, OSError):
+            self._sub.close()
 
 
 class Admin(Executor):
@@ -38,36 +71,33 @@ class Admin(Executor):
 
     def server_info(self, node: str | None = None, section: str = "server") -> dict[str, Any]:
         """INFO ``section`` of one primary (the first one when ``node`` is None)."""
-        info: dict[str, Any] = self._primary(node).info(section)
+        with self.errors():
+            info: dict[str, Any] = self._primary(node).info(section)
         return info
 
     def config_get(self, name: str, node: str | None = None) -> str:
         """CONFIG GET of one setting on one primary, as text ('' when unset)."""
-        return self.node_config(self._primary(node), name)
-
-    @staticmethod
-    def node_config(node: redis.Redis, name: str) -> str:
-        """Runs: CONFIG GET of one setting on one node (see ``nodes()``) as text, '' when
-        unset. Raises what redis-py raises (NoPermissionError under a strict ACL)."""
-        raw: dict[Any, Any] = node.config_get(name)
+        with self.errors():
+            raw: dict[Any, Any] = self._primary(node).config_get(name)
         for k, v in raw.items():
             if (k.decode() if isinstance(k, bytes) else k) == name:
                 return v.decode() if isinstance(v, bytes) else str(v)
         return ""
 
-    @staticmethod
-    def set_node_config(node: redis.Redis, name: str, value: str) -> None:
-        """Runs: CONFIG SET on one node; raises what redis-py raises."""
-        node.config_set(name, value)
+    def config_set(self, name: str, value: str, node: str | None = None) -> None:
+        """CONFIG SET of one setting on one primary."""
+        with self.errors():
+            self._primary(node).config_set(name, value)
 
-    @staticmethod
-    def expiry_events(node: redis.Redis) -> redis.client.PubSub:
-        """A subscription to one node's key expiry events (``notify-keyspace-events``
-        must hold Ex; see ``set_node_config``). Node-local on a Cluster."""
-        db = int(node.connection_pool.connection_kwargs.get("db", 0) or 0)
-        sub: redis.client.PubSub = node.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
-        sub.subscribe(f"__keyevent@{db}__:expired")
-        return sub
+    def expiry_events(self, node: str | None = None) -> Subscription:
+        """A subscription to one primary's key expiry events (``notify-keyspace-events``
+        must hold Ex; see ``config_set``). Node-local on a Cluster."""
+        with self.errors():
+            client = self._primary(node)
+            db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
+            sub: redis.client.PubSub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
+            sub.subscribe(f"__keyevent@{db}__:expired")
+        return Subscription(self, node or self.primaries()[0], sub)
 
     def whoami(self) -> str | None:
         """The ACL user this store runs as; None when the server does not say (ACL

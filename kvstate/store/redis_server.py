@@ -37,10 +37,9 @@ from types import TracebackType
 from typing import Any, Self
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvstate.errors import KVStateError
+from kvstate.store.plain import PlainClient, no_retry, plain_client
 
 __all__ = [
     "UNIX_PATH_MAX",
@@ -135,11 +134,6 @@ def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
     return preexec
 
 
-def no_retry() -> Retry:
-    """No client-side retries: callers poll in their own loops, with their own deadline."""
-    return Retry(NoBackoff(), 0)
-
-
 def log_tail(path: Path, lines: int = 30) -> str:
     """The last lines of a log file, or "" when it cannot be read."""
     try:
@@ -229,11 +223,11 @@ class RedisServer:
         """``user:password@`` for URLs; none here."""
         return ""
 
-    def client(self, **kwargs: Any) -> redis.Redis:
-        """A redis-py client for this server, on its unix socket."""
+    def client(self, **kwargs: Any) -> PlainClient:
+        """A plain redis-py client for this server, on its unix socket."""
         if self.unix_socket is None:
             raise RedisServerError(f"this {type(self).__name__} has no unix socket")
-        return redis.Redis(unix_socket_path=self.unix_socket, **kwargs)
+        return plain_client(unix_socket=self.unix_socket, **kwargs)
 
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.alive else "stopped"

@@ -1,7 +1,7 @@
 """redis-py's errors made kvstate's, under the call's deadline.
 
 Every error that leaves ``kvstate.store`` is a ``KVStateError``: connection trouble
-and refusals (auth, ACL) become ``StateConnectionError``
+and refusals become ``StateConnectionError`` (``PermissionDeniedError`` for the ACL)
 naming the redacted URL and what to do next; a script's CORRUPT or WRONGTYPE answer
 becomes ``CorruptStateError``; OOM ``StateOutOfMemoryError``. ``bounded()`` is one
 call's worth of Redis work: a deadline (``kvstate.store.deadline``) plus that
@@ -35,6 +35,7 @@ from kvstate.errors import (
     CorruptStateError,
     InvalidArgumentError,
     KVStateError,
+    PermissionDeniedError,
     StateConnectionError,
     StateOutOfMemoryError,
 )
@@ -166,6 +167,8 @@ class Translating:
             return InvalidArgumentError(
                 f"a value Redis cannot store was passed ({exc}); pass text, bytes or numbers"
             )
+        if isinstance(exc, redis.RedisError):  # anything else Redis or redis-py said
+            return KVStateError(f"Redis error: {exc} (is the URL right and the server healthy?)")
         return exc
 
     def _unreachable(self, exc: BaseException) -> str:
@@ -210,9 +213,9 @@ class Translating:
         return exc
 
 
-def refused(exc: BaseException, url: str) -> StateConnectionError:
+def refused(exc: BaseException, url: str) -> PermissionDeniedError:
     """A command refused under the ACL (``exc`` names it); ``url`` redacted."""
-    return StateConnectionError(
+    return PermissionDeniedError(
         f"Redis at {url} refused a command under its ACL ({exc}); "
         "see the README for the ACL SETUSER line kvstate needs"
     )
@@ -224,7 +227,7 @@ def connect_error(url: str, exc: BaseException, call_timeout: float) -> StateCon
     shown = redact(url)
     refusal = _find_in_chain(exc, NoPermissionError)  # CLUSTER SLOTS or COMMAND
     if refusal is not None:  # redis-py words it "Cluster mode is not enabled"
-        return StateConnectionError(
+        return PermissionDeniedError(
             f"Redis Cluster at {shown} refused a command under its ACL "
             f"({refusal}); see the README for the ACL SETUSER line kvstate needs"
         )

