@@ -7,7 +7,8 @@ Built on redis-py's model, calls apart from their execution: ``calls`` builds th
 server-level reads ops and the CLI need, in kvstate's types. ``core`` puts them
 together as ``Store`` and opens one with ``connect()``; ``connection`` parses URLs and
 makes clients, ``redispy_private`` is the one place redis-py's private names are
-reached, ``redis_server`` and ``embedded`` start a private redis-server.
+reached, ``redis_server`` and ``embedded`` start a private redis-server, ``plain``
+hands launchers, tests and tools plain clients and ``roundtrips`` counts round trips.
 """
 
 from kvstate.store.calls import MARK_MIN_TTL, Call, Status

@@ -239,8 +239,9 @@ class Calls:
         )
 
     # -- named operations for ops/, the registry and the integrations ---------------
-    # Named reads and writes, so that no module outside this one spells a Redis command.
-    # Each returns a Call to batch with others in one execute(), unless it says it runs.
+    # Named reads and writes, so that no module outside kvstate.store spells a Redis
+    # command. Each returns a Call to batch with others in one execute() (the writes that
+    # run at once, publish_transfer_stats and ledger_append, are Store's, in core.py).
 
     def read_hash(self, key: str) -> Call:
         """HGETALL of any kvstate hash (a participant, an xfer, a registration...)."""

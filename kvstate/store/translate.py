@@ -1,9 +1,10 @@
 """redis-py's errors made kvstate's, under the call's deadline.
 
-Every error that leaves ``kvstate.store`` is a ``KVStateError``: connection trouble
-and refusals become ``StateConnectionError`` (``PermissionDeniedError`` for the ACL)
-naming the redacted URL and what to do next; a script's CORRUPT or WRONGTYPE answer
-becomes ``CorruptStateError``; OOM ``StateOutOfMemoryError``. ``bounded()`` is one
+Every redis-py error that leaves ``kvstate.store`` is made a ``KVStateError``:
+connection trouble and refusals become ``StateConnectionError``
+(``PermissionDeniedError`` for the ACL) naming the redacted URL and what to do next; a
+script's CORRUPT or WRONGTYPE answer becomes ``CorruptStateError``; OOM
+``StateOutOfMemoryError``. ``bounded()`` is one
 call's worth of Redis work: a deadline (``kvstate.store.deadline``) plus that
 translation, done while the deadline still holds so the message can tell a timeout.
 """
