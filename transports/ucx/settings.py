@@ -38,18 +38,21 @@ Settings (each can be overridden)
       emulated with active messages that the sender copies out and the
       receiver copies in; smaller puts let those copies overlap on the two
       sides instead of one 16 MiB message at a time. Measured between two
-      network namespaces, chunk sizes timed in turn in one run
-      (``tools/bench_transfer.py --cross-host``, load 1.3-3.7 on 2 CPUs):
-      contiguous pages 1.5-1.8 GB/s without a limit -> 2.1-3.1 GB/s at 64K
-      (32K: 2.4-2.9, 128K: 2.0-2.4); fragmented pages (runs of 16-128 KiB)
-      unchanged at 2.8-3.2. GPU memory is not cut (cuda_ipc and RDMA move big
-      puts best).
-    * ``KVSTATE_CMA_THREADS`` (default 2, at most the CPU count): a same-host
+      network namespaces, 64K and whole runs timed in turn in eight runs
+      (``tools/bench_transfer.py --cross-host --extra
+      c0:KVSTATE_UCX_PUT_CHUNK=0``, load 0.9-3.7 on 2 CPUs): contiguous pages
+      0.81-1.43x (median 1.23), fragmented pages (runs of 16-128 KiB)
+      0.79-1.06x (median 1.04); 32K and 128K were not better. GPU memory is
+      not cut (cuda_ipc and RDMA move big puts best).
+    * ``KVSTATE_CMA_THREADS`` (default 2; 1 on a 1-CPU host): a same-host
       write of at least 8 MiB is split by bytes into that many parts, each a
       series of ``process_vm_writev`` calls on its own thread (the calling
-      thread takes one). One thread copied at 0.4-0.75x an in-process memcpy
-      here (the kernel pins and maps each 4 KiB page); two reached 0.9-1.3x.
-      ``1`` keeps every copy on the calling thread.
+      thread takes one; ``transports.cma.write_runs``). One thread copied at
+      5.3-5.7 GB/s here, about 0.4x an in-process memcpy measured alone (the
+      kernel pins and maps every 4 KiB page); two at 5.7-8.8 GB/s, 0.86-1.29x
+      a memcpy timed in turn with them (``tools/bench_transfer.py``, load
+      2.4-3.1; the README has the runs). ``1`` keeps every copy on the
+      calling thread.
     * ``KVSTATE_CMA_PTRACER``: ``off`` (default), ``any`` or one sender pid;
       see ``transports.cma``. Applied at ``register_buffers`` and logged once.
 
