@@ -5,10 +5,13 @@ must surface (after the other pieces are done)."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
 
+from tests.helpers import scaled
 from transports import cma
 
 
@@ -94,3 +97,33 @@ def test_split_spans_cuts_puts_to_the_chunk() -> None:
         # Byte for byte, the pieces pair the same local and remote addresses, in order.
         assert (_each_byte(np.stack([lo, n], 1)) == _each_byte(np.stack([laddr, length], 1))).all()
         assert (_each_byte(np.stack([ro, n], 1)) == _each_byte(np.stack([raddr, length], 1))).all()
+
+
+def test_a_forked_child_gets_its_own_threads() -> None:
+    """After fork the parent's pool threads do not exist in the child: a split write
+    there must still run (not wait forever on a queue nobody serves)."""
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    length = np.array([1 << 14] * 4, dtype=np.int64)
+    local = cma.iovecs(src.ctypes.data + np.arange(4) * (1 << 14), length)
+    remote = cma.iovecs(dst.ctypes.data + np.arange(4) * (1 << 14), length)
+    cma.write_runs(os.getpid(), local, remote, "self", threads=3, min_part=1)  # pool made
+    pid = os.fork()
+    if pid == 0:  # the child: copy again into its own memory, exit 0 if all landed
+        code = 1
+        try:
+            dst.fill(0)
+            cma.write_runs(os.getpid(), local, remote, "self", threads=3, min_part=1)
+            code = 0 if (dst == src).all() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + scaled(30)
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("the split write hung in the forked child")

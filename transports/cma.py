@@ -301,6 +301,16 @@ def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
         return _pool_obj
 
 
+def _forget_pool() -> None:
+    """In a forked child the pool's threads are gone while the object says they idle:
+    start afresh rather than queue work nobody runs."""
+    global _pool_obj, _pool_size
+    _pool_obj, _pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _write_serial(
     pid: int,
     local: np.ndarray,
