@@ -826,7 +826,7 @@ class Pair:
 
 def memcpy_baseline(cfg: Config, layouts: dict[str, Any]) -> dict[str, Any]:
     """In-process copies of the same runs, in this process after every pair is done: the
-    old ceiling, kept beside the memcpy row timed in turn (it was 1.8-2.0x faster here,
+    old ceiling, kept beside the memcpy row timed in turn (it was 1.6-2.3x faster here,
     never following another system's transfer)."""
     from transports.pages import merge_runs
 

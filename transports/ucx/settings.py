@@ -49,9 +49,9 @@ Settings (each can be overridden)
       series of ``process_vm_writev`` calls on its own thread (the calling
       thread takes one; ``transports.cma.write_runs``). One thread copied at
       5.3-5.7 GB/s here, about 0.4x an in-process memcpy measured alone (the
-      kernel pins and maps every 4 KiB page); two at 5.7-8.8 GB/s, 0.86-1.29x
-      a memcpy timed in turn with them (``tools/bench_transfer.py``, load
-      2.4-3.1; the README has the runs). ``1`` keeps every copy on the
+      kernel pins and maps every 4 KiB page); two at 5.3-9.4 GB/s, 0.75-1.46x
+      a memcpy timed in turn with them (``tools/bench_transfer.py``, six
+      runs, load 1.1-4.5; the README has them). ``1`` keeps every copy on the
       calling thread.
     * ``KVSTATE_CMA_PTRACER``: ``off`` (default), ``any`` or one sender pid;
       see ``transports.cma``. Applied at ``register_buffers`` and logged once.
