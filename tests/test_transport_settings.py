@@ -92,6 +92,38 @@ def test_conflicting_segment_sizes_are_a_clear_error() -> None:
     assert "set both" in text
 
 
+def test_puts_cut_to_a_small_chunk_land_every_byte() -> None:
+    """KVSTATE_UCX_PUT_CHUNK=1000 (no page size divides it) cuts every run into puts
+    that end mid-page; contiguous and fragmented writes must still land exactly."""
+    rx = Peer("receiver", env=TCP)
+    tx = Peer("sender", env=TCP | {"KVSTATE_UCX_PUT_CHUNK": "1000"})
+    try:
+        ident = np.arange(LAYOUT[0][0], dtype=np.int32)
+        tx.call("write", 1, ident, [rx.target(ident)], 30.0)
+        assert_layers(rx, [(ident, ident)])
+        rx.call("refill")
+        src, dst = fragmented(np.random.default_rng(4), 70, LAYOUT[0][0])
+        tx.call("write", 2, src, [rx.target(dst)], 30.0)
+        assert_layers(rx, [(src, dst)])
+    finally:
+        tx.stop()
+        rx.stop()
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "needle"),
+    [
+        ("KVSTATE_UCX_PUT_CHUNK", "lots", "KVSTATE_UCX_PUT_CHUNK='lots' is not a size"),
+        ("KVSTATE_CMA_THREADS", "0", "KVSTATE_CMA_THREADS='0' is not a whole number >= 1"),
+    ],
+)
+def test_bad_chunk_and_thread_settings_are_refused(var: str, value: str, needle: str) -> None:
+    with pytest.raises(AssertionError) as err:
+        Peer("receiver", env=TCP | {var: value})
+    assert "TransportError" in str(err.value)
+    assert needle in str(err.value)
+
+
 def test_environment_reaches_ucx() -> None:
     """An override UCX cannot parse makes UCX itself fail: UCX read our environment."""
     with pytest.raises(AssertionError) as err:

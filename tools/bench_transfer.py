@@ -6,15 +6,21 @@ Moves the same pages (default 4 layers x 1024 pages x 16 KiB = 4096 pages,
 both sides), each system in its own pair of ``spawn``-ed processes:
 
 * kvstate ``UCXTransport`` with its defaults. Every row names the path it
-  measures: **CMA** (same host, host memory: batched ``process_vm_writev``) or
-  **UCX** (``ucp_put_nbx`` + flush with error handling on: other hosts, GPU
-  memory, or ``KVSTATE_UCX_CMA=0``);
+  measures: **CMA** (same host, host memory: batched ``process_vm_writev``, a
+  large write split over two threads) or **UCX** (``ucp_put_nbx`` of at most
+  64 KiB each + flush, error handling on: other hosts, GPU memory, or
+  ``KVSTATE_UCX_CMA=0``); ``--extra`` adds kvstate rows with other settings;
 * raw ``ucxx``: all bytes as one tagged message plus a 1-byte ack, tuned
   (``UCX_RNDV_SCHEME=put_zcopy``), error handling off (its fastest) and on;
-* NIXL 1.5 (UCX backend, error handling off and on, transfer prepared once
-  and re-posted; ratios use the faster) and Mooncake Transfer Engine (``tcp``, several lanes), when
-  installed; a plain TCP socket (gather/scatter ``sendmsg``/``recv_into``);
-* numpy memcpy inside one process (the ceiling on one host).
+* the peers, when installed, each with every setting that was its best in some
+  run here, one row per setting; ratios take the best row of the run:
+  NIXL 1.5 (UCX backend; error handling off and on; UCX's own TCP segment
+  sizes and kvstate's 256K/512K, which NIXL's UCX reads from the environment
+  too; transfer prepared once and re-posted) and Mooncake Transfer Engine
+  (``tcp``, ``--mooncake-lanes``, default 1, 2, 4, 8 and 16 lanes);
+* a plain TCP socket (gather/scatter ``sendmsg``/``recv_into``);
+* numpy memcpy inside one process (the ceiling on one host), timed in turn
+  like the rest, and once more alone after the run (the old, kinder figure).
 
 ``--cross-host`` puts the receiver and the sender in two network namespaces
 joined by a veth pair that the tool creates (10.231.0.1/2, inside those
@@ -24,13 +30,15 @@ cannot be made (not root, no ``ip``), it falls back to loopback with CMA off
 and says so.
 
 Every system gets the same warm-up and reps: all pairs are started first, then
-timed in turn one rep at a time (layouts alternating within a rep; the pairs
-not being timed are SIGSTOPped), so load from elsewhere hits them alike; the
-receiver's bytes are checked (SHA-256 of every layer) after the timed part.
+timed in turn one rep at a time, in a new random order every rep (layouts
+alternating within a rep; the pairs not being timed are SIGSTOPped), so load
+from elsewhere, and whatever ran just before, hits them alike; the receiver's
+bytes are checked (SHA-256 of every layer) after the timed part.
 Figures: median GB/s and the spread (slowest..fastest rep). Compare ratios
 within one run only: the host may be shared (the load average is printed).
 
-Usage: ``python tools/bench_transfer.py [--cross-host] [--json] [--plot out.png] [--reps N]``
+Usage: ``python tools/bench_transfer.py [--cross-host] [--json] [--plot out.png] [--reps N]
+[--mooncake-lanes 1,2,4,8,16] [--extra NAME:VAR=VALUE,...] [--skip ...]``
 (``--plot`` runs both the same-host and the cross-host set).
 """
 
@@ -44,6 +52,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import signal
 import socket
@@ -102,6 +111,14 @@ class System:
     env: dict[str, str] = field(default_factory=dict)
     module: str = ""  # optional peer: skipped with a note when not importable
     nixl_error_handling: str = "none"  # NIXL's ucx_error_handling_mode
+    family: str = ""  # the peer a ratio compares with: the best of its settings counts
+
+    def settings(self) -> dict[str, str]:
+        """What this row was run with, for the JSON (environment and peer options)."""
+        out = dict(self.env)
+        if self.kind == "nixl":
+            out["ucx_error_handling_mode"] = self.nixl_error_handling
+        return out
 
 
 @dataclass(frozen=True)
@@ -116,8 +133,17 @@ class Site:
     note: str = ""
 
 
-def systems(mode: str, lanes: int) -> list[System]:
-    """The systems a mode compares, each with its best settings here."""
+#: NIXL with the UCX TCP segment sizes kvstate exports by default (transports.ucx.settings)
+KVSTATE_SEGMENTS = {"UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "512K"}
+
+
+def systems(
+    mode: str, lanes: list[int], extras: tuple[tuple[str, dict[str, str]], ...] = ()
+) -> list[System]:
+    """The systems a mode compares. Peers run with every setting that was their best in
+    some run here: NIXL with error handling off and on, each with UCX's own TCP
+    segment sizes and with kvstate's; Mooncake at every lane count in ``lanes``.
+    Ratios take each peer's best setting in the run; the rows show them all."""
     cross = mode == "cross-host"
     tcp = {"UCX_TLS": "tcp"} if cross else {}
     # Raw ucxx tuned: put_zcopy rendezvous beat the default scheme over TCP (facts file and
@@ -129,7 +155,7 @@ def systems(mode: str, lanes: int) -> list[System]:
         out.append(
             System("kvstate-cma", "kvstate, same host (CMA path, default)", "kvstate", "CMA")
         )
-    out += [
+    out.append(
         System(
             "kvstate-ucx",
             "kvstate, UCX put path"
@@ -137,38 +163,78 @@ def systems(mode: str, lanes: int) -> list[System]:
             "kvstate",
             "UCX",
             {"KVSTATE_UCX_CMA": "0"} | tcp,
-        ),
+        )
+    )
+    for name, env in extras:  # --extra: kvstate with other settings, timed in turn
+        # UCX path unless the extra turns CMA back on (same host only).
+        cma_row = env.get("KVSTATE_UCX_CMA") == "1"
+        if cma_row and cross:
+            continue  # the namespaces share a kernel: CMA would reach across them
+        out.append(
+            System(
+                f"kvstate-{name}",
+                f"kvstate, {'CMA' if cma_row else 'UCX put'} path, "
+                + " ".join(f"{k}={v}" for k, v in env.items()),
+                "kvstate",
+                "CMA" if cma_row else "UCX",
+                {"KVSTATE_UCX_CMA": "0"} | tcp | env,
+            )
+        )
+    out += [
         System(
-            "ucxx", "raw ucxx, one tag message, tuned, error handling off", "ucxx", env=tuned | tcp
+            "ucxx",
+            "raw ucxx, one tag message, tuned, error handling off",
+            "ucxx",
+            env=tuned | tcp,
+            family="ucxx",
         ),
         System(
             "ucxx-eh",
             "raw ucxx, one tag message, tuned, error handling on",
             "ucxx",
             env=tuned | tcp,
+            family="ucxx",
         ),
-        System(
-            "nixl", "NIXL 1.5.1, UCX backend, error handling off", "nixl", env=tcp, module="nixl"
-        ),
-        # NIXL's default; over TCP it beat "none" in some runs here, so both run and the
-        # ratios take the faster of the two.
-        System(
-            "nixl-eh",
-            "NIXL 1.5.1, UCX backend, error handling on (its default)",
-            "nixl",
-            env=tcp,
-            module="nixl",
-            nixl_error_handling="peer",
-        ),
-        System(
-            "mooncake",
-            f"Mooncake TE, tcp, {lanes} lanes",
-            "mooncake",
-            env={"MC_TCP_LANES_PER_PEER": str(lanes)},
-            module="mooncake",
-        ),
-        System("socket", "plain TCP socket (sendmsg / recv_into)", "socket"),
     ]
+    # NIXL's UCX backend reads the UCX_* variables: error handling off and on (its
+    # default; over TCP either was faster in some runs), each with UCX's segment sizes
+    # and with kvstate's.
+    for eh, eh_label in (("none", "error handling off"), ("peer", "error handling on")):
+        for segs, seg_label in (({}, "UCX's TCP segments"), (KVSTATE_SEGMENTS, "256K/512K")):
+            out.append(
+                System(
+                    "nixl" + ("-eh" if eh == "peer" else "") + ("-seg" if segs else ""),
+                    f"NIXL 1.5.1, UCX backend, {eh_label}, {seg_label}",
+                    "nixl",
+                    env=tcp | segs,
+                    module="nixl",
+                    nixl_error_handling=eh,
+                    family="nixl",
+                )
+            )
+    for n in lanes:
+        out.append(
+            System(
+                f"mooncake-{n}",
+                f"Mooncake TE, tcp, {n} lane{'s' if n > 1 else ''}",
+                "mooncake",
+                env={"MC_TCP_LANES_PER_PEER": str(n)},
+                module="mooncake",
+                family="mooncake",
+            )
+        )
+    out.append(
+        System("socket", "plain TCP socket (sendmsg / recv_into)", "socket", family="socket")
+    )
+    if not cross:
+        out.append(
+            System(
+                "memcpy",
+                "numpy memcpy in one process (timed in turn)",
+                "memcpy",
+                family="memcpy",
+            )
+        )
     return out
 
 
@@ -451,6 +517,8 @@ class _Driver:
     def __init__(self, rx_call: Callable[..., Any], rx: Connection) -> None:
         self.rx_call, self.rx = rx_call, rx
         self.ops: dict[str, Callable[[], None]] = {}
+        # memcpy: the destination is in this process; verify looks here, not at the receiver
+        self.local_dst: list[np.ndarray] | None = None
 
     def start(self, seq: list[str]) -> None:
         pass
@@ -562,6 +630,29 @@ def _driver(
                     raise RuntimeError("Mooncake transfer failed")
 
             drv.ops[name] = mc
+    elif system.kind == "memcpy":
+        from transports.pages import merge_runs
+
+        dst_bufs = [np.ones_like(b) for b in bufs]
+        drv.local_dst = dst_bufs
+        pb = cfg.page_bytes
+        for name, (src, dst) in layouts.items():
+            runs = merge_runs(src, dst)
+            spans = list(
+                zip(
+                    (runs.src * pb).tolist(),
+                    (runs.dst * pb).tolist(),
+                    (runs.length * pb).tolist(),
+                    strict=True,
+                )
+            )
+
+            def copy(spans: list[tuple[int, int, int]] = spans) -> None:
+                for sb, db in zip(bufs, dst_bufs, strict=True):
+                    for so, do, n in spans:
+                        db[do : do + n] = sb[so : so + n]
+
+            drv.ops[name] = copy
     elif system.kind == "socket":
         views = {name: _views(bufs, cfg, src, dst) for name, (src, dst) in layouts.items()}
         sock = socket.create_connection(tuple(info["socket"]), timeout=60)
@@ -622,11 +713,14 @@ def _tx_main(
                 results: dict[str, Any] = {}
                 for case in cases:  # outside the timed part
                     rx_call("reset")
+                    for b in drv.local_dst or []:
+                        b.fill(0)
                     drv.start([case])
                     drv.op(case)
                     drv.finish()
                     src, dst = layouts.get(case) or (np.arange(cfg.pages),) * 2
-                    ok = rx_call("digest") == expected_digests(cfg, src, dst)
+                    got = digests(drv.local_dst) if drv.local_dst else rx_call("digest")
+                    ok = got == expected_digests(cfg, src, dst)
                     results[case] = {
                         "verified": ok,
                         "rss_mib": {"tx": rss_mib(), "rx": rx_call("rss")},
@@ -731,7 +825,9 @@ class Pair:
 
 
 def memcpy_baseline(cfg: Config, layouts: dict[str, Any]) -> dict[str, Any]:
-    """In-process copies of the same runs: the ceiling for moving these bytes on one host."""
+    """In-process copies of the same runs, in this process after every pair is done: the
+    old ceiling, kept beside the memcpy row timed in turn (it was 1.6-2.3x faster here,
+    never following another system's transfer)."""
     from transports.pages import merge_runs
 
     src_bufs = [sender_layer(cfg, i) for i in range(cfg.layers)]
@@ -781,6 +877,8 @@ def row(mode: str, system: System, case: str, nbytes: int, r: dict[str, Any]) ->
         "system": system.key,
         "label": system.label,
         "path": system.path,
+        "family": system.family,
+        "settings": system.settings(),
         "case": case,
         "gbps": round(nbytes / statistics.median(t) / 1e9, 3),
         "gbps_min": round(nbytes / max(t) / 1e9, 3),
@@ -797,7 +895,8 @@ def run_mode(
     cfg: Config,
     layouts: dict[str, Any],
     skip: set[str],
-    lanes: int,
+    lanes: list[int],
+    extras: tuple[tuple[str, dict[str, str]], ...],
     say: Callable[[str], None],
     notes: list[str],
 ) -> list[dict[str, Any]]:
@@ -813,8 +912,8 @@ def run_mode(
         say(f"[{mode}] {site.note}")
         notes.append(f"{mode}: {site.note}")
         pairs: list[Pair] = []
-        for system in systems(mode, lanes):
-            if system.key in skip or system.kind in skip:
+        for system in systems(mode, lanes, extras):
+            if system.key in skip or system.kind in skip or system.family in skip:
                 notes.append(f"{mode}: {system.label}: skipped (--skip)")
                 continue
             if system.module and not available(system.module):
@@ -833,8 +932,14 @@ def run_mode(
             pairs[-1].pause(True)
         times: dict[str, dict[str, list[float]]] = {p.system.key: {} for p in pairs}
         say(f"[{mode}] {cfg.warmup} warm-up and {cfg.reps} timed reps, systems in turn ...")
+        order = random.Random(7)
         for rep in range(cfg.warmup + cfg.reps):
-            for pair in list(pairs):
+            # A fresh order every rep: what ran just before a system slows it (a socket
+            # transfer cut the next in-process memcpy by up to 40% here), so no system
+            # may always follow the same one.
+            turn = list(pairs)
+            order.shuffle(turn)
+            for pair in turn:
                 try:
                     pair.pause(False)
                     got = pair.call("rep")
@@ -859,75 +964,107 @@ def run_mode(
                 rows.append(row(mode, pair.system, case, cfg.total_bytes, r))
                 if not check["verified"]:
                     notes.append(f"{mode}: {pair.system.label}/{case}: receiver bytes differ")
-    if mode == "same-host":
-        mem = System("memcpy", "numpy memcpy in one process", "memcpy")
+    if mode == "same-host" and "memcpy" not in skip:
+        alone = System(
+            "memcpy-alone",
+            "numpy memcpy in the main process, after the run (not in turn)",
+            "memcpy",
+            family="memcpy-alone",
+        )
         rows += [
-            row(mode, mem, case, cfg.total_bytes, r)
+            row(mode, alone, case, cfg.total_bytes, r)
             for case, r in memcpy_baseline(cfg, layouts).items()
         ]
     return rows
 
 
-def ratios_of(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """The targets of issue 13 and the same-host ones, as ratios of medians in this run."""
+def best_of(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per mode, case and peer family: the fastest setting's row key and median GB/s."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if not r["family"]:
+            continue
+        key = f"{r['mode']} {r['case']} {r['family']}"
+        if key not in out or r["gbps"] > out[key]["gbps"]:
+            out[key] = {"system": r["system"], "label": r["label"], "gbps": r["gbps"]}
+    return out
 
-    def rate(mode: str, system: str, case: str) -> float | None:
-        """Median GB/s of a row; ``nixl`` means the faster of NIXL's two settings."""
-        names = ("nixl", "nixl-eh") if system == "nixl" else (system,)
+
+def ratios_of(
+    rows: list[dict[str, Any]],
+) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """The targets (issues 13 and 22) as ratios of medians in this run, against each
+    peer's best setting; and kvstate's ratio to every other row, setting by setting."""
+    best = best_of(rows)
+
+    def kv(mode: str, system: str, case: str) -> float | None:
         hits = [
             float(r["gbps"])
             for r in rows
-            if r["mode"] == mode and r["system"] in names and r["case"] == case
+            if r["mode"] == mode and r["system"] == system and r["case"] == case
         ]
-        return max(hits) if hits else None
+        return hits[0] if hits else None
+
+    def peer(mode: str, family: str, case: str) -> float | None:
+        hit = best.get(f"{mode} {case} {family}") or best.get(f"{mode} one message {family}")
+        return float(hit["gbps"]) if hit else None
 
     out: dict[str, float | None] = {}
 
     def ratio(key: str, a: float | None, b: float | None) -> None:
         out[key] = round(a / b, 3) if a and b else None
 
+    targets = (
+        ("nixl", "NIXL (best setting)", "[>= 1.0]"),
+        ("mooncake", "Mooncake (best lane count)", "[>= 1.0]"),
+        ("ucxx", "raw ucxx one message", "[>= 0.8]"),
+        ("socket", "plain socket", ""),
+    )
     for case in ("contiguous", "fragmented"):
-        x = rate("cross-host", "kvstate-ucx", case)
+        x = kv("cross-host", "kvstate-ucx", case)
+        if x is not None:
+            for family, name, bound in targets:
+                ratio(
+                    f"cross-host {case}: kvstate UCX / {name}  {bound}".rstrip(),
+                    x,
+                    peer("cross-host", family, case),
+                )
+        x = kv("same-host", "kvstate-cma", case)
         if x is not None:
             ratio(
-                f"cross-host {case}: kvstate UCX / NIXL (faster setting)  [>= 1.0]",
+                f"same host {case}: kvstate CMA / memcpy (timed in turn)  [>= 0.9]",
                 x,
-                rate("cross-host", "nixl", case),
+                peer("same-host", "memcpy", case),
             )
             ratio(
-                f"cross-host {case}: kvstate UCX / raw ucxx one message  [>= 0.8]",
+                f"same host {case}: kvstate CMA / memcpy alone after the run",
                 x,
-                rate("cross-host", "ucxx", "one message"),
+                peer("same-host", "memcpy-alone", case),
             )
+            for family, name, bound in targets:
+                bound = {"ucxx": "[>= 0.9]", "mooncake": "[>= 1.0]"}.get(family, bound)
+                ratio(
+                    f"same host {case}: kvstate CMA / {name}  {bound}".rstrip(),
+                    x,
+                    peer("same-host", family, case),
+                )
             ratio(
-                f"cross-host {case}: kvstate UCX / Mooncake",
-                x,
-                rate("cross-host", "mooncake", case),
+                f"same host {case}: kvstate UCX path / NIXL (best setting)",
+                kv("same-host", "kvstate-ucx", case),
+                peer("same-host", "nixl", case),
             )
-            ratio(
-                f"cross-host {case}: kvstate UCX / plain socket",
-                x,
-                rate("cross-host", "socket", case),
-            )
-        x = rate("same-host", "kvstate-cma", case)
-        if x is not None:
-            ratio(
-                f"same host {case}: kvstate CMA / NIXL (faster setting)  [>= 1.0]",
-                x,
-                rate("same-host", "nixl", case),
-            )
-            ratio(
-                f"same host {case}: kvstate CMA / raw ucxx one message  [>= 0.9]",
-                x,
-                rate("same-host", "ucxx", "one message"),
-            )
-            ratio(f"same host {case}: kvstate CMA / memcpy", x, rate("same-host", "memcpy", case))
-            ratio(
-                f"same host {case}: kvstate UCX path / NIXL",
-                rate("same-host", "kvstate-ucx", case),
-                rate("same-host", "nixl", case),
-            )
-    return out
+    each: dict[str, float | None] = {}
+    for r in rows:
+        if not r["family"]:
+            continue
+        mine = "kvstate-ucx" if r["mode"] == "cross-host" else "kvstate-cma"
+        for case in ("contiguous", "fragmented"):
+            if r["case"] not in (case, "one message"):
+                continue
+            x = kv(r["mode"], mine, case)
+            key = f"{r['mode']} {case}: {mine} / {r['system']}"
+            each[key] = round(x / r["gbps"], 3) if x and r["gbps"] else None
+    return out, each
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -945,14 +1082,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--pages", type=int, default=1024, help="pages per layer")
     ap.add_argument("--page-kib", type=int, default=16)
-    ap.add_argument("--mooncake-lanes", type=int, default=2, help="MC_TCP_LANES_PER_PEER")
+    ap.add_argument(
+        "--mooncake-lanes",
+        default="1,2,4,8,16",
+        help="comma list of MC_TCP_LANES_PER_PEER values: one Mooncake row each",
+    )
+    ap.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME:VAR=VALUE,...",
+        help="one more kvstate row with these environment variables, timed in turn with "
+        "the rest (UCX path; KVSTATE_UCX_CMA=1 makes it a same-host CMA row), e.g. "
+        "chunk0:KVSTATE_UCX_PUT_CHUNK=0; repeatable",
+    )
     ap.add_argument(
         "--skip",
         default="",
-        help="comma list of systems or kinds: kvstate-cma,kvstate-ucx,ucxx,ucxx-eh,"
-        "nixl,mooncake,socket",
+        help="comma list of systems or kinds: kvstate-cma,kvstate-ucx,ucxx,ucxx-eh,nixl,"
+        "nixl-eh,nixl-seg,nixl-eh-seg,mooncake,mooncake-N,socket,memcpy",
     )
     args = ap.parse_args(argv)
+    lanes = [int(x) for x in args.mooncake_lanes.split(",") if x.strip()]
+    extras = []
+    for spec in args.extra:
+        name, _, assigns = spec.partition(":")
+        env = dict(a.split("=", 1) for a in assigns.split(",") if "=" in a)
+        if not name or not env:
+            ap.error(f"--extra {spec!r}: expected NAME:VAR=VALUE[,VAR=VALUE...]")
+        extras.append((name, env))
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the namespaces are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = sys.stdout
@@ -990,8 +1148,8 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
     for mode in modes:
-        rows += run_mode(mode, cfg, layouts, skip, args.mooncake_lanes, say, notes)
-    ratios = ratios_of(rows)
+        rows += run_mode(mode, cfg, layouts, skip, lanes, tuple(extras), say, notes)
+    ratios, ratios_each = ratios_of(rows)
     load1 = os.getloadavg()
     if args.plot:
         notes.append(plot(rows, cfg, args.plot, load1[0]))
@@ -1001,6 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
         "modes": modes,
         "results": rows,
         "ratios": ratios,
+        "best": best_of(rows),
+        "ratios_each_setting": ratios_each,
         "notes": notes,
         "loadavg": {"start": [round(x, 2) for x in load0], "end": [round(x, 2) for x in load1]},
         "wall_s": round(time.perf_counter() - started, 1),
@@ -1010,18 +1170,20 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
     else:
         print(
-            f"\n{'mode':<11}{'system':<12}{'path':<5}{'case':<12}{'GB/s':>7}  "
+            f"\n{'mode':<11}{'system':<16}{'path':<5}{'case':<12}{'GB/s':>7}  "
             f"{'spread':<13}{'ms':>8}  verified"
         )
         for r in rows:
             spread = f"{r['gbps_min']:.2f}-{r['gbps_max']:.2f}"
             print(
-                f"{r['mode']:<11}{r['system']:<12}{r['path']:<5}{r['case']:<12}"
+                f"{r['mode']:<11}{r['system']:<16}{r['path']:<5}{r['case']:<12}"
                 f"{r['gbps']:>7.2f}  {spread:<13}{r['median_ms']:>8.2f}  {r['verified']}"
             )
-        print("\nratios of medians:")
+        print("\nratios of medians (each peer at its best setting in this run):")
         for key, val in ratios.items():
-            print(f"  {key:<68} {'n/a' if val is None else f'{val:.2f}'}")
+            print(f"  {key:<72} {'n/a' if val is None else f'{val:.2f}'}")
+        for key, hit in best_of(rows).items():
+            print(f"  best {key}: {hit['system']} ({hit['gbps']:.2f} GB/s)")
         for note in notes:
             print(f"note: {note}")
         print(
@@ -1082,12 +1244,12 @@ def plot(rows: list[dict[str, Any]], cfg: Config, path: str, load: float) -> str
     ax.invert_yaxis()
     ax.set_xlim(left=0)
     ax.set_xlabel("GB/s (median of the reps; bars: slowest..fastest rep)")
-    ax.set_title(
+    fig.suptitle(  # centred on the figure: the long row labels push the axes right
         f"KV pages: {cfg.layers} layers x {cfg.pages} pages x {cfg.page_bytes // 1024} KiB "
         f"= {cfg.total_bytes / 2**20:.0f} MiB, contiguous and fragmented\n"
         "kvstate (\u25b6): CMA path on 1 host, UCX put path across 2 network namespaces "
-        "(TCP)\nvs NIXL, Mooncake, raw ucxx, plain socket, memcpy; "
-        f"{cfg.reps} reps each, load {load:.1f} on {os.cpu_count()} CPUs",
+        "(TCP)\nvs NIXL and Mooncake (every setting: one row each), raw ucxx, plain socket, "
+        f"memcpy;\n{cfg.reps} reps each, in turn, load {load:.1f} on {os.cpu_count()} CPUs",
         fontsize=9,
     )
     ax.grid(True, axis="x", alpha=0.3)

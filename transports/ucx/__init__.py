@@ -11,10 +11,12 @@ How a write moves bytes
     sides (``transports.pages``) and then, per target:
 
     * same host, host memory on both sides: ``process_vm_writev`` with up to
-      1024 runs per system call (``transports.cma``); when it returns the bytes
-      are in the receiver's pages;
+      1024 runs per system call, a write of 8 MiB or more split by bytes over
+      two threads (``transports.cma``); when it returns the bytes are in the
+      receiver's pages;
     * otherwise (another host, GPU memory, a kernel that refuses CMA):
-      ``ucp_put_nbx`` per run and layer, then ``ucp_ep_flush_nbx``; the flush
+      ``ucp_put_nbx`` per run and layer (host memory in puts of at most 64
+      KiB), all posted before any wait, then ``ucp_ep_flush_nbx``; the flush
       completes only when every put is complete at the receiver.
 
     Over RDMA or CMA the receiver's CPU takes no part; over TCP, UCX emulates

@@ -106,12 +106,15 @@ def make_plans(
     regions: list[Region],
     cma_from: cma.Identity | None,
     no_cma: Collection[bytes],
+    put_chunk: int = 0,
 ) -> list[Plan]:
     """Validate everything and turn each target into per-layer put lists.
 
     ``cma_from`` is this process's identity when same-host copies are allowed
     (None: every target goes through UCX); ``no_cma`` the endpoints where the
-    kernel refused them.
+    kernel refused them. ``put_chunk`` (bytes, 0: no limit) cuts the UCX puts
+    of host memory into pieces of at most that size (``UCXSettings.put_chunk``
+    says why); the same-host iovecs keep whole runs.
     """
     if not regions:
         raise LayoutError("write() before register_buffers()")
@@ -132,7 +135,7 @@ def make_plans(
                 f"room {room}: {src.size} source pages but {dst.size} destination pages for {name}"
             )
         plan, (locals_, remotes, sizes) = _plan_target(
-            t.endpoint, name, regions, remote, merge_runs(src, dst)
+            t.endpoint, name, regions, remote, merge_runs(src, dst), put_chunk
         )
         peer = cma.Identity.from_dict(t.layout.get("id"))
         if (
@@ -157,9 +160,10 @@ def _plan_target(
     regions: list[Region],
     remote: list[dict[str, Any]],
     runs: Runs,
+    put_chunk: int = 0,
 ) -> tuple[Plan, tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]]:
     """The plan for one target, and per layer its local and remote run addresses
-    and run lengths as arrays (for the same-host path)."""
+    and run lengths as arrays (for the same-host path, whole runs)."""
     ops = []
     nbytes = 0
     locals_, remotes, sizes = [], [], []
@@ -171,10 +175,28 @@ def _plan_target(
         locals_.append(laddr)
         remotes.append(raddr)
         sizes.append(lengths)
-        ops.append((laddr.tolist(), raddr.tolist(), lengths.tolist()))
+        if put_chunk > 0 and local.memory == "host" and rb.get("memory", "host") == "host":
+            op = split_spans(laddr, raddr, lengths, put_chunk)
+        else:
+            op = (laddr, raddr, lengths)
+        ops.append((op[0].tolist(), op[1].tolist(), op[2].tolist()))
         nbytes += int(lengths.sum())
     plan = Plan(endpoint, name, [bytes(b["rkey"]) for b in remote], ops, nbytes)
     return plan, (locals_, remotes, sizes)
+
+
+def split_spans(
+    laddr: np.ndarray, raddr: np.ndarray, length: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same bytes as spans of at most ``chunk`` bytes, in order (int64 arrays)."""
+    laddr, raddr, length = (np.asarray(a, dtype=np.int64) for a in (laddr, raddr, length))
+    if length.size == 0 or int(length.max()) <= chunk:
+        return laddr, raddr, length
+    pieces = (length + chunk - 1) // chunk
+    run = np.repeat(np.arange(length.size), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    offset = (np.arange(int(pieces.sum()), dtype=np.int64) - first) * chunk
+    return laddr[run] + offset, raddr[run] + offset, np.minimum(chunk, length[run] - offset)
 
 
 def check_layout(layout: dict[str, Any], regions: list[Region], name: str) -> list[dict[str, Any]]:

@@ -32,6 +32,27 @@ Settings (each can be overridden)
       in the environment (puts do not use rendezvous; UCX picks RDMA,
       cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is a
       default because ucxx sets a variable UCX 1.21 no longer knows.
+    * ``KVSTATE_UCX_PUT_CHUNK`` (default ``64K``; ``0`` for none): the UCX
+      path puts host memory in pieces of at most this size (a 16 MiB run
+      becomes 256 puts, posted together before the wait). Over TCP each put is
+      emulated with active messages that the sender copies out and the
+      receiver copies in; smaller puts let those copies overlap on the two
+      sides instead of one 16 MiB message at a time. Measured between two
+      network namespaces, 64K and whole runs timed in turn in eight runs
+      (``tools/bench_transfer.py --cross-host --extra
+      c0:KVSTATE_UCX_PUT_CHUNK=0``, load 0.9-3.7 on 2 CPUs): contiguous pages
+      0.81-1.43x (median 1.23), fragmented pages (runs of 16-128 KiB)
+      0.79-1.06x (median 1.04); 32K and 128K were not better. GPU memory is
+      not cut (cuda_ipc and RDMA move big puts best).
+    * ``KVSTATE_CMA_THREADS`` (default 2; 1 on a 1-CPU host): a same-host
+      write of at least 8 MiB is split by bytes into that many parts, each a
+      series of ``process_vm_writev`` calls on its own thread (the calling
+      thread takes one; ``transports.cma.write_runs``). One thread copied at
+      5.3-5.7 GB/s here, about 0.4x an in-process memcpy measured alone (the
+      kernel pins and maps every 4 KiB page); two at 5.3-9.4 GB/s, 0.75-1.46x
+      a memcpy timed in turn with them (``tools/bench_transfer.py``, six
+      runs, load 1.1-4.5; the README has them). ``1`` keeps every copy on the
+      calling thread.
     * ``KVSTATE_CMA_PTRACER``: ``off`` (default), ``any`` or one sender pid;
       see ``transports.cma``. Applied at ``register_buffers`` and logged once.
 
@@ -83,6 +104,32 @@ def _size(raw: str) -> int | None:
     return int(digits) * _SIZE_UNITS[unit]
 
 
+#: default for ``KVSTATE_UCX_PUT_CHUNK`` (bytes)
+PUT_CHUNK_DEFAULT = 64 << 10
+
+
+def _put_chunk() -> int:
+    raw = os.environ.get("KVSTATE_UCX_PUT_CHUNK", "")
+    if raw.strip() == "":
+        return PUT_CHUNK_DEFAULT
+    value = _size(raw)
+    if value is None:
+        raise TransportError(
+            f"KVSTATE_UCX_PUT_CHUNK={raw!r} is not a size: use bytes or K/M (e.g. 64K), "
+            "or 0 for no limit"
+        )
+    return value
+
+
+def _cma_threads() -> int:
+    raw = os.environ.get("KVSTATE_CMA_THREADS", "").strip()
+    if raw == "":
+        return max(1, min(2, os.cpu_count() or 1))
+    if not raw.isdigit() or int(raw) < 1:
+        raise TransportError(f"KVSTATE_CMA_THREADS={raw!r} is not a whole number >= 1")
+    return int(raw)
+
+
 @dataclass(frozen=True)
 class UCXSettings:
     """UCX knobs; defaults come from the environment (see this module's docstring)."""
@@ -96,6 +143,10 @@ class UCXSettings:
     cma: bool = field(default_factory=lambda: _env_flag("KVSTATE_UCX_CMA", True))
     tls: str | None = field(default_factory=lambda: os.environ.get("UCX_TLS"))
     rndv_scheme: str | None = field(default_factory=lambda: os.environ.get("UCX_RNDV_SCHEME"))
+    #: largest UCX put of host memory in bytes (0: no limit); see the module docstring
+    put_chunk: int = field(default_factory=_put_chunk)
+    #: threads for one large same-host write (process_vm_writev); see the module docstring
+    cma_threads: int = field(default_factory=_cma_threads)
     #: who may ptrace (and so CMA-write into) this process: "off", "any" or a pid
     ptracer: str | int = field(
         default_factory=lambda: cma.parse_ptracer(os.environ.get(cma.PTRACER_ENV))

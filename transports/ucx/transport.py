@@ -183,6 +183,7 @@ class UCXTransport(Transport):
             self._regions,
             self._identity if self.settings.cma else None,
             self._no_cma,
+            self.settings.put_chunk,
         )
         if not plans:
             self._record(0, 0.0, ok=True)
@@ -241,7 +242,12 @@ class UCXTransport(Transport):
         cma.check_alive(plan.peer, plan.name)
         try:
             cma.write_runs(
-                plan.peer.pid, plan.local_iov, plan.remote_iov, plan.name, check_deadline
+                plan.peer.pid,
+                plan.local_iov,
+                plan.remote_iov,
+                plan.name,
+                check_deadline,
+                self.settings.cma_threads,
             )
         except cma.CMAError as exc:
             if exc.errno == errno.EPERM:
