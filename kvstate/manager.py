@@ -258,7 +258,7 @@ class KVManager:
                 if i is not None and i.role == "prefill"
             ]
         else:
-            found = self.registry.at_addr(addr, role="prefill")
+            found = self.registry.listed_at(addr, "prefill")
         if lookups is not None:
             lookups[memo] = found
         return found

@@ -179,6 +179,10 @@ class Status:
     reason: str
     infos: dict[str, bytes] = field(default_factory=dict)
     version: int = -1  # of the infos (poll.lua); -1 when none came back
+    # a publish.lua lookup's: the senders it bound (engine -> incarnation) and the
+    # senders required; None when the call made no lookup or stopped before it bound
+    bound: dict[str, str] | None = None
+    required: int = 0
 
     @classmethod
     def parse(cls, raw: Any) -> Status:
@@ -189,7 +193,13 @@ class Status:
             flat = raw[2]
             infos = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
         version = int(raw[3]) if len(raw) > 3 else -1
-        return cls(KVPoll[name] if name else None, "" if not name else reason, infos, version)
+        bound, required = None, 0
+        if len(raw) > 5:
+            flat = raw[4]
+            bound = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+            required = int(raw[5])
+        status = KVPoll[name] if name else None
+        return cls(status, "" if not name else reason, infos, version, bound, required)
 
 
 def _identity(raw: Any) -> Any:
@@ -734,12 +744,21 @@ class Store:
         senders: dict[str, str],
         payload: bytes = b"",
         required: int = 0,
+        lookup: str | None = None,
     ) -> Call:
         """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
-        publish it to them; see publish.lua."""
+        publish it to them; see publish.lua. ``lookup`` (a bootstrap address; a
+        standalone server only, where the index shares the script): the script finds
+        the senders to bind in that address's engine index itself and answers whom it
+        is bound to (``Status.bound``); ``senders`` are then those the caller knows
+        bound, which it publishes to itself."""
         k = self.keys
         keys = [k.participant(room, "rx", receiver), k.parts(room), k.aborted(room)]
         args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
+        if lookup is not None:
+            keys.append(k.engines_at(lookup))
+            args += [k.participant(room, "tx", ""), k.xfer(room, ""), *senders]
+            return self._script("publish", keys, args, Status.parse, room)
         for sender, incarnation in senders.items():
             keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
             args += [sender, incarnation]
