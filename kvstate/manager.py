@@ -354,7 +354,8 @@ class KVManager:
         prepare: Callable[[Participant], None] | None = None,
     ) -> PollResults:
         """One batch of ``op`` (poll, begin, finish, init) over many rooms: creates and
-        bindings still due go first in the same batch, one registry read per address;
+        bindings still due go first in the same batch (a Cluster's: one registry read
+        per address first);
         ``prepare`` runs on each participant before its calls are made. A room the
         one-room call would refuse (NotReadyError: begin before its receivers
         published, finish before begin) or whose state is corrupt (CorruptStateError)

@@ -503,6 +503,7 @@ class KVReceiver(Participant):
         self._bound: dict[str, str] = {}  # sender engine -> incarnation bound to
         self._pending: tuple[dict[str, str], int] | None = None  # a binding in flight
         self._found: Status | None = None  # a lookup's answer, for the next _absorb
+        self._lookup_out = False  # a lookup went out and its answer has not come back
         self._covered = False  # the binding in this batch published the payload to all
         self._payload = b""  # the transfer info, once init() made it
         super().__init__(mgr, room, self._required, {schema.PEER_ADDR: bootstrap_addr})
@@ -525,8 +526,10 @@ class KVReceiver(Participant):
 
     def _bind_call(self, lookups: Lookups | None = None) -> Call | None:
         """Bind the senders registered since the last look (and publish to them, once
-        init() ran), or None when there is nothing to bind. ``lookups`` shares one
-        registry read per address among the receivers of one batch."""
+        init() ran), or None when there is nothing to bind. By address on a standalone
+        server, the script reads the registry's index itself (no read of its own);
+        otherwise ``lookups`` shares one registry read per address among the receivers
+        of one batch."""
         wanted = self._wanted()
         if (
             self._cleared
@@ -539,6 +542,7 @@ class KVReceiver(Participant):
             # the address's index itself, in this round trip, and answers whom it bound
             self.mgr.check_usable()
             self._covered = not self._bound
+            self._lookup_out = True
             return replace(
                 self.store.publish(
                     self.room,
@@ -567,7 +571,7 @@ class KVReceiver(Participant):
         """A lookup binding's reply (parsed as it comes back): whom it bound, kept for
         the next ``_absorb``, which the batch's status reply reaches."""
         st = Status.parse(raw)
-        self._found = st
+        self._found, self._lookup_out = st, False
         return st
 
     def _answers_status(self, call: Call) -> bool:
@@ -696,10 +700,18 @@ class KVReceiver(Participant):
             log.warning("room %s: could not record %r: %s", self.room, reason, exc)
 
     def _clear_args(self) -> dict[str, Any]:
-        return {
-            "senders": sorted(set(self._bound) | set(self._pending[0] if self._pending else {})),
-            "peer_addr": self.bootstrap_addr,
-        }
+        senders = set(self._bound) | set(self._pending[0] if self._pending else {})
+        if self._lookup_out:
+            # a lookup's answer was lost: it may have bound (and published to) any
+            # engine listed at the address; their xfer fields go too (one read, only
+            # in this case; the fields expire with their key when it fails)
+            try:
+                found = self.mgr.prefill_engines(self.bootstrap_addr, None)
+            except KVStateError as exc:
+                log.warning("room %s: could not read %s: %s", self.room, self.bootstrap_addr, exc)
+            else:
+                senders |= {e.engine for e in found}
+        return {"senders": sorted(senders), "peer_addr": self.bootstrap_addr}
 
 
 __all__ = ["KVReceiver", "KVSender", "Participant"]

@@ -13,7 +13,7 @@ import pytest
 
 import kvstate
 from kvstate import KVPoll
-from kvstate.errors import KVStateError, NotReadyError, StateConnectionError
+from kvstate.errors import CorruptStateError, KVStateError, NotReadyError, StateConnectionError
 from kvstate.store import Store
 from kvstate.testing import RoundTrips
 from tests.helpers import PREFILL_ADDR, keys_of, managers
@@ -136,6 +136,24 @@ def test_binding_follows_the_registry(store: Store) -> None:
                 assert rcv4.poll() == KVPoll.WaitingForInput
                 assert rcv4.senders == ["g.tp0", "g.tp1"]
         d.clear_many([3, 4])
+    assert keys_of(store) == []
+
+
+def test_corrupt_index_is_named(store: Store) -> None:
+    """An address index that is not a sorted set: the binding raises CorruptStateError
+    naming it (read inside publish.lua on a standalone server, by index.lua on a
+    Cluster), and the receiver fails, as for any corrupt key met by init()."""
+    d = kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998", lease=60.0)
+    index = store.keys.engines_at("10.6.6.6:1")
+    store.execute([store._command("SET", index, args=["garbage", "PX", 60_000])])
+    with d:
+        rcv = d.receiver(1, "10.6.6.6:1")
+        with pytest.raises(CorruptStateError) as err:
+            rcv.init([1])
+        assert err.value.key == index, err.value
+        assert rcv.status == KVPoll.Failed
+        rcv.clear()
+    store.execute([store._command("DEL", index)])
     assert keys_of(store) == []
 
 

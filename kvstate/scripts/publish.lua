@@ -1,17 +1,18 @@
 -- publish.lua: a receiver binds to senders and publishes its transfer info to them
 -- (receiver -> sender's xfer hash). A receiver binds to the prefill engines of its
--- address as they register (the caller reads the registry, or a lookup below), recording each one's
--- incarnation in peer:<engine> the first time; a binding never changes afterwards
--- (a restarted peer fails the room through fan-out instead). The info goes only to
--- senders bound at the incarnation given. A sender whose count of infos reaches its
--- required receivers moves Bootstrapping -> WaitingForInput in the same call and its
--- infos_v is bumped (so its polls fetch infos only when they changed); the receiver
--- moves to WaitingForInput once it has published to `peers` bound senders. Nothing is
--- written for a missing, Failed or Success receiver. A receiver that binds to a sender
--- that already Failed (aborted before the decode side allocated its pages) fails at
--- once with the sender's reason instead of waiting for acks that can never come.
--- A receiver in a room that failed (its failure mark is set) fails with the mark's
--- reason. Everything is read and checked before anything is written (design rule 7).
+-- address as they register (the caller reads the registry, or the script: lookup,
+-- below), recording each one's incarnation in peer:<engine> the first time; a
+-- binding never changes afterwards (a restarted peer fails the room through fan-out
+-- instead). The info goes only to senders bound at the incarnation given. A sender
+-- whose count of infos reaches its required receivers moves Bootstrapping ->
+-- WaitingForInput in the same call and its infos_v is bumped (so its polls fetch
+-- infos only when they changed); the receiver moves to WaitingForInput once it has
+-- published to `peers` bound senders. Nothing is written for a missing, Failed or
+-- Success receiver. A receiver that binds to a sender that already Failed (aborted
+-- before the decode side allocated its pages) fails at once with the sender's reason
+-- instead of waiting for acks that can never come. A receiver in a room that failed
+-- (its failure mark is set) fails with the mark's reason. Everything is read and
+-- checked before anything is written (design rule 7).
 -- KEYS[1] receiver participant hash
 -- KEYS[2] room parts hash (TTL refreshed with the participants')
 -- KEYS[3] room failure mark
@@ -48,7 +49,8 @@ local names, incs, txk, xk = {}, {}, {}, {}  -- sender i: engine, incarnation, k
 local most = 0  -- lookup: the largest group size (`ranks`) declared by those listed
 if lookup then
   local inc_of, score_of = {}, {}
-  local listed = redis.call('ZRANGE', KEYS[4], '(' .. now_ms(), '+inf', 'BYSCORE', 'WITHSCORES')
+  local listed = redis.pcall('ZRANGE', KEYS[4], '(' .. now_ms(), '+inf', 'BYSCORE', 'WITHSCORES')
+  if listed.err then corrupt(KEYS[4], '*', 'not a sorted set') end
   for i = 1, #listed, 2 do
     local e, inc, ranks, role = string.match(listed[i], '^(%S+) (%S+) (%d+) (%S+)$')
     local score = tonumber(listed[i + 1])
