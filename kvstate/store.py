@@ -179,8 +179,9 @@ class Status:
     reason: str
     infos: dict[str, bytes] = field(default_factory=dict)
     version: int = -1  # of the infos (poll.lua); -1 when none came back
-    # a publish.lua lookup's: the senders it bound (engine -> incarnation) and the
-    # senders required; None when the call made no lookup or stopped before it bound
+    # a publish.lua lookup's: the listed senders the receiver is bound to after it
+    # (engine -> incarnation) and the senders required; None when the call made no
+    # lookup or stopped before binding (receiver missing, Failed or Success)
     bound: dict[str, str] | None = None
     required: int = 0
 
@@ -1027,8 +1028,10 @@ class Store:
         )
 
     def index_engine(self, addr: str, engine: str, lease_ms: int | None) -> Call:
-        """index.lua: list ``engine`` under its bootstrap address until ``lease_ms`` from
-        now, or (None) take it off the index."""
+        """index.lua: list ``engine`` (an index member, ``registry.index_member``) under
+        its bootstrap address until ``lease_ms`` from now; with ``lease_ms`` None take
+        ``engine`` ("<engine> <incarnation>") off the index; with ``engine`` '' read the
+        live members and their deadlines."""
         return self._script(
             "index", [self.keys.engines_at(addr)], [engine, "" if lease_ms is None else lease_ms]
         )
