@@ -258,7 +258,7 @@ class KVManager:
                 if i is not None and i.role == "prefill"
             ]
         else:
-            found = self.registry.at_addr(addr, role="prefill")
+            found = self.registry.listed_at(addr, "prefill")
         if lookups is not None:
             lookups[memo] = found
         return found
@@ -354,7 +354,8 @@ class KVManager:
         prepare: Callable[[Participant], None] | None = None,
     ) -> PollResults:
         """One batch of ``op`` (poll, begin, finish, init) over many rooms: creates and
-        bindings still due go first in the same batch, one registry read per address;
+        bindings still due go first in the same batch (a Cluster's: one registry read
+        per address first);
         ``prepare`` runs on each participant before its calls are made. A room the
         one-room call would refuse (NotReadyError: begin before its receivers
         published, finish before begin) or whose state is corrupt (CorruptStateError)

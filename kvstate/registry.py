@@ -2,13 +2,16 @@
 the engine's lease, renewed by a heartbeat. A peer whose key is gone, or whose
 incarnation changed, is dead to the rooms bound to it. One owner per name:
 registering, renewing and dropping are one script (register.lua) that never
-displaces a live holder. ``engines_at:<addr>`` indexes engines by bootstrap address.
+displaces a live holder. ``engines_at:<addr>`` indexes engines by bootstrap address,
+each member carrying the incarnation and group size a receiver binds by
+(``index_member``), so one read of it serves a binding (issue 22).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,11 @@ class EngineInfo:
     gpus: list[dict[str, Any]] = field(default_factory=list)
     lease_left_ms: int = -1
     ranks: int = 1  # prefill engines serving ``addr`` (TP ranks): how many a receiver needs
+
+    def index_member(self) -> str:
+        """This registration's member of its address's index (index.lua): what a
+        receiver binds by, so that it needs no read of the registration itself."""
+        return index_member(self.engine, self.incarnation, self.ranks, self.role)
 
     def fields(self) -> dict[str, Any]:
         return {
@@ -75,6 +83,21 @@ class EngineInfo:
         )
 
 
+def index_member(engine: str, incarnation: str, ranks: int, role: str) -> str:
+    """``<engine> <incarnation> <ranks> <role>``: names carry no spaces (keys.check_name),
+    incarnations are hex; publish.lua's lookup parses the same four words."""
+    return f"{engine} {incarnation} {ranks} {role}"
+
+
+def parse_member(member: str) -> tuple[str, str, int, str] | None:
+    """(engine, incarnation, ranks, role) of an index member; None for one that is not
+    of that shape (a plain engine name written by an older kvstate)."""
+    words = member.split(" ")
+    if len(words) != 4 or not words[2].isdigit():
+        return None
+    return words[0], words[1], int(words[2]), words[3]
+
+
 @dataclass(frozen=True)
 class Claim:
     """register.lua's answer, and who holds the name now."""
@@ -101,11 +124,15 @@ class Registry:
         or already ours, then refresh its address index entry (another slot on a Cluster,
         hence a second call)."""
         s, ms = self.store, int(lease * 1000)
+        started = time.monotonic()
         claim: Claim = s.execute(
             [s.claim_engine(info.engine, info.incarnation, mode, ms, info.fields(), Claim.parse)]
         )[0]
         if claim.answer != "taken":  # a refused or taken claim must not index anything
-            s.execute([s.index_engine(info.addr, info.engine, ms)])
+            # the lease left, not a whole one: receivers bind by the index alone, so its
+            # deadline must not outlive the registration's TTL set by the claim
+            left = ms - int((time.monotonic() - started) * 1000)
+            s.execute([s.index_engine(info.addr, info.index_member(), max(left, 1))])
         return claim
 
     def register(self, info: EngineInfo, lease: float) -> None:
@@ -122,13 +149,13 @@ class Registry:
         return self.claim(info, lease, "renew")
 
     def drop(self, engine: str, incarnation: str, addr: str) -> bool:
-        """Delete the registration if it is still this incarnation's; True if it was."""
+        """Delete the registration if it is still this incarnation's; True if it was.
+        Its index member goes first: receivers bind by the index alone, and the
+        member names this incarnation only, so a new holder's stays."""
         s = self.store
+        s.execute([s.index_engine(addr, f"{engine} {incarnation}", None)])
         claim = s.execute([s.claim_engine(engine, incarnation, "drop", 1, {}, Claim.parse)])[0]
-        if claim.answer != "dropped":
-            return False
-        s.execute([s.index_engine(addr, engine, None)])
-        return True
+        return bool(claim.answer == "dropped")
 
     def incarnations(self, engines: list[str]) -> dict[str, str | None]:
         """Engine -> the incarnation holding its name now, None when none does."""
@@ -157,12 +184,33 @@ class Registry:
         names = sorted(k[len(prefix) :] for k in self.store.scan(self.keys.engine_pattern))
         return [info for info in self.get_many(names).values() if info is not None]
 
+    def listed_at(self, addr: str, role: str) -> list[EngineInfo]:
+        """The engines of ``role`` the index lists as live at ``addr`` (lease deadline
+        after now on the server clock), the latest incarnation of each name, by name: in
+        one read (index.lua), the way publish.lua's lookup reads it, without the
+        registrations (only engine, role, addr, incarnation and ranks are filled in)."""
+        s = self.store
+        raw = s.execute([s.index_engine(addr, "", 0)])[0]
+        best: dict[str, tuple[float, str, int]] = {}
+        for i in range(0, len(raw), 2):
+            parsed = parse_member(raw[i].decode())
+            if parsed is None or parsed[3] != role:
+                continue
+            engine, inc, ranks, _ = parsed
+            score = float(raw[i + 1])
+            if engine not in best or score > best[engine][0]:
+                best[engine] = (score, inc, ranks)
+        return [
+            EngineInfo(e, role, addr, inc, host="", pid=0, ranks=ranks)
+            for e, (_, inc, ranks) in sorted(best.items())
+        ]
+
     def at_addr(self, addr: str, role: str | None = None) -> list[EngineInfo]:
         """Live engines registered at a bootstrap address, by name: the index names
         candidates, each one's own registration decides (no SCAN)."""
         s = self.store
         raw = s.execute([s.tracked(self.keys.engines_at(addr))])[0]
-        names = sorted(n.decode() for n in raw)
+        names = sorted({n.decode().split(" ")[0] for n in raw})
         if not names:
             return []
         return [

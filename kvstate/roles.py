@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstate import schema
@@ -124,8 +125,12 @@ class Participant:
         calls = self._create_calls(lookups)
         if not (first and calls and call.script == "poll"):
             calls.append(call)
-        at = max(i for i, c in enumerate(calls) if c.parse == Status.parse)
+        at = max(i for i, c in enumerate(calls) if self._answers_status(c))
         return calls, at
+
+    def _answers_status(self, call: Call) -> bool:
+        """Whether ``call``'s reply is this participant's status."""
+        return call.parse == Status.parse
 
     def _run(self, call: Call) -> Status:
         """Run one operation, creating the participant first if this is its first."""
@@ -497,6 +502,9 @@ class KVReceiver(Participant):
         self._required = required_senders or (len(senders) if senders else 0)  # 0: not known
         self._bound: dict[str, str] = {}  # sender engine -> incarnation bound to
         self._pending: tuple[dict[str, str], int] | None = None  # a binding in flight
+        self._found: Status | None = None  # a lookup's answer, for the next _absorb
+        self._lookup_out = False  # a lookup went out and its answer has not come back
+        self._covered = False  # the binding in this batch published the payload to all
         self._payload = b""  # the transfer info, once init() made it
         super().__init__(mgr, room, self._required, {schema.PEER_ADDR: bootstrap_addr})
 
@@ -518,8 +526,10 @@ class KVReceiver(Participant):
 
     def _bind_call(self, lookups: Lookups | None = None) -> Call | None:
         """Bind the senders registered since the last look (and publish to them, once
-        init() ran), or None when there is nothing to bind. ``lookups`` shares one
-        registry read per address among the receivers of one batch."""
+        init() ran), or None when there is nothing to bind. By address on a standalone
+        server, the script reads the registry's index itself (no read of its own);
+        otherwise ``lookups`` shares one registry read per address among the receivers
+        of one batch."""
         wanted = self._wanted()
         if (
             self._cleared
@@ -527,6 +537,23 @@ class KVReceiver(Participant):
             or (wanted and len(self._bound) >= wanted)
         ):
             return None
+        if not self._explicit and not self.store.cluster:
+            # the registry read folded into the binding (issue 22): publish.lua reads
+            # the address's index itself, in this round trip, and answers whom it bound
+            self.mgr.check_usable()
+            self._covered = not self._bound
+            self._lookup_out = True
+            return replace(
+                self.store.publish(
+                    self.room,
+                    self.engine,
+                    dict(self._bound),
+                    self._payload,
+                    self._required,
+                    self.bootstrap_addr,
+                ),
+                parse=self._looked_up,
+            )
         found = self.mgr.prefill_engines(self.bootstrap_addr, self._explicit, lookups)
         required = self._required
         if not required and found:  # the group's declared size, or all of it that is up
@@ -537,7 +564,35 @@ class KVReceiver(Participant):
         if not new and required == self._required:
             return None
         self._pending = (new, required)
+        self._covered = not self._bound
         return self.store.publish(self.room, self.engine, new, self._payload, required)
+
+    def _looked_up(self, raw: Any) -> Status:
+        """A lookup binding's reply (parsed as it comes back): whom it bound, kept for
+        the next ``_absorb``, which the batch's status reply reaches."""
+        st = Status.parse(raw)
+        self._found, self._lookup_out = st, False
+        return st
+
+    def _answers_status(self, call: Call) -> bool:
+        return call.parse == self._looked_up or super()._answers_status(call)
+
+    def _batch(self, call: Call, lookups: Lookups | None = None) -> tuple[list[Call], int]:
+        """As a participant's; an init's publish is left out when the binding ahead of
+        it carries the same transfer info to every sender bound (none was before it):
+        the one publish.lua call does both (issue 22)."""
+        self._covered = False
+        calls, at = super()._batch(call, lookups)
+        if (
+            self._covered
+            and self._payload
+            and call.script == "publish"
+            and len(calls) > 1
+            and calls[-1] is call
+        ):
+            calls.pop()
+            at = len(calls) - 1
+        return calls, at
 
     def _absorb(self, st: Status) -> Status:
         if self._pending is not None:  # the batch that carried the binding ran
@@ -546,6 +601,12 @@ class KVReceiver(Participant):
             self._bound.update(new)
             self._required = required
             self.mgr.watch(self.bootstrap_addr, new)
+        found, self._found = self._found, None
+        if found is not None and found.bound is not None:  # a lookup ran
+            self._bound.update(found.bound)
+            if found.required > 0:
+                self._required = found.required
+            self.mgr.watch(self.bootstrap_addr, found.bound)
         return super()._absorb(st)
 
     def step_lost(self) -> None:
@@ -639,10 +700,18 @@ class KVReceiver(Participant):
             log.warning("room %s: could not record %r: %s", self.room, reason, exc)
 
     def _clear_args(self) -> dict[str, Any]:
-        return {
-            "senders": sorted(set(self._bound) | set(self._pending[0] if self._pending else {})),
-            "peer_addr": self.bootstrap_addr,
-        }
+        senders = set(self._bound) | set(self._pending[0] if self._pending else {})
+        if self._lookup_out:
+            # a lookup's answer was lost: it may have bound (and published to) any
+            # engine listed at the address; their xfer fields go too (one read, only
+            # in this case; the fields expire with their key when it fails)
+            try:
+                found = self.mgr.prefill_engines(self.bootstrap_addr, None)
+            except KVStateError as exc:
+                log.warning("room %s: could not read %s: %s", self.room, self.bootstrap_addr, exc)
+            else:
+                senders |= {e.engine for e in found}
+        return {"senders": sorted(senders), "peer_addr": self.bootstrap_addr}
 
 
 __all__ = ["KVReceiver", "KVSender", "Participant"]

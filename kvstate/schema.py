@@ -50,7 +50,8 @@ RANKS: Final = "ranks"  # prefill ranks serving the address
 # xfer hash   {<room>}:xfer:<s>     field <receiver engine> -> packed TransferInfo
 # acks set    {<room>}:acks:<r>     members: sender engines that finished
 # tracker     addr:<addr> zset      members: receiver participant *key names*
-# index       engines_at:<addr>     members: engine names, scored by lease deadline (ms)
+# index       engines_at:<addr>     members "<engine> <incarnation> <ranks> <role>"
+#                                   (registry.index_member), scored by lease deadline (ms)
 
 # -- room trace list: kvstate:<ns>:{<room>}:trace (kvstate.trace) ----------------------
 # Each entry, a JSON object: TRACE_MS (server clock), TRACE_SIDE (tx / rx, '' for the

@@ -5,6 +5,7 @@ answers as the one-room calls, partial results when a node is unreachable, no ke
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 import kvstate
 from kvstate import KVPoll
-from kvstate.errors import KVStateError, NotReadyError, StateConnectionError
+from kvstate.errors import CorruptStateError, KVStateError, NotReadyError, StateConnectionError
 from kvstate.store import Store
 from kvstate.testing import RoundTrips
 from tests.helpers import PREFILL_ADDR, keys_of, managers
@@ -36,8 +37,9 @@ def test_step_batches_one_round_trip_per_node(store: Store) -> None:
             before = rt.count
             pages = {r: np.arange(r, r + 8) for r in rooms}
             inited = d.init_many(pages)  # creates, tracks, binds and publishes
-            # + 2: the registry read (the address's index, then its engines), once
-            assert rt.count - before <= _nodes(store) + 2
+            # standalone: the registry read is inside each publish.lua (one trip); a
+            # Cluster: + 1, the address's index read once (another slot)
+            assert rt.count - before <= _nodes(store) + (1 if store.cluster else 0)
             assert inited == dict.fromkeys(rooms, KVPoll.WaitingForInput)
             assert all(r.senders == [p.engine] for r in receivers.values())
             before = rt.count
@@ -67,6 +69,92 @@ def test_step_batches_one_round_trip_per_node(store: Store) -> None:
         assert p.clear_many(rooms) == {}  # again: nothing to do, nothing sent
         assert [k for k in keys_of(store) if ":engine" not in k] == []
         assert not store.client.zrange(store.keys.addr(PREFILL_ADDR), 0, -1)
+
+
+def test_single_lifecycle_round_trips(store: Store) -> None:
+    """A room's whole lifecycle, one call at a time (a poll each, both clears): 7 round
+    trips on a standalone server, the receiver's registry read folded into its first
+    publish.lua; at most 10 on a Cluster (the index read, and the receiver's create
+    and clear also reach the address tracker's node). Fails if a round trip is added."""
+    p, d = managers(store, lease=60.0)
+    with p, d:
+        for room in (1, 2):  # the first warms the scripts
+            with RoundTrips.installed() as rt:
+                before = rt.count
+                rcv = d.receiver(room, PREFILL_ADDR)
+                assert rcv.init(np.arange(8)) == KVPoll.WaitingForInput
+                snd = p.sender(room)
+                assert snd.poll() == KVPoll.WaitingForInput
+                assert snd.begin_transfer() == KVPoll.Transferring
+                assert snd.finish_transfer() == KVPoll.Success
+                assert rcv.poll() == KVPoll.Success
+                snd.clear()
+                rcv.clear()
+                trips = rt.count - before
+            assert rcv.senders == [p.engine]
+            # a Cluster counts one trip per node reached: 8-10 by where the room's slot
+            # and the tracker's and index's keys fall
+            assert trips <= 10 if store.cluster else trips == 7, trips
+    assert keys_of(store) == []
+
+
+def test_binding_follows_the_registry(store: Store) -> None:
+    """A receiver binds the engine registered at its address now, at its incarnation:
+    a prefill restarted under the same name is bound at its new incarnation, one whose
+    lease lapsed is not bound, and a group's declared size (``ranks``) is waited for."""
+    d = kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998", lease=60.0)
+    with d:
+        old = kvstate.KVManager(store, "prefill", "prefill-a.tp0", PREFILL_ADDR, lease=60.0)
+        old_inc = old.incarnation
+        old.close()
+        rcv = d.receiver(1, PREFILL_ADDR)
+        assert rcv.init([1]) == KVPoll.Bootstrapping and rcv.senders == []
+        with kvstate.KVManager(store, "prefill", "prefill-a.tp0", PREFILL_ADDR, lease=60.0) as p:
+            assert p.incarnation != old_inc
+            assert rcv.poll() == KVPoll.WaitingForInput and rcv.senders == [p.engine]
+            assert rcv._bound == {p.engine: p.incarnation}
+            assert p.sender(1).poll() == KVPoll.WaitingForInput
+            # found and published in one batch: init's own publish is left out
+            rcv2 = d.receiver(2, PREFILL_ADDR)
+            assert rcv2.init([2]) == KVPoll.WaitingForInput
+            assert p.sender(2).poll() == KVPoll.WaitingForInput
+            p.clear_many([1, 2])
+        d.clear_many([1, 2])
+        # a lapsed lease (heartbeat stopped, key and index deadline past) binds nothing
+        lapsed = kvstate.KVManager(store, "prefill", "prefill-c.tp0", "10.7.7.7:1", lease=0.3)
+        lapsed._stop.set()
+        lapsed._thread.join()
+        time.sleep(0.5)
+        rcv3 = d.receiver(3, "10.7.7.7:1")
+        assert rcv3.init([3]) == KVPoll.Bootstrapping and rcv3.senders == []
+        lapsed.close()
+        # two ranks declared: the first one up is bound, the receiver waits for the other
+        with kvstate.KVManager(store, "prefill", "g.tp0", "10.8.8.8:1", lease=60.0, ranks=2) as g0:
+            rcv4 = d.receiver(4, "10.8.8.8:1")
+            assert rcv4.init([4]) == KVPoll.Bootstrapping and rcv4.senders == [g0.engine]
+            with kvstate.KVManager(store, "prefill", "g.tp1", "10.8.8.8:1", lease=60.0, ranks=2):
+                assert rcv4.poll() == KVPoll.WaitingForInput
+                assert rcv4.senders == ["g.tp0", "g.tp1"]
+        d.clear_many([3, 4])
+    assert keys_of(store) == []
+
+
+def test_corrupt_index_is_named(store: Store) -> None:
+    """An address index that is not a sorted set: the binding raises CorruptStateError
+    naming it (read inside publish.lua on a standalone server, by index.lua on a
+    Cluster), and the receiver fails, as for any corrupt key met by init()."""
+    d = kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998", lease=60.0)
+    index = store.keys.engines_at("10.6.6.6:1")
+    store.execute([store._command("SET", index, args=["garbage", "PX", 60_000])])
+    with d:
+        rcv = d.receiver(1, "10.6.6.6:1")
+        with pytest.raises(CorruptStateError) as err:
+            rcv.init([1])
+        assert err.value.key == index, err.value
+        assert rcv.status == KVPoll.Failed
+        rcv.clear()
+    store.execute([store._command("DEL", index)])
+    assert keys_of(store) == []
 
 
 def test_begin_many_refuses_where_a_single_begin_would(store: Store) -> None:

@@ -162,7 +162,7 @@ def test_bench_quick_reports_every_figure() -> None:
             assert r[key] > 0, (deployment, key)
     for deployment in ("standalone", "cluster3"):  # the room trace's cost: no round trip
         r = res["trace"][deployment]
-        trips = 9 if deployment == "standalone" else 11
+        trips = 7 if deployment == "standalone" else 10
         assert r["off_round_trips_per_lifecycle"] == trips, r
         assert r["full_round_trips_per_lifecycle"] == r["default_round_trips_per_lifecycle"]
         assert r["full_round_trips_per_lifecycle"] == trips

@@ -34,6 +34,7 @@ so a busy machine moves them less than the absolute figures):
 
     python tools/bench_state.py [--quick] [--json] [--lifecycles 2000] [--batch 16]
                                 [--procs 1 2 4] [--no-cluster] [--no-durable] [--no-trace]
+                                [--rooms-per-step 16 256 4096 10000]
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import numpy as np
 import redis
 
 import kvstate
-from kvstate.defaults import TRACE_RATE
+from kvstate.defaults import LEASE, TRACE_RATE
 from kvstate.store import Store
 from kvstate.store.scripts import SHAS
 from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
@@ -93,12 +94,14 @@ def batch_lifecycles(
 
 
 @contextmanager
-def pair(store: Store, worker: int = 0) -> Iterator[tuple[kvstate.KVManager, kvstate.KVManager]]:
+def pair(
+    store: Store, worker: int = 0, lease: float = HB
+) -> Iterator[tuple[kvstate.KVManager, kvstate.KVManager]]:
     """A prefill and a decode engine; each worker process its own (own address too)."""
     addr = f"10.0.{worker}.1:8998"
     with (
-        kvstate.KVManager(store, "prefill", f"prefill-{worker}.tp0", addr, lease=HB) as p,
-        kvstate.KVManager(store, "decode", f"decode-{worker}.tp0", lease=HB) as d,
+        kvstate.KVManager(store, "prefill", f"prefill-{worker}.tp0", addr, lease=lease) as p,
+        kvstate.KVManager(store, "decode", f"decode-{worker}.tp0", lease=lease) as d,
     ):
         yield p, d
 
@@ -267,6 +270,51 @@ def step_trips(p: kvstate.KVManager, d: kvstate.KVManager) -> dict[str, dict[str
                 d.clear_many(rooms)
             row[name] = RoundTrips.count - before
         out[f"{n}_rooms"] = row
+    return out
+
+
+def rooms_per_step(
+    url: str, server: RedisProcess | RedisCluster, sizes: Sequence[int]
+) -> dict[str, dict[str, float]]:
+    """Batched lifecycles of ``n`` rooms per step for each ``n`` in ``sizes`` (issue 22
+    target 3: flat to 10,000): round trips per step (both sides, clears included),
+    Redis command us, CPU us and commands per lifecycle; one step per size after a warm
+    one, on a fresh manager pair so no earlier room is in flight. The managers keep the
+    default lease (heartbeat every lease / 3): the trips their heartbeats make while a
+    long step runs (2 per renewal, 1 more per peer check) are counted apart, by thread,
+    and so is the Redis time they cost (a few commands each, left in the figures)."""
+    store = kvstate.connect(url, namespace="bench-steps")
+    nodes = _primaries(server)
+    pages = np.arange(0, 4096, dtype=np.int32)
+    out: dict[str, dict[str, float]] = {}
+    base = 1_000_000
+    with pair(store, worker=9, lease=LEASE) as (p, d):
+        beats = {f"kvstate-{p.engine}", f"kvstate-{d.engine}"}  # their heartbeat threads
+        batch_lifecycles(p, d, range(base, base + 16), pages)  # warm
+        base += 16
+        for n in sizes:
+            rooms = range(base, base + n)
+            base += n
+            cost = RedisCost(nodes)
+            with RoundTrips.installed() as rt, cost.measuring():
+                before, beat_before = rt.count, sum(rt.by_thread[t] for t in beats)
+                t0 = time.perf_counter()
+                batch_lifecycles(p, d, rooms, pages)
+                took = time.perf_counter() - t0
+                beat = sum(rt.by_thread[t] for t in beats) - beat_before
+                trips = rt.count - before - beat
+            out[f"{n}_rooms"] = {
+                "round_trips_per_step": trips,
+                "heartbeat_round_trips_meanwhile": beat,
+                "step_s": round(took, 3),
+                "redis_cmd_us_per_lifecycle": round(sum(cost.cmd_us) / n, 1),
+                "redis_cpu_us_per_lifecycle": round(sum(cost.cpu_us) / n, 1),
+                "redis_commands_per_lifecycle": round(sum(cost.calls) / n, 1),
+                "lifecycles_per_s": round(n / took, 1),
+            }
+    store.close()
+    for c in nodes:
+        c.close()
     return out
 
 
@@ -725,7 +773,29 @@ def main() -> None:
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-primary cluster run")
     ap.add_argument("--no-durable", action="store_true", help="skip durable mode's cost")
     ap.add_argument("--no-trace", action="store_true", help="skip the room trace's cost")
+    ap.add_argument(
+        "--rooms-per-step",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="only batched steps of N rooms each (e.g. 16 256 4096 10000): round trips per "
+        "step and Redis us per lifecycle, standalone (and Cluster unless --no-cluster)",
+    )
     args = ap.parse_args()
+    if args.rooms_per_step:
+        steps: dict[str, Any] = {}
+        with RedisProcess(port="auto") as server:
+            steps["standalone"] = rooms_per_step(server.url, server, args.rooms_per_step)
+        if not args.no_cluster:
+            with RedisCluster(3, 0) as cluster:
+                steps["cluster3"] = rooms_per_step(cluster.url, cluster, args.rooms_per_step)
+        steps["command"] = (
+            "python tools/bench_state.py --rooms-per-step "
+            + " ".join(map(str, args.rooms_per_step))
+            + (" --no-cluster" if args.no_cluster else "")
+        )
+        print(json.dumps(steps, indent=None if args.json else 2))
+        return
     n, procs = args.lifecycles, args.procs
     if args.quick:
         n, procs = min(n, 160), [p for p in procs if p <= 2]

@@ -1,39 +1,78 @@
 -- publish.lua: a receiver binds to senders and publishes its transfer info to them
 -- (receiver -> sender's xfer hash). A receiver binds to the prefill engines of its
--- address as they register (the caller reads the registry), recording each one's
--- incarnation in peer:<engine> the first time; a binding never changes afterwards
--- (a restarted peer fails the room through fan-out instead). The info goes only to
--- senders bound at the incarnation given. A sender whose count of infos reaches its
--- required receivers moves Bootstrapping -> WaitingForInput in the same call and its
--- infos_v is bumped (so its polls fetch infos only when they changed); the receiver
--- moves to WaitingForInput once it has published to `peers` bound senders. Nothing is
--- written for a missing, Failed or Success receiver. A receiver that binds to a sender
--- that already Failed (aborted before the decode side allocated its pages) fails at
--- once with the sender's reason instead of waiting for acks that can never come.
--- A receiver in a room that failed (its failure mark is set) fails with the mark's
--- reason. Everything is read and checked before anything is written (design rule 7).
+-- address as they register (the caller reads the registry, or the script: lookup,
+-- below), recording each one's incarnation in peer:<engine> the first time; a
+-- binding never changes afterwards (a restarted peer fails the room through fan-out
+-- instead). The info goes only to senders bound at the incarnation given. A sender
+-- whose count of infos reaches its required receivers moves Bootstrapping ->
+-- WaitingForInput in the same call and its infos_v is bumped (so its polls fetch
+-- infos only when they changed); the receiver moves to WaitingForInput once it has
+-- published to `peers` bound senders. Nothing is written for a missing, Failed or
+-- Success receiver. A receiver that binds to a sender that already Failed (aborted
+-- before the decode side allocated its pages) fails at once with the sender's reason
+-- instead of waiting for acks that can never come. A receiver in a room that failed
+-- (its failure mark is set) fails with the mark's reason. Everything is read and
+-- checked before anything is written (design rule 7).
 -- KEYS[1] receiver participant hash
 -- KEYS[2] room parts hash (TTL refreshed with the participants')
 -- KEYS[3] room failure mark
+-- Either the caller names the senders (KEYS/ARGV pairs below: senders=[...], a
+-- Cluster, whose index lives in another slot), or (lookup, standalone only: #KEYS is
+-- even) the script finds them itself in the address's engine index, the registry
+-- read folded into this call (issue 22): the live prefill engines listed there (lease
+-- deadline after now, the latest incarnation of each name), those not bound yet, in
+-- name order, up to the senders still required; when none is required yet, as many
+-- as the group declares (its largest `ranks`) or as are listed, whichever is more.
+-- A lookup names the chosen senders' keys from the room's prefixes it is given
+-- (ARGV[6], ARGV[7]): the same slot as KEYS[1], the one exception to "only KEYS".
 -- KEYS[2i+2], KEYS[2i+3] (i = 1..n) sender i's participant hash, sender i's xfer hash
+-- KEYS[4] (lookup) the index  kvstate:<ns>:engines_at:<bootstrap addr> (index.lua)
 -- ARGV[1] ttl in ms
 -- ARGV[2] receiver engine (the field name in each xfer hash)
 -- ARGV[3] msgpack transfer info, or '' to bind only (init() not called yet)
 -- ARGV[4] senders required, written if the receiver has none yet (0: not known yet)
 -- ARGV[5] the failure mark's ttl in ms
 -- ARGV[4+2i], ARGV[5+2i] sender i's engine and the incarnation to bind
+-- ARGV[6], ARGV[7] (lookup) the room's sender key prefix (`...{<room>}:tx:`) and xfer
+--         key prefix (`...{<room>}:xfer:`), each completed by a sender's engine
+-- ARGV[8..] (lookup) the senders the caller knows it is bound to: not published to here
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
 --         _lib.lua): after the senders, taken off first, so the lists above hold
--- Returns the receiver's {status, reason}; status '' means missing.
+-- Returns the receiver's {status, reason}; status '' means missing. A lookup that
+-- bound or found bound returns {status, reason, {}, -1, {engine, incarnation, ...} of
+-- the listed senders the receiver is bound to after it, the senders required}.
 take_trace()
 local rx = KEYS[1]
 local ttl = ARGV[1]
-local n = (#KEYS - 3) / 2
+local lookup = #KEYS % 2 == 0
+local names, incs, txk, xk = {}, {}, {}, {}  -- sender i: engine, incarnation, keys
+local most = 0  -- lookup: the largest group size (`ranks`) declared by those listed
+if lookup then
+  local inc_of, score_of = {}, {}
+  local listed = redis.pcall('ZRANGE', KEYS[4], '(' .. now_ms(), '+inf', 'BYSCORE', 'WITHSCORES')
+  if listed.err then corrupt(KEYS[4], '*', 'not a sorted set') end
+  for i = 1, #listed, 2 do
+    local e, inc, ranks, role = string.match(listed[i], '^(%S+) (%S+) (%d+) (%S+)$')
+    local score = tonumber(listed[i + 1])
+    if e and role == 'prefill' and (score_of[e] == nil or score > score_of[e]) then
+      if score_of[e] == nil then names[#names + 1] = e end
+      inc_of[e], score_of[e] = inc, score
+      most = math.max(most, tonumber(ranks))
+    end
+  end
+  table.sort(names)
+  for i, e in ipairs(names) do incs[i] = inc_of[e] end
+else
+  for i = 1, (#KEYS - 3) / 2 do
+    names[i], incs[i] = ARGV[4 + 2 * i], ARGV[5 + 2 * i]
+    txk[i], xk[i] = KEYS[2 * i + 2], KEYS[2 * i + 3]
+  end
+end
 -- Everything read of the receiver, in one HMGET; everything written to it, in one HSET
 -- at the end. (HSET of read values rather than HSETNX/HINCRBY: the engine ACL in the
 -- README lists the commands kvstate needs, and the script is atomic anyway.)
 local want = {F_STATUS, F_REASON, F_BOUND, F_PEERS}
-for i = 1, n do want[4 + i] = F_PEER_PREFIX .. ARGV[4 + 2 * i] end
+for i = 1, #names do want[4 + i] = F_PEER_PREFIX .. names[i] end
 local h = redis.call('HMGET', rx, unpack(want))
 if not h[1] then return {'', 'missing'} end
 rank_of(rx, h[1])
@@ -45,20 +84,58 @@ local function put(field, value)
   writes[#writes + 1] = value
 end
 local bound = tonumber(h[3]) or 0
+local required = tonumber(ARGV[4])
+local answered = {}  -- lookup: engine, incarnation of each listed sender bound after it
+if lookup then
+  -- those listed and not bound yet, in name order, up to the senders still required
+  if required == 0 and #names > 0 then required = math.max(#names, most) end
+  local known = {}
+  for i = 8, #ARGV do known[ARGV[i]] = true end
+  local kept, kinc, kheld, more = {}, {}, {}, 0
+  for i = 1, #names do
+    local take = false
+    if h[4 + i] then
+      -- bound before: answered, and published to unless the caller knows it (then it
+      -- publishes itself), so a caller whose earlier binding went unanswered catches up
+      answered[#answered + 1] = names[i]
+      answered[#answered + 1] = h[4 + i]
+      take = not known[names[i]]
+    elseif more < required - bound then
+      take, more = true, more + 1
+    end
+    if take then
+      kept[#kept + 1] = names[i]
+      kinc[#kept], kheld[#kept] = incs[i], h[4 + i]
+    end
+  end
+  names, incs = kept, kinc
+  for i, e in ipairs(names) do
+    h[4 + i] = kheld[i]
+    want[4 + i] = F_PEER_PREFIX .. e
+    txk[i], xk[i] = ARGV[6] .. e, ARGV[7] .. e
+  end
+end
+local n = #names
 local held = {}  -- the incarnation each sender is bound at, after this call
 local newly = {}  -- senders bound by this call, traced once every read is done
 for i = 1, n do
   held[i] = h[4 + i]
   if not held[i] then
-    held[i] = ARGV[5 + 2 * i]
+    held[i] = incs[i]
     put(want[4 + i], held[i])
     bound = bound + 1
     newly[#newly + 1] = i
+    answered[#answered + 1] = names[i]
+    answered[#answered + 1] = incs[i]
   end
+end
+-- the answer: a lookup's carries whom it bound, and the senders required
+local function answer(st)
+  if lookup then return {st[1], st[2], {}, -1, answered, required} end
+  return st
 end
 if #writes > 0 then put(F_BOUND, bound) end
 local peers = number_of(rx, F_PEERS, h[4])
-local required = tonumber(ARGV[4])
 if required > 0 and peers < 1 then
   peers = required
   put(F_PEERS, required)
@@ -67,7 +144,7 @@ end
 -- mistyped key raises, and must leave nothing written: design rule 7)
 local function trace_bound()
   for _, i in ipairs(newly) do
-    trace(rx, F_EV_BOUND, F_TRACE_PEER, ARGV[4 + 2 * i], F_INCARNATION, held[i])
+    trace(rx, F_EV_BOUND, F_TRACE_PEER, names[i], F_INCARNATION, held[i])
   end
   newly = {}
 end
@@ -87,7 +164,7 @@ end
 -- size of their xfer hashes (a key of the wrong type raises here, nothing written)
 local senders, why = {}, read_mark(KEYS[3])
 for i = 1, n do
-  local tx, xfer = KEYS[2 * i + 2], KEYS[2 * i + 3]
+  local tx, xfer = txk[i], xk[i]
   local t = redis.call('HMGET', tx, F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
   if t[1] then
     rank_of(tx, t[1])
@@ -102,19 +179,19 @@ if why then
   finish_rx('Failed', why)
   mark_room(KEYS[3], why, ARGV[5])
   trace(rx, 'Failed', F_REASON, why)
-  return {'Failed', why}
+  return answer({'Failed', why})
 end
 if ARGV[3] == '' then
   finish_rx(nil, nil)
-  return cur
+  return answer(cur)
 end
 trace_bound()
 for i = 1, n do
-  local tx, xfer = KEYS[2 * i + 2], KEYS[2 * i + 3]
-  if held[i] == ARGV[5 + 2 * i] then
+  local tx, xfer = txk[i], xk[i]
+  if held[i] == incs[i] then
     redis.call('HSET', xfer, ARGV[2], ARGV[3])
     redis.call('PEXPIRE', xfer, ttl)
-    trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, ARGV[4 + 2 * i])
+    trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, names[i])
     local t = senders[i]
     if t[1] then
       local fields = {F_INFOS_V, (tonumber(t[4]) or 0) + 1}
@@ -134,7 +211,7 @@ end
 if RANK[cur[1]] < 2 and peers >= 1 and bound >= peers then
   finish_rx('WaitingForInput', nil)
   trace(rx, 'WaitingForInput')
-  return {'WaitingForInput', cur[2]}
+  return answer({'WaitingForInput', cur[2]})
 end
 finish_rx(nil, nil)
-return cur
+return answer(cur)

@@ -33,6 +33,11 @@ class Status:
     reason: str
     infos: dict[str, bytes] = field(default_factory=dict)
     version: int = -1  # of the infos (poll.lua); -1 when none came back
+    # a publish.lua lookup's: the listed senders the receiver is bound to after it
+    # (engine -> incarnation) and the senders required; None when the call made no
+    # lookup or stopped before binding (receiver missing, Failed or Success)
+    bound: dict[str, str] | None = None
+    required: int = 0
 
     @classmethod
     def parse(cls, raw: Any) -> Status:
@@ -43,7 +48,13 @@ class Status:
             flat = raw[2]
             infos = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
         version = int(raw[3]) if len(raw) > 3 else -1
-        return cls(KVPoll[name] if name else None, "" if not name else reason, infos, version)
+        bound, required = None, 0
+        if len(raw) > 5:
+            flat = raw[4]
+            bound = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+            required = int(raw[5])
+        status = KVPoll[name] if name else None
+        return cls(status, "" if not name else reason, infos, version, bound, required)
 
 
 def _identity(raw: Any) -> Any:
@@ -163,12 +174,21 @@ class Calls:
         senders: dict[str, str],
         payload: bytes = b"",
         required: int = 0,
+        lookup: str | None = None,
     ) -> Call:
         """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
-        publish it to them; see publish.lua."""
+        publish it to them; see publish.lua. ``lookup`` (a bootstrap address; a
+        standalone server only, where the index shares the script): the script finds
+        the senders to bind in that address's engine index itself and answers whom it
+        is bound to (``Status.bound``); ``senders`` are then those the caller knows
+        bound, which it publishes to itself."""
         k = self.keys
         keys = [k.participant(room, "rx", receiver), k.parts(room), k.aborted(room)]
         args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
+        if lookup is not None:
+            keys.append(k.engines_at(lookup))
+            args += [k.participant(room, "tx", ""), k.xfer(room, ""), *senders]
+            return self._script("publish", keys, args, Status.parse, room)
         for sender, incarnation in senders.items():
             keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
             args += [sender, incarnation]
@@ -313,8 +333,10 @@ class Calls:
         )
 
     def index_engine(self, addr: str, engine: str, lease_ms: int | None) -> Call:
-        """index.lua: list ``engine`` under its bootstrap address until ``lease_ms`` from
-        now, or (None) take it off the index."""
+        """index.lua: list ``engine`` (an index member, ``registry.index_member``) under
+        its bootstrap address until ``lease_ms`` from now; with ``lease_ms`` None take
+        ``engine`` ("<engine> <incarnation>") off the index; with ``engine`` '' read the
+        live members and their deadlines."""
         return self._script(
             "index", [self.keys.engines_at(addr)], [engine, "" if lease_ms is None else lease_ms]
         )
