@@ -631,28 +631,8 @@ def _driver(
 
             drv.ops[name] = mc
     elif system.kind == "memcpy":
-        from transports.pages import merge_runs
-
-        dst_bufs = [np.ones_like(b) for b in bufs]
-        drv.local_dst = dst_bufs
-        pb = cfg.page_bytes
-        for name, (src, dst) in layouts.items():
-            runs = merge_runs(src, dst)
-            spans = list(
-                zip(
-                    (runs.src * pb).tolist(),
-                    (runs.dst * pb).tolist(),
-                    (runs.length * pb).tolist(),
-                    strict=True,
-                )
-            )
-
-            def copy(spans: list[tuple[int, int, int]] = spans) -> None:
-                for sb, db in zip(bufs, dst_bufs, strict=True):
-                    for so, do, n in spans:
-                        db[do : do + n] = sb[so : so + n]
-
-            drv.ops[name] = copy
+        drv.local_dst = [np.ones_like(b) for b in bufs]
+        drv.ops.update(_copy_ops(cfg, layouts, bufs, drv.local_dst))
     elif system.kind == "socket":
         views = {name: _views(bufs, cfg, src, dst) for name, (src, dst) in layouts.items()}
         sock = socket.create_connection(tuple(info["socket"]), timeout=60)
@@ -824,16 +804,15 @@ class Pair:
                 p.kill()
 
 
-def memcpy_baseline(cfg: Config, layouts: dict[str, Any]) -> dict[str, Any]:
-    """In-process copies of the same runs, in this process after every pair is done: the
-    old ceiling, kept beside the memcpy row timed in turn (it was 1.6-2.3x faster here,
-    never following another system's transfer)."""
+def _copy_ops(
+    cfg: Config, layouts: dict[str, Any], srcs: list[np.ndarray], dsts: list[np.ndarray]
+) -> dict[str, Callable[[], None]]:
+    """Per layout, an in-process copy of its merged runs from ``srcs`` into ``dsts``: the
+    memcpy row timed in turn and the baseline timed alone copy the same way."""
     from transports.pages import merge_runs
 
-    src_bufs = [sender_layer(cfg, i) for i in range(cfg.layers)]
-    dst_bufs = [np.ones_like(b) for b in src_bufs]
     pb = cfg.page_bytes
-    ops = {}
+    ops: dict[str, Callable[[], None]] = {}
     for name, (src, dst) in layouts.items():
         runs = merge_runs(src, dst)
         spans = list(
@@ -846,11 +825,20 @@ def memcpy_baseline(cfg: Config, layouts: dict[str, Any]) -> dict[str, Any]:
         )
 
         def copy(spans: list[tuple[int, int, int]] = spans) -> None:
-            for s, d in zip(src_bufs, dst_bufs, strict=True):
+            for s, d in zip(srcs, dsts, strict=True):
                 for so, do, n in spans:
                     d[do : do + n] = s[so : so + n]
 
         ops[name] = copy
+    return ops
+
+
+def memcpy_baseline(cfg: Config, layouts: dict[str, Any]) -> dict[str, Any]:
+    """In-process copies of the same runs, in this process after every pair is done: the
+    old ceiling, kept beside the memcpy row timed in turn (it was 1.6-2.3x faster here,
+    never following another system's transfer)."""
+    src_bufs = [sender_layer(cfg, i) for i in range(cfg.layers)]
+    ops = _copy_ops(cfg, layouts, src_bufs, [np.ones_like(b) for b in src_bufs])
     times: dict[str, list[float]] = {name: [] for name in ops}
     for rep in range(cfg.warmup + cfg.reps):
         for name, op in ops.items():
