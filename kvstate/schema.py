@@ -45,10 +45,17 @@ GPUS: Final = "gpus"  # msgpack {"gpus": [...]}
 RANKS: Final = "ranks"  # prefill ranks serving the address
 # ADDR (above) is the engine's bootstrap address here too.
 
+# -- the room hash: kvstate:<ns>:{<room>}:room (one per room, beside its participants) ----
+# field "<side>:<engine>" (member())       -> created ms: the room's participants
+# field "xfer:<sender>,<receiver>"         -> packed TransferInfo (xfer_field())
+# field "ack:<receiver>"                   -> the senders that finished for it, SEP-joined
+# Engine names never hold SEP (keys.check_name), so a field splits back one way only.
+XFER_PREFIX: Final = "xfer:"
+ACK_PREFIX: Final = "ack:"
+SEP: Final = ","
+ROOM_DATA: Final = (XFER_PREFIX, ACK_PREFIX)  # the room hash's fields that are no member
+
 # -- other keys' members ---------------------------------------------------------------
-# parts hash  {<room>}:parts        field "<side>:<engine>" (member()) -> created ms
-# xfer hash   {<room>}:xfer:<s>     field <receiver engine> -> packed TransferInfo
-# acks set    {<room>}:acks:<r>     members: sender engines that finished
 # tracker     addr:<addr> zset      members: receiver participant *key names*
 # index       engines_at:<addr>     members "<engine> <incarnation> <ranks> <role>"
 #                                   (registry.index_member), scored by lease deadline (ms)
@@ -80,7 +87,7 @@ LEDGER_FIELDS: Final = ("event", "room", "side", "engine", "status", "age_ms", "
 
 
 class Member(NamedTuple):
-    """A parts-hash member: which participant of the room."""
+    """A participant field of the room hash: which participant of the room."""
 
     side: Side
     engine: str
@@ -90,7 +97,7 @@ class Member(NamedTuple):
 
 
 def member(side: Side, engine: str) -> str:
-    """The parts-hash member of a participant (``tx:<engine>`` / ``rx:<engine>``)."""
+    """The room-hash field of a participant (``tx:<engine>`` / ``rx:<engine>``)."""
     return f"{side}:{engine}"
 
 
@@ -104,12 +111,47 @@ def side_of(text: str) -> Side | None:
 
 
 def parse_member(text: str) -> Member | None:
-    """Read back a parts-hash member; None unless it starts with ``tx``/``rx``. What
-    follows the first ``:`` is the engine, '' if nothing does (a corrupt member still
-    names the key the scripts would use for it)."""
+    """Read back a participant field of the room hash; None unless it starts with
+    ``tx``/``rx``. What follows the first ``:`` is the engine, '' if nothing does (a
+    corrupt member still names the key the scripts would use for it)."""
     head, _, engine = text.partition(":")
     side = side_of(head)
     return None if side is None else Member(side, engine)
+
+
+def xfer_field(sender: str, receiver: str) -> str:
+    """The room-hash field of the transfer info ``receiver`` published to ``sender``."""
+    return f"{XFER_PREFIX}{sender}{SEP}{receiver}"
+
+
+def ack_field(receiver: str) -> str:
+    """The room-hash field listing the senders that finished for ``receiver``."""
+    return f"{ACK_PREFIX}{receiver}"
+
+
+class RoomField(NamedTuple):
+    """A room-hash field read back: ``kind`` is tx / rx (a participant: ``engine``), xfer
+    (``engine`` the sender, ``peer`` the receiver) or ack (``engine`` the receiver)."""
+
+    kind: str
+    engine: str
+    peer: str = ""
+
+
+def parse_room_field(text: str) -> RoomField | None:
+    """Read back a room-hash field; None when it is none of kvstate's."""
+    if text.startswith(XFER_PREFIX):
+        sender, sep, receiver = text[len(XFER_PREFIX) :].partition(SEP)
+        return RoomField("xfer", sender, receiver) if sep else None
+    if text.startswith(ACK_PREFIX):
+        return RoomField("ack", text[len(ACK_PREFIX) :])
+    part = parse_member(text)
+    return None if part is None else RoomField(part.side, part.engine)
+
+
+def ack_list(value: str) -> list[str]:
+    """The senders an ``ack:<receiver>`` field lists."""
+    return [s for s in value.split(SEP) if s]
 
 
 def peer_field(engine: str) -> str:

@@ -29,9 +29,7 @@ def test_builder_spells_every_key() -> None:
     assert k.room_prefix(42) == "kvstate:ns:{42}:"
     assert k.participant(42, "tx", "prefill-0") == "kvstate:ns:{42}:tx:prefill-0"
     assert k.participant(42, "rx", "decode-0") == "kvstate:ns:{42}:rx:decode-0"
-    assert k.xfer(42, "p") == "kvstate:ns:{42}:xfer:p"
-    assert k.acks(42, "d") == "kvstate:ns:{42}:acks:d"
-    assert k.parts(42) == "kvstate:ns:{42}:parts"
+    assert k.room_hash(42) == "kvstate:ns:{42}:room"
     assert k.aborted(42) == "kvstate:ns:{42}:aborted"
     assert k.part_member("tx", "p") == "tx:p"
     assert k.addr("10.0.0.1:8998") == "kvstate:ns:addr:10.0.0.1:8998"
@@ -58,10 +56,9 @@ def test_a_room_lives_in_one_slot(room: int, engine: str) -> None:
     keys = [
         k.participant(room, "tx", engine),
         k.participant(room, "rx", engine),
-        k.xfer(room, engine),
-        k.acks(room, engine),
-        k.parts(room),
+        k.room_hash(room),
         k.aborted(room),
+        k.trace(room),
     ]
     assert len({key_slot(key.encode()) for key in keys}) == 1
 

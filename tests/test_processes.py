@@ -61,8 +61,8 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
         rx4, rx5 = (store.execute([store.poll(acked, "rx", r)])[0] for r in ("rx-4", "rx-5"))
         assert rx4.status == KVPoll.Success  # exactly 4 acks arrived
         assert rx5.status == KVPoll.Bootstrapping  # 4 of 5: not yet
-        acks = store.client.smembers(store.keys.acks(acked, "rx-5"))
-        assert sorted(acks) == sorted(r.encode() for r in racers)
+        acks = store.execute([store.acks_of(acked, "rx-5")])[0]
+        assert acks == sorted(racers)
     for room in rooms:
         store.clear(room, "tx", "shared")
         for tx in racers:

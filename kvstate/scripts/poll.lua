@@ -6,16 +6,17 @@
 -- set: an abort, the other side's timeout or fan-out) becomes Failed with the mark's
 -- reason, Success included: at rest, the participants of a room agree (design rule 3).
 -- KEYS[1] participant hash
--- KEYS[2] room parts hash (TTL refreshed with the participant's)
+-- KEYS[2] room hash (TTL refreshed with the participant's; the transfer infos)
 -- KEYS[3] room failure mark (string: the first failure's reason)
--- KEYS[4] (optional) transfer infos hash to return with the status once the
---         participant is past Bootstrapping (saves the sender a round trip)
 -- ARGV[1] ttl in ms (refreshed only when the poll fails the participant)
--- ARGV[2] the infos version the caller holds (with KEYS[4]): the infos are returned
+-- ARGV[2] the infos version the caller holds (with ARGV[4]): the infos are returned
 --         only when the sender's infos_v (bumped by publish.lua) differs from it
 -- ARGV[3] the failure mark's ttl in ms
+-- ARGV[4] (optional) the sender's engine, whose transfer infos (the room hash's
+--         xfer:<engine>,<receiver> fields) to return with the status once it is past
+--         Bootstrapping (saves the sender a round trip)
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
---         _lib.lua): after the mark's key and TTL, so KEYS[4] stays optional
+--         _lib.lua): after the mark's key and TTL, so ARGV[4] stays optional
 -- Returns {status, reason, {field, value, ...}, version}; status '' means missing;
 -- version is -1 when no infos were returned.
 take_trace()
@@ -56,10 +57,10 @@ if mark or timed_out then
   return {status, reason, {}, -1}
 end
 local infos, version = {}, -1
-if KEYS[4] and rank >= 2 then
+if ARGV[4] and rank >= 2 then
   local have = tonumber(h[6]) or 0
   if tostring(have) ~= ARGV[2] then
-    infos, version = redis.call('HGETALL', KEYS[4]), have
+    infos, version = infos_in(read_room(KEYS[2], 'HGETALL'), ARGV[4]), have
   end
 end
 return {status, reason, infos, version}
