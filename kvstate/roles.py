@@ -528,7 +528,7 @@ class KVReceiver(Participant):
     def _create_calls(self, lookups: Lookups | None = None) -> list[Call]:
         calls = super()._create_calls()
         if calls:
-            calls.append(self.store.track(self.bootstrap_addr, self.key))
+            calls.append(self.store.track(self.bootstrap_addr, self.room, self.engine))
         bind = self._bind_call(lookups)
         return calls + [bind] if bind is not None else calls
 

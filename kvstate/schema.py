@@ -56,7 +56,7 @@ SEP: Final = ","
 ROOM_DATA: Final = (XFER_PREFIX, ACK_PREFIX)  # the room hash's fields that are no member
 
 # -- other keys' members ---------------------------------------------------------------
-# tracker     addr:<addr> zset      members: receiver participant *key names*
+# tracker     addr:<addr> zset      members "<room> <receiver engine>" (keys.Keys.tracker_member)
 # index       engines_at:<addr>     members "<engine> <incarnation> <ranks> <role>"
 #                                   (registry.index_member), scored by lease deadline (ms)
 

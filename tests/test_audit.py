@@ -68,7 +68,7 @@ def plant_stuck(store: Store) -> str:
 
 def plant_orphan_tracker(store: Store) -> str:
     tracker = store.keys.addr("10.9.9.9:1")
-    gone = store.keys.participant(8, "rx", "decode-gone")
+    gone = store.keys.tracker_member(8, "decode-gone")
     store.client.zadd(tracker, {gone: store.server_time_ms() + 60_000})
     store.client.pexpire(tracker, 60_000)
     return tracker

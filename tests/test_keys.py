@@ -40,6 +40,22 @@ def test_builder_spells_every_key() -> None:
     assert Keys().namespace == "default"
 
 
+@given(rooms, st.text(alphabet="abc:.-_019[]@/", min_size=1, max_size=30))
+def test_tracker_members_name_their_receiver(room: int, engine: str) -> None:
+    k = Keys("ns")
+    member = k.tracker_member(room, engine)
+    assert member == f"{room} {engine}"
+    assert k.tracked_key(member) == k.participant(room, "rx", engine)
+    # a member written before issue 22 (the receiver's key name) still names it
+    assert k.tracked_key(k.participant(room, "rx", engine)) == k.participant(room, "rx", engine)
+
+
+def test_tracker_members_that_name_no_receiver() -> None:
+    k = Keys("ns")
+    for member in ("", "42", "42 ", "x d", "-1 d", f"{MAX_ROOM} d", "kvstate:ns:{1}:tx:p"):
+        assert k.tracked_key(member) is None, member
+
+
 def test_patterns() -> None:
     k = Keys("ns")
     assert k.all_pattern == "kvstate:ns:*"

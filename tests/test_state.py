@@ -56,6 +56,9 @@ def test_a_room_is_three_keys_and_its_clears_leave_none(store: Store, first: str
         assert snd.poll() == KVPoll.WaitingForInput
         assert room_keys(store, 43, marks=True) == sorted([snd.key, rcv.key, k.room_hash(43)])
         assert sorted(_fields(store, 43)) == sorted([tx, rx, xfer])
+        tracked = store.client.zrange(k.addr(PREFILL_ADDR), 0, -1)
+        assert tracked == [f"43 {d.engine}".encode()]  # Keys.tracker_member
+        assert k.tracked_key(tracked[0].decode()) == rcv.key
         assert 0 < store.client.pttl(k.room_hash(43)) <= 900_000
         assert snd.begin_transfer() == KVPoll.Transferring
         assert snd.finish_transfer() == KVPoll.Success

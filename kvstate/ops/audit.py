@@ -379,17 +379,18 @@ class Auditor:
         pairs = [(t, m.decode()) for t, ms in zip(trackers, members_raw, strict=True) for m in ms]
         for start in range(0, len(pairs), BATCH):
             chunk = pairs[start : start + BATCH]
-            exists = s.execute([s.key_exists(m) for _, m in chunk])
-            for (tracker, member), n in zip(chunk, exists, strict=True):
-                if int(n):
+            keys = [self.keys.tracked_key(m) for _, m in chunk]
+            exists = iter(s.execute([s.key_exists(k) for k in keys if k is not None]))
+            for (tracker, member), key in zip(chunk, keys, strict=True):
+                if key is not None and int(next(exists)):
                     continue
                 f = Finding(
                     "orphan_tracker",
                     tracker,
-                    f"member {member} names a participant that is gone "
+                    f"member {member!r} names a receiver that is gone "
                     "(a clear interrupted between the room and the tracker)",
                 )
-                _locate(f, self.keys.parse_room_key(member))
+                _locate(f, None if key is None else self.keys.parse_room_key(key))
                 f.target = (member,)
                 report.findings.append(f)
 

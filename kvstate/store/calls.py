@@ -209,7 +209,8 @@ class Calls:
         args = [self.ttl_ms, sender, self.mark_ttl_ms, *names]
         return self._script("finish", keys, args, Status.parse, room)
 
-    def track(self, bootstrap_addr: str, member: str) -> Call:
+    def track(self, bootstrap_addr: str, room: int, receiver: str) -> Call:
+        member = self.keys.tracker_member(room, receiver)
         return self._script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
 
     def clear_calls(
@@ -240,7 +241,8 @@ class Calls:
         if self.traced(room):  # in the room's MULTI/EXEC: no round trip of its own
             calls.append(self._trace_cleared(room, me))
         if peer_addr is not None:
-            calls.append(self._command("ZREM", k.addr(peer_addr), args=[me]))
+            member = k.tracker_member(room, engine)
+            calls.append(self._command("ZREM", k.addr(peer_addr), args=[member]))
         return calls
 
     def _trace_cleared(self, room: int, participant: str) -> Call:

@@ -8,7 +8,6 @@ SCAN) and the store's life (connect, dedicated, close).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
@@ -203,8 +202,9 @@ class Store(Calls, Admin):
         # a corrupt room (or tracker member) fails alone: the others are still failed
         calls = []
         for m in members:
-            with contextlib.suppress(CorruptStateError):
-                calls.append(self.fail_receiver(m.decode(), peer_engine, incarnation, reason))
+            key = self.keys.tracked_key(m.decode("utf-8", "replace"))
+            if key is not None:
+                calls.append(self.fail_receiver(key, peer_engine, incarnation, reason))
         replies = self.execute(calls, partial=True)
         return sum(int(n) for n in replies if isinstance(n, int))
 
