@@ -91,8 +91,9 @@ class Participant:
         self._fields = {
             schema.ADDR: mgr.bootstrap_addr,
             schema.PEERS: peers,
-            schema.BOOTSTRAP_TIMEOUT_MS: int(mgr.bootstrap_timeout * 1000),
-            schema.WAITING_TIMEOUT_MS: int(mgr.waiting_timeout * 1000),
+            schema.TIMEOUTS_MS: schema.timeouts_value(
+                int(mgr.bootstrap_timeout * 1000), int(mgr.waiting_timeout * 1000)
+            ),
             **fields,
         }
         self._created = False

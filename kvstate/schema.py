@@ -22,17 +22,32 @@ REASON: Final = "reason"  # text, set with Failed
 ADDR: Final = "addr"  # the participant's own engine's bootstrap address
 PEERS: Final = "peers"  # senders a receiver waits for / receivers a sender serves
 PEER_ADDR: Final = "peer_addr"  # receiver: the prefill side's bootstrap address
-BOOTSTRAP_TIMEOUT_MS: Final = "bootstrap_timeout_ms"
-WAITING_TIMEOUT_MS: Final = "waiting_timeout_ms"
+# "<bootstrap ms> <waiting ms>" (timeouts_value()): the limits of Bootstrapping and
+# WaitingForInput, 0 for none; one field, not two (each costs its name in the listpack)
+TIMEOUTS_MS: Final = "timeouts_ms"
 INFOS_V: Final = "infos_v"  # sender: publishes addressed to it so far
 BOUND: Final = "bound"  # receiver: senders bound so far
 PEER_PREFIX: Final = "peer:"  # receiver: peer:<engine> -> that engine's incarnation
 
-# The timeout that applies in a status: (its name for people, the field holding it).
-STATUS_TIMEOUTS: Final[Mapping[str, tuple[str, str]]] = {
-    "Bootstrapping": ("bootstrap", BOOTSTRAP_TIMEOUT_MS),
-    "WaitingForInput": ("waiting", WAITING_TIMEOUT_MS),
+# The timeout that applies in a status: (its name for people, its place in TIMEOUTS_MS).
+STATUS_TIMEOUTS: Final[Mapping[str, tuple[str, int]]] = {
+    "Bootstrapping": ("bootstrap", 0),
+    "WaitingForInput": ("waiting", 1),
 }
+
+
+def timeouts_value(bootstrap_ms: int, waiting_ms: int) -> str:
+    """The TIMEOUTS_MS field's value."""
+    return f"{int(bootstrap_ms)} {int(waiting_ms)}"
+
+
+def parse_timeouts(value: str | None) -> tuple[int, int] | None:
+    """(bootstrap ms, waiting ms) of a TIMEOUTS_MS value; None when it does not parse."""
+    parts = (value or "").split(" ")
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
 
 # -- engine registration hash: kvstate:<ns>:engine:<engine> ----------------------------
 ROLE: Final = "role"  # prefill / decode

@@ -38,8 +38,7 @@ def create(store: Store, room: int, side: str, engine: str, **fields: Any) -> st
     base: dict[str, Any] = {
         "addr": ADDR,
         "peers": 1,
-        "bootstrap_timeout_ms": 0,
-        "waiting_timeout_ms": 0,
+        "timeouts_ms": "0 0",
     }
     store.execute([store.create(room, side, engine, {**base, **fields})])  # type: ignore[arg-type]
     return store.keys.participant(room, side, engine)  # type: ignore[arg-type]
@@ -61,7 +60,7 @@ def plant_no_ttl(store: Store) -> str:
 
 
 def plant_stuck(store: Store) -> str:
-    key = create(store, 6, "tx", "prefill-a", bootstrap_timeout_ms=1000)
+    key = create(store, 6, "tx", "prefill-a", timeouts_ms="1000 0")
     age_it(store, key, 5)
     return key
 

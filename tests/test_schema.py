@@ -78,14 +78,18 @@ def test_bindings_reads_only_peer_fields(peers: dict[str, str], other: dict[str,
 
 
 # -- field tables --------------------------------------------------------------------
-def test_status_timeouts_name_statuses_and_fields() -> None:
-    for status, (name, field) in schema.STATUS_TIMEOUTS.items():
+def test_status_timeouts_name_statuses_and_places() -> None:
+    for status, (name, _) in schema.STATUS_TIMEOUTS.items():
         assert status in KVPoll.__members__
-        assert field == f"{name}_timeout_ms"
-    assert {f for _, f in schema.STATUS_TIMEOUTS.values()} == {
-        schema.BOOTSTRAP_TIMEOUT_MS,
-        schema.WAITING_TIMEOUT_MS,
-    }
+        assert name == status[: len(name)].lower()
+    assert sorted(at for _, at in schema.STATUS_TIMEOUTS.values()) == [0, 1]
+
+
+def test_timeouts_value_parses_back() -> None:
+    assert schema.timeouts_value(300_000, 0) == "300000 0"
+    assert schema.parse_timeouts("300000 0") == (300_000, 0)
+    for bad in (None, "", "1", "1 2 3", "-1 2", "1,2", "x 1", "٣ 1"):
+        assert schema.parse_timeouts(bad) is None, bad
 
 
 def test_field_names_are_distinct_per_hash() -> None:
@@ -97,8 +101,7 @@ def test_field_names_are_distinct_per_hash() -> None:
         schema.ADDR,
         schema.PEERS,
         schema.PEER_ADDR,
-        schema.BOOTSTRAP_TIMEOUT_MS,
-        schema.WAITING_TIMEOUT_MS,
+        schema.TIMEOUTS_MS,
         schema.INFOS_V,
         schema.BOUND,
     ]

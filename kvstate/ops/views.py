@@ -111,8 +111,9 @@ class Participant:
         timeout = schema.STATUS_TIMEOUTS.get(self.status)
         if timeout is None:
             return None
-        name, field_name = timeout
-        limit = _int(self.fields.get(field_name))
+        name, at = timeout
+        limits = schema.parse_timeouts(self.fields.get(schema.TIMEOUTS_MS))
+        limit = None if limits is None else limits[at]
         return None if not limit or limit <= 0 else (name, limit)
 
     def to_json(self) -> dict[str, Any]:

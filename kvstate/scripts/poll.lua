@@ -1,6 +1,6 @@
 -- poll.lua: read a participant's status, applying its timeouts on the server
--- clock: stuck in Bootstrapping past bootstrap_timeout_ms, or in WaitingForInput
--- past waiting_timeout_ms, it becomes Failed with a reason naming the timeout (and,
+-- clock (timeouts_ms: "<bootstrap ms> <waiting ms>"): stuck in Bootstrapping or in
+-- WaitingForInput past that status's limit, it becomes Failed with a reason naming the timeout (and,
 -- for a receiver, how many of its required senders it had bound), and the room's
 -- failure mark is set. A participant of a room that failed elsewhere (the mark is
 -- set: an abort, the other side's timeout or fan-out) becomes Failed with the mark's
@@ -22,7 +22,7 @@
 take_trace()
 local key = KEYS[1]
 local h = redis.call('HMGET', key, F_STATUS, F_REASON, F_SINCE_MS,
-  F_BOOTSTRAP_TIMEOUT_MS, F_WAITING_TIMEOUT_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS)
+  F_TIMEOUTS_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS)
 if not h[1] then return {'', 'missing', {}, -1} end
 local rank = rank_of(key, h[1])
 local status, reason = h[1], h[2] or ''
@@ -31,18 +31,18 @@ if rank == 0 then return {status, reason, {}, -1} end
 local mark = read_mark(KEYS[3])
 local timed_out = nil
 if not mark and (rank == 1 or rank == 2) then
-  local field, raw = F_WAITING_TIMEOUT_MS, h[5]
-  if rank == 1 then field, raw = F_BOOTSTRAP_TIMEOUT_MS, h[4] end
-  local limit = number_of(key, field, raw)
+  local bootstrap, waiting = string.match(h[4] or '', '^(%d+) (%d+)$')
+  if not bootstrap then corrupt(key, F_TIMEOUTS_MS, h[4]) end
+  local limit = tonumber((rank == 1) and bootstrap or waiting)
   local waited = now_ms() - number_of(key, F_SINCE_MS, h[3])
   if limit > 0 and waited > limit then
     timed_out = string.format('%s timeout: %s for %.1f s (limit %.1f s)',
       (rank == 1) and 'bootstrap' or 'waiting', h[1], waited / 1000, limit / 1000)
-    if rank == 1 and h[7] then
-      local peers = tonumber(h[9]) or 0
+    if rank == 1 and h[6] then
+      local peers = tonumber(h[8]) or 0
       timed_out = timed_out .. string.format('; bound %d of %s senders at %s',
-        tonumber(h[8]) or 0, (peers > 0) and tostring(peers) or '?', h[7])
-      if h[7] and (tonumber(h[8]) or 0) >= peers and peers > 0 then
+        tonumber(h[7]) or 0, (peers > 0) and tostring(peers) or '?', h[6])
+      if h[6] and (tonumber(h[7]) or 0) >= peers and peers > 0 then
         timed_out = timed_out .. ' (bound, but init() was never called: nothing published)'
       end
     end
@@ -58,7 +58,7 @@ if mark or timed_out then
 end
 local infos, version = {}, -1
 if ARGV[4] and rank >= 2 then
-  local have = tonumber(h[6]) or 0
+  local have = tonumber(h[5]) or 0
   if tostring(have) ~= ARGV[2] then
     infos, version = infos_in(read_room(KEYS[2], 'HGETALL'), ARGV[4]), have
   end
