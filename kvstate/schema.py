@@ -16,7 +16,9 @@ SIDES: Final[tuple[Side, ...]] = ("tx", "rx")
 
 # -- participant hash: kvstate:<ns>:{<room>}:<side>:<engine> ---------------------------
 STATUS: Final = "status"  # a KVPoll name
-SINCE_MS: Final = "since_ms"  # server ms of the last status change
+# server ms of the last status change; not stored while it equals CREATED_MS (a
+# participant still in the status it was created in): readers use since() for it
+SINCE_MS: Final = "since_ms"
 CREATED_MS: Final = "created_ms"  # server ms of the create (create.lua)
 REASON: Final = "reason"  # text, set with Failed
 ADDR: Final = "addr"  # the participant's own engine's bootstrap address
@@ -29,11 +31,20 @@ INFOS_V: Final = "infos_v"  # sender: publishes addressed to it so far
 BOUND: Final = "bound"  # receiver: senders bound so far
 PEER_PREFIX: Final = "peer:"  # receiver: peer:<engine> -> that engine's incarnation
 
+_V = TypeVar("_V")
+
 # The timeout that applies in a status: (its name for people, its place in TIMEOUTS_MS).
 STATUS_TIMEOUTS: Final[Mapping[str, tuple[str, int]]] = {
     "Bootstrapping": ("bootstrap", 0),
     "WaitingForInput": ("waiting", 1),
 }
+
+
+def since(fields: Mapping[str, _V]) -> _V | None:
+    """When a participant entered its status: SINCE_MS, else (none written since its
+    create) CREATED_MS."""
+    value = fields.get(SINCE_MS)
+    return fields.get(CREATED_MS) if value is None else value
 
 
 def timeouts_value(bootstrap_ms: int, waiting_ms: int) -> str:
@@ -179,9 +190,6 @@ def peer_of(field: str) -> str | None:
     if field.startswith(PEER_PREFIX) and len(field) > len(PEER_PREFIX):
         return field[len(PEER_PREFIX) :]
     return None
-
-
-_V = TypeVar("_V")
 
 
 def bindings(fields: Mapping[str, _V]) -> dict[str, _V]:

@@ -278,7 +278,7 @@ class Auditor:
                     _about(
                         "corrupt",
                         p,
-                        f"status {p.status!r} / since_ms {p.fields.get(schema.SINCE_MS)!r} do "
+                        f"status {p.status!r} / since_ms {schema.since(p.fields)!r} do "
                         f"not parse: no poll of it can succeed; kvstate abort {p.room} (or "
                         "--fix) fails it with the rest of its room",
                     )

@@ -89,7 +89,7 @@ class Participant:
 
     @property
     def since_ms(self) -> int | None:
-        return _int(self.fields.get(schema.SINCE_MS))
+        return _int(schema.since(self.fields))
 
     @property
     def age_ms(self) -> int | None:

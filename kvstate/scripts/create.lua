@@ -35,8 +35,9 @@ elseif string.sub(ARGV[2], 1, 3) == 'tx:' then
   if #infos / 2 >= peers then status = 'WaitingForInput' end
 end
 local now = now_ms()
--- one HSET: the given fields, the creation stamp and the status
-local fields = {F_CREATED_MS, now, F_STATUS, status, F_SINCE_MS, now}
+-- one HSET: the given fields, the creation stamp and the status (no since_ms: it
+-- equals created_ms until the status changes, and readers fall back to it)
+local fields = {F_CREATED_MS, now, F_STATUS, status}
 if reason then
   fields[#fields + 1] = F_REASON
   fields[#fields + 1] = reason

@@ -22,7 +22,7 @@
 take_trace()
 local key = KEYS[1]
 local h = redis.call('HMGET', key, F_STATUS, F_REASON, F_SINCE_MS,
-  F_TIMEOUTS_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS)
+  F_TIMEOUTS_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS, F_CREATED_MS)
 if not h[1] then return {'', 'missing', {}, -1} end
 local rank = rank_of(key, h[1])
 local status, reason = h[1], h[2] or ''
@@ -34,7 +34,8 @@ if not mark and (rank == 1 or rank == 2) then
   local bootstrap, waiting = string.match(h[4] or '', '^(%d+) (%d+)$')
   if not bootstrap then corrupt(key, F_TIMEOUTS_MS, h[4]) end
   local limit = tonumber((rank == 1) and bootstrap or waiting)
-  local waited = now_ms() - number_of(key, F_SINCE_MS, h[3])
+  -- since_ms is written at the first status change; until then it is created_ms
+  local waited = now_ms() - number_of(key, F_SINCE_MS, h[3] or h[9])
   if limit > 0 and waited > limit then
     timed_out = string.format('%s timeout: %s for %.1f s (limit %.1f s)',
       (rank == 1) and 'bootstrap' or 'waiting', h[1], waited / 1000, limit / 1000)
