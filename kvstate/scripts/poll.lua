@@ -1,8 +1,9 @@
 -- poll.lua: read a participant's status, applying its timeouts on the server
 -- clock (timeouts_ms: "<bootstrap ms> <waiting ms>"): stuck in Bootstrapping or in
--- WaitingForInput past that status's limit, it becomes Failed with a reason naming the timeout (and,
--- for a receiver, how many of its required senders it had bound), and the room's
--- failure mark is set. A participant of a room that failed elsewhere (the mark is
+-- WaitingForInput past that status's limit (since_ms, or created_ms before the first
+-- status change), it becomes Failed with a reason naming the timeout (and, for a
+-- receiver, how many of its required senders it had bound), and the room's failure
+-- mark is set. A participant of a room that failed elsewhere (the mark is
 -- set: an abort, the other side's timeout or fan-out) becomes Failed with the mark's
 -- reason, Success included: at rest, the participants of a room agree (design rule 3).
 -- KEYS[1] participant hash
