@@ -104,27 +104,32 @@ class TransferInfo:
         return pack(doc)
 
     @classmethod
-    def decode(cls, receiver: str, raw: bytes, key: str) -> TransferInfo:
-        doc = unpack(raw, key, receiver)
+    def decode(
+        cls, receiver: str, raw: bytes, key: str, field_name: str | None = None
+    ) -> TransferInfo:
+        """``raw`` as stored in ``key``'s field ``field_name`` (named in a
+        CorruptStateError; ``receiver`` when not given)."""
+        where = receiver if field_name is None else field_name
+        doc = unpack(raw, key, where)
         kv, aux, state = doc.get("kv"), doc.get("aux"), doc.get("state")
         prefix, dummy, inc = doc.get("prefix"), doc.get("dummy"), doc.get("inc")
         if not isinstance(kv, bytes):
-            raise CorruptStateError(key, receiver, "kv runs are not bytes")
+            raise CorruptStateError(key, where, "kv runs are not bytes")
         if aux is not None and (not isinstance(aux, int) or aux < 0):
-            raise CorruptStateError(key, receiver, f"aux index {aux!r} is not a non-negative int")
+            raise CorruptStateError(key, where, f"aux index {aux!r} is not a non-negative int")
         if state is not None and not isinstance(state, bytes):
-            raise CorruptStateError(key, receiver, "state runs are not bytes")
+            raise CorruptStateError(key, where, "state runs are not bytes")
         if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
-            raise CorruptStateError(key, receiver, f"prefix length {prefix!r} is not an int >= 0")
+            raise CorruptStateError(key, where, f"prefix length {prefix!r} is not an int >= 0")
         if not isinstance(dummy, bool):
-            raise CorruptStateError(key, receiver, f"dummy flag {dummy!r} is not a bool")
+            raise CorruptStateError(key, where, f"dummy flag {dummy!r} is not a bool")
         if not isinstance(inc, str):
-            raise CorruptStateError(key, receiver, f"incarnation {inc!r} is not text")
+            raise CorruptStateError(key, where, f"incarnation {inc!r} is not text")
         return cls(
             receiver=receiver,
-            kv_indices=decode_runs(kv, key, receiver),
+            kv_indices=decode_runs(kv, key, where),
             aux_index=aux,
-            state_indices=None if state is None else decode_runs(state, key, receiver),
+            state_indices=None if state is None else decode_runs(state, key, where),
             prefix_len=prefix,
             dummy=dummy,
             incarnation=inc,

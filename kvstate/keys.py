@@ -97,19 +97,14 @@ class Keys:
     def participant(self, room: int, side: Side, engine: str) -> str:
         return f"{self.room_prefix(room)}{side}:{engine}"
 
-    def xfer(self, room: int, sender_engine: str) -> str:
-        """Transfer infos addressed to one sender; field = receiver engine."""
-        return f"{self.room_prefix(room)}xfer:{sender_engine}"
-
-    def acks(self, room: int, receiver_engine: str) -> str:
-        """Sender engines that finished their part for one receiver."""
-        return f"{self.room_prefix(room)}acks:{receiver_engine}"
-
-    def parts(self, room: int) -> str:
-        """The room's participants (field ``tx:<engine>`` / ``rx:<engine>``, value: created
-        ms): abort and ``kvstate show`` find them without SCAN. A hash, not a set: Redis
-        7.0 keeps small hashes as listpacks, sets of strings as hash tables (4x larger)."""
-        return f"{self.room_prefix(room)}parts"
+    def room_hash(self, room: int) -> str:
+        """The room's one shared hash (fields spelled in ``kvstate.schema``): its
+        participants (``tx:<engine>`` / ``rx:<engine>`` -> created ms, so that abort and
+        ``kvstate show`` find them without SCAN), the transfer infos each receiver
+        published to each sender and the acks of each receiver. A hash, not a key per
+        thing: Redis 7.0 keeps a small hash as one listpack, and each key costs its name,
+        its value object and two dict entries. It vanishes with its last field."""
+        return f"{self.room_prefix(room)}room"
 
     def aborted(self, room: int) -> str:
         """The room's failure mark: the reason of its first failure (an abort, a timeout,
@@ -140,8 +135,28 @@ class Keys:
 
     # -- shared ----------------------------------------------------------------
     def addr(self, bootstrap_addr: str) -> str:
-        """Rooms bound to a peer address, scored by deadline (ms)."""
+        """Receivers bound to a peer address (``tracker_member``), scored by deadline
+        (ms)."""
         return f"{self.prefix}addr:{bootstrap_addr}"
+
+    @staticmethod
+    def tracker_member(room: int, receiver: str) -> str:
+        """A receiver's member of its address tracker: ``<room> <engine>`` (no engine
+        name holds a space), not its key name: the namespace and side are the
+        tracker's own, so a member is ~20 characters shorter."""
+        return f"{check_room(room)} {receiver}"
+
+    def tracked_key(self, member: str) -> str | None:
+        """The receiver key an address tracker's member names, None if it names none;
+        a member that is a receiver's key name (as engines before issue 22 wrote them)
+        is that key."""
+        if member.startswith(self.prefix):
+            parsed = self.parse_room_key(member)
+            return member if parsed is not None and parsed.side == "rx" else None
+        room, sep, engine = member.partition(" ")
+        if not sep or not _ROOM.fullmatch(room) or int(room) >= MAX_ROOM or not engine:
+            return None
+        return self.participant(int(room), "rx", engine)
 
     def engine(self, engine: str) -> str:
         return f"{self.prefix}engine:{engine}"
@@ -196,10 +211,10 @@ class Keys:
 
 @dataclass(frozen=True)
 class RoomKey:
-    """A per-room key read back (``Keys.parse_room_key``): ``kind`` is tx, rx, xfer,
-    acks, parts, aborted or trace (or whatever else a foreign key holds there), ``rest`` what
-    follows it: the engine for tx, rx, xfer and acks. The parser lives beside the
-    builder above so that the two cannot drift apart."""
+    """A per-room key read back (``Keys.parse_room_key``): ``kind`` is tx, rx, room,
+    aborted or trace (or whatever else a foreign key holds there), ``rest`` what follows
+    it: the engine for tx and rx. The parser lives beside the builder above so that the
+    two cannot drift apart."""
 
     key: str
     room: int
@@ -213,8 +228,8 @@ class RoomKey:
 
     @property
     def engine(self) -> str:
-        """The engine a participant, xfer or acks key is about ('' for the others)."""
-        return self.rest if self.kind in ("tx", "rx", "xfer", "acks") else ""
+        """The engine a participant key is about ('' for the others)."""
+        return self.rest if self.kind in ("tx", "rx") else ""
 
     @property
     def participant(self) -> tuple[Side, str] | None:

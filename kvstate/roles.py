@@ -91,8 +91,9 @@ class Participant:
         self._fields = {
             schema.ADDR: mgr.bootstrap_addr,
             schema.PEERS: peers,
-            schema.BOOTSTRAP_TIMEOUT_MS: int(mgr.bootstrap_timeout * 1000),
-            schema.WAITING_TIMEOUT_MS: int(mgr.waiting_timeout * 1000),
+            schema.TIMEOUTS_MS: schema.timeouts_value(
+                int(mgr.bootstrap_timeout * 1000), int(mgr.waiting_timeout * 1000)
+            ),
             **fields,
         }
         self._created = False
@@ -304,16 +305,21 @@ class KVSender(Participant):
         cached = self._incarnations
         if cached is not None and cached[0] is infos:
             return cached[1]
-        key = self.store.keys.xfer(self.room, self.engine)
+        key = self.store.keys.room_hash(self.room)
         out = {}
         for receiver, raw in infos.items():
-            inc = unpack(raw, key, receiver).get("inc")
+            name = schema.xfer_field(self.engine, receiver)
+            inc = unpack(raw, key, name).get("inc")
             if not isinstance(inc, str):
-                raise CorruptStateError(key, receiver, f"incarnation {inc!r} is not text")
+                raise CorruptStateError(key, name, f"incarnation {inc!r} is not text")
             if inc:
                 out[receiver] = inc
         self._incarnations = (infos, out)
         return out
+
+    def _clear_args(self) -> dict[str, Any]:
+        # the infos it read go with it; one published since goes with its receiver
+        return {"receivers": sorted(self._infos)}
 
     def peer_died(self) -> None:
         """The heartbeat failed this sender (a receiver's engine died): once is enough,
@@ -326,8 +332,11 @@ class KVSender(Participant):
         if not self._infos and not self._cleared:
             self.poll()
         if self._decoded is None:
-            key = self.store.keys.xfer(self.room, self.engine)
-            self._decoded = {r: TransferInfo.decode(r, raw, key) for r, raw in self._infos.items()}
+            key = self.store.keys.room_hash(self.room)
+            self._decoded = {
+                r: TransferInfo.decode(r, raw, key, schema.xfer_field(self.engine, r))
+                for r, raw in self._infos.items()
+            }
         return self._decoded
 
     @property
@@ -520,7 +529,7 @@ class KVReceiver(Participant):
     def _create_calls(self, lookups: Lookups | None = None) -> list[Call]:
         calls = super()._create_calls()
         if calls:
-            calls.append(self.store.track(self.bootstrap_addr, self.key))
+            calls.append(self.store.track(self.bootstrap_addr, self.room, self.engine))
         bind = self._bind_call(lookups)
         return calls + [bind] if bind is not None else calls
 

@@ -16,23 +16,49 @@ SIDES: Final[tuple[Side, ...]] = ("tx", "rx")
 
 # -- participant hash: kvstate:<ns>:{<room>}:<side>:<engine> ---------------------------
 STATUS: Final = "status"  # a KVPoll name
-SINCE_MS: Final = "since_ms"  # server ms of the last status change
+# server ms of the last status change; not stored while it equals CREATED_MS (a
+# participant still in the status it was created in): readers use since() for it
+SINCE_MS: Final = "since_ms"
 CREATED_MS: Final = "created_ms"  # server ms of the create (create.lua)
 REASON: Final = "reason"  # text, set with Failed
 ADDR: Final = "addr"  # the participant's own engine's bootstrap address
 PEERS: Final = "peers"  # senders a receiver waits for / receivers a sender serves
 PEER_ADDR: Final = "peer_addr"  # receiver: the prefill side's bootstrap address
-BOOTSTRAP_TIMEOUT_MS: Final = "bootstrap_timeout_ms"
-WAITING_TIMEOUT_MS: Final = "waiting_timeout_ms"
+# "<bootstrap ms> <waiting ms>" (timeouts_value()): the limits of Bootstrapping and
+# WaitingForInput, 0 for none; one field, not two (each costs its name in the listpack)
+TIMEOUTS_MS: Final = "timeouts_ms"
 INFOS_V: Final = "infos_v"  # sender: publishes addressed to it so far
 BOUND: Final = "bound"  # receiver: senders bound so far
 PEER_PREFIX: Final = "peer:"  # receiver: peer:<engine> -> that engine's incarnation
 
-# The timeout that applies in a status: (its name for people, the field holding it).
-STATUS_TIMEOUTS: Final[Mapping[str, tuple[str, str]]] = {
-    "Bootstrapping": ("bootstrap", BOOTSTRAP_TIMEOUT_MS),
-    "WaitingForInput": ("waiting", WAITING_TIMEOUT_MS),
+_V = TypeVar("_V")
+
+# The timeout that applies in a status: (its name for people, its place in TIMEOUTS_MS).
+STATUS_TIMEOUTS: Final[Mapping[str, tuple[str, int]]] = {
+    "Bootstrapping": ("bootstrap", 0),
+    "WaitingForInput": ("waiting", 1),
 }
+
+
+def since(fields: Mapping[str, _V]) -> _V | None:
+    """When a participant entered its status: SINCE_MS, else (none written since its
+    create) CREATED_MS."""
+    value = fields.get(SINCE_MS)
+    return fields.get(CREATED_MS) if value is None else value
+
+
+def timeouts_value(bootstrap_ms: int, waiting_ms: int) -> str:
+    """The TIMEOUTS_MS field's value."""
+    return f"{int(bootstrap_ms)} {int(waiting_ms)}"
+
+
+def parse_timeouts(value: str | None) -> tuple[int, int] | None:
+    """(bootstrap ms, waiting ms) of a TIMEOUTS_MS value; None when it does not parse."""
+    parts = (value or "").split(" ")
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
 
 # -- engine registration hash: kvstate:<ns>:engine:<engine> ----------------------------
 ROLE: Final = "role"  # prefill / decode
@@ -45,11 +71,18 @@ GPUS: Final = "gpus"  # msgpack {"gpus": [...]}
 RANKS: Final = "ranks"  # prefill ranks serving the address
 # ADDR (above) is the engine's bootstrap address here too.
 
+# -- the room hash: kvstate:<ns>:{<room>}:room (one per room, beside its participants) ----
+# field "<side>:<engine>" (member())       -> created ms: the room's participants
+# field "xfer:<sender>,<receiver>"         -> packed TransferInfo (xfer_field())
+# field "ack:<receiver>"                   -> the senders that finished for it, SEP-joined
+# Engine names never hold SEP (keys.check_name), so a field splits back one way only.
+XFER_PREFIX: Final = "xfer:"
+ACK_PREFIX: Final = "ack:"
+SEP: Final = ","
+ROOM_DATA: Final = (XFER_PREFIX, ACK_PREFIX)  # the room hash's fields that are no member
+
 # -- other keys' members ---------------------------------------------------------------
-# parts hash  {<room>}:parts        field "<side>:<engine>" (member()) -> created ms
-# xfer hash   {<room>}:xfer:<s>     field <receiver engine> -> packed TransferInfo
-# acks set    {<room>}:acks:<r>     members: sender engines that finished
-# tracker     addr:<addr> zset      members: receiver participant *key names*
+# tracker     addr:<addr> zset      members "<room> <receiver engine>" (keys.Keys.tracker_member)
 # index       engines_at:<addr>     members "<engine> <incarnation> <ranks> <role>"
 #                                   (registry.index_member), scored by lease deadline (ms)
 
@@ -80,7 +113,7 @@ LEDGER_FIELDS: Final = ("event", "room", "side", "engine", "status", "age_ms", "
 
 
 class Member(NamedTuple):
-    """A parts-hash member: which participant of the room."""
+    """A participant field of the room hash: which participant of the room."""
 
     side: Side
     engine: str
@@ -90,7 +123,7 @@ class Member(NamedTuple):
 
 
 def member(side: Side, engine: str) -> str:
-    """The parts-hash member of a participant (``tx:<engine>`` / ``rx:<engine>``)."""
+    """The room-hash field of a participant (``tx:<engine>`` / ``rx:<engine>``)."""
     return f"{side}:{engine}"
 
 
@@ -104,12 +137,47 @@ def side_of(text: str) -> Side | None:
 
 
 def parse_member(text: str) -> Member | None:
-    """Read back a parts-hash member; None unless it starts with ``tx``/``rx``. What
-    follows the first ``:`` is the engine, '' if nothing does (a corrupt member still
-    names the key the scripts would use for it)."""
+    """Read back a participant field of the room hash; None unless it starts with
+    ``tx``/``rx``. What follows the first ``:`` is the engine, '' if nothing does (a
+    corrupt member still names the key the scripts would use for it)."""
     head, _, engine = text.partition(":")
     side = side_of(head)
     return None if side is None else Member(side, engine)
+
+
+def xfer_field(sender: str, receiver: str) -> str:
+    """The room-hash field of the transfer info ``receiver`` published to ``sender``."""
+    return f"{XFER_PREFIX}{sender}{SEP}{receiver}"
+
+
+def ack_field(receiver: str) -> str:
+    """The room-hash field listing the senders that finished for ``receiver``."""
+    return f"{ACK_PREFIX}{receiver}"
+
+
+class RoomField(NamedTuple):
+    """A room-hash field read back: ``kind`` is tx / rx (a participant: ``engine``), xfer
+    (``engine`` the sender, ``peer`` the receiver) or ack (``engine`` the receiver)."""
+
+    kind: str
+    engine: str
+    peer: str = ""
+
+
+def parse_room_field(text: str) -> RoomField | None:
+    """Read back a room-hash field; None when it is none of kvstate's."""
+    if text.startswith(XFER_PREFIX):
+        sender, sep, receiver = text[len(XFER_PREFIX) :].partition(SEP)
+        return RoomField("xfer", sender, receiver) if sep else None
+    if text.startswith(ACK_PREFIX):
+        return RoomField("ack", text[len(ACK_PREFIX) :])
+    part = parse_member(text)
+    return None if part is None else RoomField(part.side, part.engine)
+
+
+def ack_list(value: str) -> list[str]:
+    """The senders an ``ack:<receiver>`` field lists."""
+    return [s for s in value.split(SEP) if s]
 
 
 def peer_field(engine: str) -> str:
@@ -122,9 +190,6 @@ def peer_of(field: str) -> str | None:
     if field.startswith(PEER_PREFIX) and len(field) > len(PEER_PREFIX):
         return field[len(PEER_PREFIX) :]
     return None
-
-
-_V = TypeVar("_V")
 
 
 def bindings(fields: Mapping[str, _V]) -> dict[str, _V]:

@@ -132,9 +132,8 @@ def snapshot(store: Store) -> dict[str, object]:
 # in turn and watches the engine paths fail.
 # - ping, client|setname: connection set-up (redis-py) and health checks
 # - script|load at connect; evalsha, and eval after NOSCRIPT (server restart, failover,
-#   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hlen, hexists,
-#   hgetall, pexpire, sadd, scard, zadd, zremrangebyscore, time; rpush and rpushx (a
-#   traced room, its clear)
+#   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hgetall, hkeys, pexpire,
+#   zadd, zremrangebyscore, time; rpush and rpushx (a traced room, its clear)
 # - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
 # - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
 #   hkeys (abort), zrange (dead-peer fan-out)
@@ -145,8 +144,8 @@ ENGINE_ACL = (
     "+ping +client|setname +time +scan "
     "+evalsha +eval +script|load "
     "+multi +exec +del +exists +pexpire +pttl +get +set "
-    "+hget +hmget +hgetall +hset +hdel +hkeys +hlen +hexists "
-    "+sadd +scard +zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
+    "+hget +hmget +hgetall +hset +hdel +hkeys "
+    "+zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
 )
 ACL_PASSWORD = "engine-Pw_7"
 

@@ -13,13 +13,13 @@ import pytest
 from click.testing import CliRunner, Result
 
 import kvstate
+from kvstate import schema
 from kvstate.cli import main
 from kvstate.codec import TransferInfo
 from kvstate.errors import CorruptStateError
 from kvstate.ops.ledger import Entry, Ledger
 from kvstate.poll import KVPoll
 from kvstate.store import Store
-from tests.helpers import wait_for
 
 ADDR = "10.0.0.1:8998"
 
@@ -38,8 +38,7 @@ def create(store: Store, room: int, side: str, engine: str, **fields: Any) -> st
     base: dict[str, Any] = {
         "addr": ADDR,
         "peers": 1,
-        "bootstrap_timeout_ms": 0,
-        "waiting_timeout_ms": 0,
+        "timeouts_ms": "0 0",
     }
     store.execute([store.create(room, side, engine, {**base, **fields})])  # type: ignore[arg-type]
     return store.keys.participant(room, side, engine)  # type: ignore[arg-type]
@@ -55,29 +54,30 @@ def age_it(store: Store, key: str, seconds: float) -> None:
 
 
 def plant_no_ttl(store: Store) -> str:
-    key = store.keys.acks(5, "decode-z")
-    store.client.sadd(key, "prefill-a")
+    key = store.keys.aborted(5)
+    store.client.set(key, "boom")
     return key
 
 
 def plant_stuck(store: Store) -> str:
-    key = create(store, 6, "tx", "prefill-a", bootstrap_timeout_ms=1000)
+    key = create(store, 6, "tx", "prefill-a", timeouts_ms="1000 0")
     age_it(store, key, 5)
     return key
 
 
 def plant_orphan_tracker(store: Store) -> str:
     tracker = store.keys.addr("10.9.9.9:1")
-    gone = store.keys.participant(8, "rx", "decode-gone")
+    gone = store.keys.tracker_member(8, "decode-gone")
     store.client.zadd(tracker, {gone: store.server_time_ms() + 60_000})
     store.client.pexpire(tracker, 60_000)
     return tracker
 
 
 def plant_unclaimed_xfer(store: Store) -> str:
-    key = store.keys.xfer(9, "prefill-never")
+    """A transfer info whose sender and receiver are both gone: no clear takes it."""
+    key = store.keys.room_hash(9)
     info = TransferInfo("decode-y", np.arange(4, dtype=np.int32))
-    store.client.hset(key, "decode-y", info.encode())
+    store.client.hset(key, schema.xfer_field("prefill-never", "decode-y"), info.encode())
     store.client.pexpire(key, 60_000)
     return key
 
@@ -102,12 +102,12 @@ def plant_dead_owner(store: Store) -> str:
 
 
 def plant_unindexed(store: Store) -> str:
-    """A participant its room's parts index no longer lists (abort cannot reach it)."""
+    """A participant its room hash no longer lists (abort cannot reach it)."""
     key = create(store, 15, "tx", "prefill-a")
     engine = store.keys.engine("prefill-a")  # its engine is alive
     store.client.hset(engine, mapping={"role": "prefill", "incarnation": "i1"})
     store.client.pexpire(engine, 60_000)
-    store.client.hdel(store.keys.parts(15), "tx:prefill-a")
+    store.client.hdel(store.keys.room_hash(15), "tx:prefill-a")
     return key
 
 
@@ -169,7 +169,7 @@ def test_fixes_do_what_they_say(store: Store, state_url: str) -> None:
     assert b"prefill-dead" in c.hget(keys["dead_engine"], "reason")
     assert b"lost its lease" in c.hget(keys["dead_owner"], "reason")
     assert store.members(15) == ["tx:prefill-a"]
-    assert 0 < c.pttl(store.keys.parts(15)) <= 900_000
+    assert 0 < c.pttl(store.keys.room_hash(15)) <= 900_000
     assert c.exists(keys["orphan_tracker"]) == 0
     assert c.exists(keys["unclaimed_xfer"]) == 0
     events = {e.event for e in Ledger(store).recent(20)}
@@ -199,34 +199,46 @@ def test_terminal_never_cleared_is_named_not_deleted(store: Store, state_url: st
     assert result.exit_code == 0
 
 
-def test_young_unclaimed_xfer_is_normal(store: Store, state_url: str) -> None:
-    """A receiver may publish before its sender exists: only idle ones count."""
+def test_info_of_a_live_receiver_is_normal(store: Store, state_url: str) -> None:
+    """A receiver may publish before its sender exists: its own clear takes the info."""
     plant_unclaimed_xfer(store)
-    result, _ = audit(state_url)
-    assert result.exit_code == 0
+    create(store, 9, "rx", "decode-y")
+    alive = store.keys.engine("decode-y")
+    store.client.hset(alive, mapping={"role": "decode", "incarnation": "i"})
+    store.client.pexpire(alive, 60_000)
+    result, doc = audit(state_url)
+    assert result.exit_code == 0, doc
 
 
-def test_idle_unclaimed_xfer_is_named_on_every_run(redis_url: str) -> None:
-    """Idle time comes from the server; the audit's own reads must not reset it."""
+def test_unclaimed_fields_are_named_on_every_run(redis_url: str) -> None:
+    """Transfer infos and acks that no clear will take, each named by its field; the
+    audit's reads change nothing."""
     store = kvstate.connect(redis_url)
     key = plant_unclaimed_xfer(store)
-    # idle for 2 s by the server's clock (OBJECT IDLETIME touches nothing)
-    assert wait_for(lambda: store.client.object("idletime", key) >= 2, 5.0)
+    store.client.hset(key, schema.ack_field("decode-z"), "prefill-a")
     for _ in range(2):
-        result, doc = audit(redis_url, "--grace", "1s")
+        result, doc = audit(redis_url)
         assert result.exit_code == 1
-        assert [(f["kind"], f["key"]) for f in doc["findings"]] == [("unclaimed_xfer", key)]
+        found = [(f["kind"], f["key"], f["engine"]) for f in doc["findings"]]
+        assert found == [
+            ("unclaimed_xfer", key, "decode-z"),
+            ("unclaimed_xfer", key, "prefill-never"),
+        ]
+    assert store.client.hlen(key) == 2
+    result, doc = audit(redis_url, "--fix")
+    assert result.exit_code == 0, doc
+    assert store.client.exists(key) == 0  # its last field gone, the hash with it
     store.close()
 
 
-def test_lfu_policy_is_named_and_idle_check_degrades(redis_url: str) -> None:
+def test_lfu_policy_is_named(redis_url: str) -> None:
+    """Under an LFU policy the checks still run (none relies on idle times)."""
     store = kvstate.connect(redis_url)
     plant_unclaimed_xfer(store)
     store.client.config_set("maxmemory-policy", "allkeys-lfu")
     result, doc = audit(redis_url, "--grace", "0")
     assert result.exit_code == 1
-    assert kinds(doc) == ["server_setting"]
-    assert any("IDLETIME" in n for n in doc["notes"])
+    assert kinds(doc) == ["server_setting", "unclaimed_xfer"]
     store.close()
 
 

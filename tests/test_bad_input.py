@@ -11,7 +11,7 @@ import pytest
 import redis
 
 import kvstate
-from kvstate import KVPoll
+from kvstate import KVPoll, schema
 from kvstate.errors import (
     CorruptStateError,
     InvalidIndicesError,
@@ -123,13 +123,13 @@ def test_corrupt_transfer_info(store: Store, redis_cli, redis_url: str, value: b
         snd = p.sender(2)
         rcv = d.receiver(2, PREFILL_ADDR)
         rcv.init([1, 2, 3])
-        key = store.keys.xfer(2, p.engine)
-        store.client.hset(key, d.engine, value)  # "written by hand"
+        key, field = store.keys.room_hash(2), schema.xfer_field(p.engine, d.engine)
+        store.client.hset(key, field, value)  # "written by hand"
         snd.poll()
         before = snapshot(store)
         with pytest.raises(CorruptStateError) as info:
             snd.transfer_infos()
-        assert info.value.key == key and info.value.field == d.engine
+        assert info.value.key == key and info.value.field == field
         assert snapshot(store) == before
         snd.clear()
         rcv.clear()

@@ -122,10 +122,10 @@ def test_show_finds_participants_the_index_lost(
     room: tuple[Store, Any, Any], state_url: str
 ) -> None:
     store = room[0]
-    store.client.delete(store.keys.parts(77))
+    store.client.delete(store.keys.room_hash(77))
     doc = run_json("--url", state_url, "show", "77", "--json")
     assert sorted(doc["unindexed"]) == ["rx:decode-b.tp0", "tx:prefill-a.tp0"]
-    assert "parts index" in run("--url", state_url, "show", "77").output
+    assert "missing from the room hash" in run("--url", state_url, "show", "77").output
     result = run("--url", state_url, "abort", "77")
     assert result.exit_code == 2 and "audit --fix" in result.output
     assert run("--url", state_url, "audit", "--fix").exit_code == 0

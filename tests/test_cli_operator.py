@@ -198,7 +198,7 @@ def test_audit_finds_nothing_while_the_demo_runs(redis_url: str, tmp_path: Path)
 def test_fix_of_a_room_cleared_meanwhile_is_resolved_not_left(store: Store) -> None:
     """The fix finds the room gone: nothing to do, not a finding left (exit 0)."""
     p, d, snd, rcv = live_room(store, 5)
-    store.client.hdel(store.keys.parts(5), "tx:prefill-a.tp0")  # unindexed sender
+    store.client.hdel(store.keys.room_hash(5), "tx:prefill-a.tp0")  # unindexed sender
 
     class ClearedMeanwhile(Auditor):
         def _fix(self, report: Report) -> None:
@@ -285,27 +285,27 @@ def test_url_and_namespace_after_every_subcommand(store: Store, redis_url: str) 
 def test_fix_gives_the_room_its_remaining_ttl(store: Store, redis_url: str) -> None:
     p, d, snd, rcv = live_room(store, 41)
     c = store.client
-    room_keys = [snd.key, rcv.key, store.keys.parts(41)]
+    room_keys = [snd.key, rcv.key, store.keys.room_hash(41)]
     for key in room_keys:
         c.pexpire(key, 36_000)  # the room has 36 s left
-    acks = store.keys.acks(41, "decode-b.tp0")
-    c.sadd(acks, "prefill-a.tp0")  # planted without a TTL
+    mark = store.keys.aborted(41)
+    c.set(mark, "boom")  # planted without a TTL
     tracker_ttl = c.pttl(store.keys.addr(ADDR))
     result = run("--url", redis_url, "audit", "--fix", "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert [(f["kind"], f["key"]) for f in doc["findings"]] == [("no_ttl", acks)]
+    assert [(f["kind"], f["key"]) for f in doc["findings"]] == [("no_ttl", mark)]
     assert "room's remaining TTL" in doc["findings"][0]["fixed"]
-    assert 30_000 < c.pttl(acks) <= 36_000
+    assert 30_000 < c.pttl(mark) <= 36_000
     assert all(30_000 < c.pttl(k) <= 36_000 for k in room_keys)  # untouched
     assert c.pttl(store.keys.addr(ADDR)) <= tracker_ttl  # keys with a TTL keep theirs
     # re-indexing a participant gives the index the room's TTL, not --room-ttl's 900 s
-    c.hdel(store.keys.parts(41), "rx:decode-b.tp0")
+    c.hdel(store.keys.room_hash(41), "rx:decode-b.tp0")
     result = run("--url", redis_url, "audit", "--fix", "--json")
     assert result.exit_code == 0, result.output
     assert [f["kind"] for f in json.loads(result.stdout)["findings"]] == ["unindexed"]
     assert store.members(41) == ["rx:decode-b.tp0", "tx:prefill-a.tp0"]
-    assert 0 < c.pttl(store.keys.parts(41)) <= 36_000
+    assert 0 < c.pttl(store.keys.room_hash(41)) <= 36_000
     p.close()
     d.close()
 
@@ -495,7 +495,7 @@ def test_engine_user_degrades_operator_user_does_it_all(acl_users: tuple[str, st
     assert result.exit_code == 0, result.output
     for denied in ("CONFIG GET", "XREVRANGE"):
         assert denied in result.output
-    store.client.hdel(store.keys.parts(131), "rx:decode-b.tp0")
+    store.client.hdel(store.keys.room_hash(131), "rx:decode-b.tp0")
     result = run("--url", engine, "audit", "--fix", "--json")
     doc = json.loads(result.stdout)
     assert result.exit_code == 0, result.output

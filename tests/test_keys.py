@@ -29,9 +29,7 @@ def test_builder_spells_every_key() -> None:
     assert k.room_prefix(42) == "kvstate:ns:{42}:"
     assert k.participant(42, "tx", "prefill-0") == "kvstate:ns:{42}:tx:prefill-0"
     assert k.participant(42, "rx", "decode-0") == "kvstate:ns:{42}:rx:decode-0"
-    assert k.xfer(42, "p") == "kvstate:ns:{42}:xfer:p"
-    assert k.acks(42, "d") == "kvstate:ns:{42}:acks:d"
-    assert k.parts(42) == "kvstate:ns:{42}:parts"
+    assert k.room_hash(42) == "kvstate:ns:{42}:room"
     assert k.aborted(42) == "kvstate:ns:{42}:aborted"
     assert k.part_member("tx", "p") == "tx:p"
     assert k.addr("10.0.0.1:8998") == "kvstate:ns:addr:10.0.0.1:8998"
@@ -40,6 +38,22 @@ def test_builder_spells_every_key() -> None:
     assert k.ledger == "kvstate:ns:ledger"
     assert k.transfer_stats("p") == "kvstate:ns:stats:p"
     assert Keys().namespace == "default"
+
+
+@given(rooms, st.text(alphabet="abc:.-_019[]@/", min_size=1, max_size=30))
+def test_tracker_members_name_their_receiver(room: int, engine: str) -> None:
+    k = Keys("ns")
+    member = k.tracker_member(room, engine)
+    assert member == f"{room} {engine}"
+    assert k.tracked_key(member) == k.participant(room, "rx", engine)
+    # a member written before issue 22 (the receiver's key name) still names it
+    assert k.tracked_key(k.participant(room, "rx", engine)) == k.participant(room, "rx", engine)
+
+
+def test_tracker_members_that_name_no_receiver() -> None:
+    k = Keys("ns")
+    for member in ("", "42", "42 ", "x d", "-1 d", f"{MAX_ROOM} d", "kvstate:ns:{1}:tx:p"):
+        assert k.tracked_key(member) is None, member
 
 
 def test_patterns() -> None:
@@ -58,10 +72,9 @@ def test_a_room_lives_in_one_slot(room: int, engine: str) -> None:
     keys = [
         k.participant(room, "tx", engine),
         k.participant(room, "rx", engine),
-        k.xfer(room, engine),
-        k.acks(room, engine),
-        k.parts(room),
+        k.room_hash(room),
         k.aborted(room),
+        k.trace(room),
     ]
     assert len({key_slot(key.encode()) for key in keys}) == 1
 

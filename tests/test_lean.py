@@ -84,8 +84,8 @@ def test_noscript_reload_and_reconnect(store: Store) -> None:
 def test_cluster_transaction_one_round_trip_per_node(redis_cluster_url: str) -> None:
     store = kvstate.connect(redis_cluster_url, namespace="lean")
     rooms = range(30)  # slots all over the three primaries
-    calls = [store._command("HSET", store.keys.parts(r), args=["tx:e", 1]) for r in rooms] + [
-        store._command("PEXPIRE", store.keys.parts(r), args=[60_000]) for r in rooms
+    calls = [store._command("HSET", store.keys.room_hash(r), args=["tx:e", 1]) for r in rooms] + [
+        store._command("PEXPIRE", store.keys.room_hash(r), args=[60_000]) for r in rooms
     ]
     with RoundTrips.installed() as rt:
         before = rt.count
@@ -94,7 +94,7 @@ def test_cluster_transaction_one_round_trip_per_node(redis_cluster_url: str) -> 
     assert replies == [1] * 30 + [True] * 30
     with RoundTrips.installed() as rt:
         before = rt.count
-        store.execute([store._command("DEL", store.keys.parts(r)) for r in rooms], True)
+        store.execute([store._command("DEL", store.keys.room_hash(r)) for r in rooms], True)
         assert rt.count - before == 3
     assert keys_of(store) == []
     store.close()
@@ -145,9 +145,9 @@ def test_bench_quick_reports_every_figure() -> None:
         mem = res[deployment]["room_memory"]
         assert res[deployment]["room_memory_bytes"] == mem["used_memory_bytes_per_room"] > 0
         assert mem["memory_usage_bytes_per_room"] == res[deployment]["room_memory_usage_bytes"]
-        assert res[deployment]["room_keys"] == len(set(mem["keys"]) - {"trace"}) == 4
-        assert mem["keys_per_room"] >= 4, mem
-        assert {"tx", "rx", "xfer", "parts"} <= set(mem["keys"]), mem["keys"]
+        assert res[deployment]["room_keys"] == len(set(mem["keys"]) - {"trace"}) == 3
+        assert mem["keys_per_room"] >= 3, mem
+        assert set(mem["keys"]) - {"trace"} == {"tx", "rx", "room"}, mem["keys"]
     standalone = res["standalone"]
     assert "ping_raw_tcp_per_s" in standalone
     for kind in ("single", "batched"):  # the PING bound sampled in each round

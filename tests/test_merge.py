@@ -107,10 +107,12 @@ def _stored(store: Store, room: int, who: tuple[str, str]) -> tuple[str | None, 
     """(status, reason, since_ms) as redis-cli would show them; status None if gone."""
     side, engine = who
     key = store.keys.participant(room, side, engine)  # type: ignore[arg-type]
-    status, reason, since = store.client.hmget(key, "status", "reason", "since_ms")
+    status, reason, since, created = store.client.hmget(
+        key, "status", "reason", "since_ms", "created_ms"
+    )
     if status is None:
         return None, "", ""
-    return status.decode(), (reason or b"").decode(), since.decode()
+    return status.decode(), (reason or b"").decode(), (since or created).decode()
 
 
 @settings(

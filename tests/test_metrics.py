@@ -207,7 +207,7 @@ def test_sweep_sets_gauges(state_url: str) -> None:
         rcv.init(np.arange(4))
         assert snd.poll() == KVPoll.WaitingForInput
         p.sender(2).poll()
-        store.client.sadd(store.keys.acks(9, "x"), "y")  # a key without TTL
+        store.client.hset(store.keys.room_hash(9), "ack:x", "y")  # a key without TTL
         mon.sweep()
         mon._maybe_audit()
     assert sample(m, "kvstate_participants", side="tx", status="WaitingForInput") == 1

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import kvstate
-from kvstate import KVPoll
+from kvstate import KVPoll, schema
 from kvstate.errors import (
     ClosedError,
     CorruptStateError,
@@ -372,9 +372,9 @@ def test_a_corrupt_room_fails_alone_in_every_batch(store: Store) -> None:
         assert set(begun.values()) == {KVPoll.Transferring} and set(begun.errors) == {bad}
         done = p.finish_many([r for r in rooms if r != bad])
         assert set(done.values()) == {KVPoll.Success}
-        # the tracker of the address is another key: corrupt the room's parts index
-        store.client.delete(store.keys.parts(bad))
-        store.client.set(store.keys.parts(bad), "garbage", px=60_000)
+        # the tracker of the address is another key: corrupt the room hash
+        store.client.delete(store.keys.room_hash(bad))
+        store.client.set(store.keys.room_hash(bad), "garbage", px=60_000)
         errors = d.clear_many(rooms)
         assert set(errors) == {bad} and isinstance(errors[bad], CorruptStateError)
         assert p.clear_many([r for r in rooms if r != bad]) == {}
@@ -422,7 +422,8 @@ def test_publish_with_a_corrupt_sender_writes_nothing(store: Store) -> None:
         assert {k: v for k, v in after.items() if k != rcv.key} == {
             k: v for k, v in before.items() if k != rcv.key
         }
-        assert store.client.hget(store.keys.xfer(21, p.engine), rcv.engine) is None
+        field = schema.xfer_field(p.engine, rcv.engine)
+        assert store.client.hget(store.keys.room_hash(21), field) is None
         snd.abort("corrupt")
 
 

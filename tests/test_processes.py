@@ -22,7 +22,7 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
     # shared sender fails its room, one outcome per room), each racer's sender and two
     # receivers needing 4 / 5 acks
     calls = []
-    no_timeouts = {"peers": 1, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0}
+    no_timeouts = {"peers": 1, "timeouts_ms": "0 0"}
     for room in rooms:
         calls.append(store.create(room, "tx", "shared", no_timeouts))
         for tx in racers:
@@ -33,7 +33,7 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
                     room + workers.ACKS,
                     "rx",
                     rx,
-                    {"peers": peers, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0},
+                    {"peers": peers, "timeouts_ms": "0 0"},
                 )
             )
     store.execute(calls)
@@ -61,8 +61,8 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
         rx4, rx5 = (store.execute([store.poll(acked, "rx", r)])[0] for r in ("rx-4", "rx-5"))
         assert rx4.status == KVPoll.Success  # exactly 4 acks arrived
         assert rx5.status == KVPoll.Bootstrapping  # 4 of 5: not yet
-        acks = store.client.smembers(store.keys.acks(acked, "rx-5"))
-        assert sorted(acks) == sorted(r.encode() for r in racers)
+        acks = store.execute([store.acks_of(acked, "rx-5")])[0]
+        assert acks == sorted(racers)
     for room in rooms:
         store.clear(room, "tx", "shared")
         for tx in racers:
@@ -96,7 +96,7 @@ def test_killed_prefill_fails_bound_rooms_and_restart_does_not_inherit(
                         81,
                         "tx",
                         "prefill-z.tp0",
-                        {"peers": 1, "bootstrap_timeout_ms": 0, "waiting_timeout_ms": 0},
+                        {"peers": 1, "timeouts_ms": "0 0"},
                     ),
                     store.begin(81, "prefill-z.tp0", ["decode-y.tp0"]),
                     store.finish(81, "prefill-z.tp0", ["decode-y.tp0"]),

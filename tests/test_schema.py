@@ -78,14 +78,18 @@ def test_bindings_reads_only_peer_fields(peers: dict[str, str], other: dict[str,
 
 
 # -- field tables --------------------------------------------------------------------
-def test_status_timeouts_name_statuses_and_fields() -> None:
-    for status, (name, field) in schema.STATUS_TIMEOUTS.items():
+def test_status_timeouts_name_statuses_and_places() -> None:
+    for status, (name, _) in schema.STATUS_TIMEOUTS.items():
         assert status in KVPoll.__members__
-        assert field == f"{name}_timeout_ms"
-    assert {f for _, f in schema.STATUS_TIMEOUTS.values()} == {
-        schema.BOOTSTRAP_TIMEOUT_MS,
-        schema.WAITING_TIMEOUT_MS,
-    }
+        assert name == status[: len(name)].lower()
+    assert sorted(at for _, at in schema.STATUS_TIMEOUTS.values()) == [0, 1]
+
+
+def test_timeouts_value_parses_back() -> None:
+    assert schema.timeouts_value(300_000, 0) == "300000 0"
+    assert schema.parse_timeouts("300000 0") == (300_000, 0)
+    for bad in (None, "", "1", "1 2 3", "-1 2", "1,2", "x 1", "٣ 1"):
+        assert schema.parse_timeouts(bad) is None, bad
 
 
 def test_field_names_are_distinct_per_hash() -> None:
@@ -97,8 +101,7 @@ def test_field_names_are_distinct_per_hash() -> None:
         schema.ADDR,
         schema.PEERS,
         schema.PEER_ADDR,
-        schema.BOOTSTRAP_TIMEOUT_MS,
-        schema.WAITING_TIMEOUT_MS,
+        schema.TIMEOUTS_MS,
         schema.INFOS_V,
         schema.BOUND,
     ]
@@ -139,15 +142,29 @@ def test_participant_key_parses_back(room: int, side: schema.Side, engine: str) 
 def test_other_room_keys_parse_back(room: int, engine: str) -> None:
     k = Keys("ns")
     for key, kind, rest in (
-        (k.xfer(room, engine), "xfer", engine),
-        (k.acks(room, engine), "acks", engine),
-        (k.parts(room), "parts", ""),
+        (k.room_hash(room), "room", ""),
         (k.aborted(room), "aborted", ""),
+        (k.trace(room), "trace", ""),
     ):
         parsed = k.parse_room_key(key)
         assert parsed == RoomKey(key, room, kind, rest)
         assert parsed.side is None and parsed.participant is None
         assert parsed.engine == rest
+
+
+@given(names, names)
+def test_room_hash_fields_parse_back(sender: str, receiver: str) -> None:
+    """A field of the room hash splits back one way only, whatever the engine names
+    hold (':' included): SEP is no character of a name."""
+    assert schema.SEP not in sender + receiver
+    assert schema.parse_room_field(schema.member("tx", sender)) == ("tx", sender, "")
+    assert schema.parse_room_field(schema.member("rx", receiver)) == ("rx", receiver, "")
+    xfer = schema.parse_room_field(schema.xfer_field(sender, receiver))
+    assert xfer == ("xfer", sender, receiver)
+    assert schema.parse_room_field(schema.ack_field(receiver)) == ("ack", receiver, "")
+    assert schema.ack_list(schema.SEP.join([sender, receiver])) == [sender, receiver]
+    assert schema.parse_room_field("xfer:" + sender) is None  # no SEP: not kvstate's
+    assert schema.parse_room_field("weird") is None
 
 
 def test_parse_room_key_hostile() -> None:
@@ -183,7 +200,7 @@ def test_parse_room_key_odd_but_parsable() -> None:
     assert p is not None and (p.kind, p.rest, p.side, p.engine) == ("weird", "", None, "")
     p = k.parse_room_key("kvstate:ns:{7}:tx:")  # an empty engine is still a tx key
     assert p is not None and p.participant == ("tx", "")
-    p = k.parse_room_key(f"kvstate:ns:{{{MAX_ROOM - 1}}}:parts")
+    p = k.parse_room_key(f"kvstate:ns:{{{MAX_ROOM - 1}}}:room")
     assert p is not None and p.room == MAX_ROOM - 1
 
 

@@ -156,8 +156,8 @@ def test_tp_ranks_registering_late_in_random_order(
         assert all(st == "Success" for st, _ in out.values()), out
         assert wait_for(lambda: set(d.poll_many(list(rcvs)).values()) == {KVPoll.Success}, 10.0)
         for r in rcvs:
-            acks = store.client.smembers(store.keys.acks(r, d.engine))
-            assert sorted(_text(a) for a in acks) == sorted(engines)
+            acks = store.execute([store.acks_of(r, d.engine)])[0]
+            assert acks == sorted(engines)
             rcvs[r].clear()
     report("tp-ranks", ranks=ranks, order=[engines[i] for i in order], rooms=len(rcvs))
 
@@ -550,7 +550,8 @@ def test_init_refused_by_redis_says_why(redis_server_factory: Callable[..., Any]
         # transfer info reached it
         late = p.sender(1)
         assert late.poll() == KVPoll.Failed and "proto-max-bulk-len" in late._reason
-        assert not store.client.exists(store.keys.xfer(1, p.engine))
+        fields = store.client.hkeys(store.keys.room_hash(1))
+        assert fields == [b"tx:" + p.engine.encode()]  # its member only: no xfer: field
         late.clear()
     assert keys_of(store) == []
     store.close()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvstate
-from kvstate import KVPoll
+from kvstate import KVPoll, schema
 from kvstate.store import Store
 from tests.helpers import (
     PREFILL_ADDR,
@@ -33,6 +33,56 @@ def lifecycle(p: kvstate.KVManager, d: kvstate.KVManager, room: int) -> tuple:
     assert snd.finish_transfer() == KVPoll.Success
     assert rcv.poll() == KVPoll.Success
     return snd, rcv
+
+
+def _fields(store: Store, room: int) -> dict[str, str]:
+    raw = store.client.hgetall(store.keys.room_hash(room))
+    return {k.decode(): v.decode("latin-1") for k, v in raw.items()}
+
+
+@pytest.mark.parametrize("first", ["tx", "rx"])
+def test_a_room_is_three_keys_and_its_clears_leave_none(store: Store, first: str) -> None:
+    """docs/design.md, Data model: a room held in WaitingForInput is its two participant
+    hashes and one room hash (both members and the transfer info), nothing else; the
+    ack joins the room hash; each side's clear takes its own fields of it, and once
+    both cleared no room key is left (the tracker's member gone too), in either order."""
+    p, d = managers(store)
+    k = store.keys
+    with p, d:
+        snd, rcv = p.sender(43), d.receiver(43, PREFILL_ADDR)
+        tx, rx = schema.member("tx", p.engine), schema.member("rx", d.engine)
+        xfer, ack = schema.xfer_field(p.engine, d.engine), schema.ack_field(d.engine)
+        assert rcv.init(np.arange(8)) == KVPoll.WaitingForInput
+        assert snd.poll() == KVPoll.WaitingForInput
+        assert room_keys(store, 43, marks=True) == sorted([snd.key, rcv.key, k.room_hash(43)])
+        assert sorted(_fields(store, 43)) == sorted([tx, rx, xfer])
+        tracked = store.client.zrange(k.addr(PREFILL_ADDR), 0, -1)
+        assert tracked == [f"43 {d.engine}".encode()]  # Keys.tracker_member
+        assert k.tracked_key(tracked[0].decode()) == rcv.key
+        assert 0 < store.client.pttl(k.room_hash(43)) <= 900_000
+        assert snd.begin_transfer() == KVPoll.Transferring
+        assert snd.finish_transfer() == KVPoll.Success
+        assert rcv.poll() == KVPoll.Success
+        assert _fields(store, 43)[ack] == p.engine
+        assert room_keys(store, 43, marks=True) == sorted([snd.key, rcv.key, k.room_hash(43)])
+        (snd if first == "tx" else rcv).clear()  # the info goes with either side
+        assert set(_fields(store, 43)) == ({tx} if first == "rx" else {rx, ack})
+        (rcv if first == "tx" else snd).clear()
+        assert room_keys(store, 43, marks=True) == []
+        assert not store.client.zrange(k.addr(PREFILL_ADDR), 0, -1)
+
+
+def test_a_failed_room_leaves_only_its_mark(store: Store) -> None:
+    p, d = managers(store)
+    with p, d:
+        snd, rcv = p.sender(44), d.receiver(44, PREFILL_ADDR)
+        rcv.init(np.arange(8))
+        assert snd.poll() == KVPoll.WaitingForInput
+        snd.abort("boom")
+        assert rcv.poll() == KVPoll.Failed
+        snd.clear()
+        rcv.clear()
+        assert room_keys(store, 44, marks=True) == [store.keys.aborted(44)]
 
 
 def test_full_lifecycle_leaves_nothing(store: Store) -> None:
@@ -220,7 +270,7 @@ def test_compact_indices(store: Store) -> None:
     with p, d:
         rcv = d.receiver(41, PREFILL_ADDR)
         rcv.init(np.arange(1000, 5096))
-        raw = store.client.hget(store.keys.xfer(41, p.engine), d.engine)
+        raw = store.client.hget(store.keys.room_hash(41), schema.xfer_field(p.engine, d.engine))
         assert len(raw) < 100  # 4096 contiguous pages: one run, not 16 KiB
         snd = p.sender(41)
         snd.poll()

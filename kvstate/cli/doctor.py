@@ -116,36 +116,34 @@ def _setting_checks(store: Store, node: str, name: str) -> list[Check]:
 
 # What `audit`, `monitor` and `doctor` need on top of the engine user's rights (README,
 # Security): INFO and CONFIG (server checks; CONFIG SET only to enable expiry events),
-# OBJECT IDLETIME (unclaimed transfer infos), the ledger stream, expiry notifications,
-# SMEMBERS (acks in `show`), the room traces (RPUSH, RPUSHX: `abort`; LRANGE: `trace`)
-# and ACL WHOAMI.
+# the ledger stream, expiry notifications, the room traces (RPUSH, RPUSHX: `abort`;
+# LRANGE: `trace`) and ACL WHOAMI.
 OPERATOR_ACL = (
     "ACL SETUSER kvstate-operator reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "&__keyevent@*__:expired -@all +ping +client|setname +time +scan +evalsha +eval "
     "+script|load +multi +exec +del +exists +pexpire +pttl +get +set +hget +hmget +hgetall "
-    "+hset +hdel +hkeys +hlen +hexists +sadd +scard +smembers +zadd +zrange +zrem "
-    "+zremrangebyscore +info +config|get +config|set +object|idletime +xadd +xrevrange "
-    "+rpush +rpushx +lrange +subscribe +unsubscribe +acl|whoami"
+    "+hset +hdel +hkeys +zadd +zrange +zrem +zremrangebyscore +info +config|get "
+    "+config|set +xadd +xrevrange +rpush +rpushx +lrange +subscribe +unsubscribe "
+    "+acl|whoami"
 )
 
 
 # A read-only operator: `ls`, `show`, `top`, `engines`, `trace` and `audit` (without
 # --fix) read with these plain read commands only (no script, no write;
 # tests/test_cli_operator.py runs them as this user). MULTI/EXEC group two reads; INFO,
-# CONFIG GET, OBJECT IDLETIME and XREVRANGE are the audit's server, idle-time and ledger
-# checks; LRANGE reads a room's trace.
+# CONFIG GET and XREVRANGE are the audit's server and ledger checks; LRANGE reads a
+# room's trace.
 READER_ACL = (
     "ACL SETUSER kvstate-reader reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "-@all +ping +client|setname +time +scan +multi +exec +exists +pttl +get +hget +hmget "
-    "+hgetall +hkeys +hexists +smembers +zrange +object|idletime +xrevrange +lrange +info "
-    "+config|get +acl|whoami"
+    "+hgetall +hkeys +zrange +xrevrange +lrange +info +config|get +acl|whoami"
 )
 
 
 def _acl_check(store: Store) -> Check:
     """Probe what kvstate does. Engines need SCAN and scripts (a poll of a missing room
     writes nothing): a refusal fails the check. The operator tools also read the
-    ledger stream, idle times and server settings: a refusal there is a warning that
+    ledger stream and server settings: a refusal there is a warning that
     says what degrades and gives the operator user's ACL line."""
     s = store
     engine_probes: list[tuple[str, Callable[[], object]]] = [
@@ -154,7 +152,6 @@ def _acl_check(store: Store) -> Check:
     ]
     operator_probes: list[tuple[str, Callable[[], object]]] = [
         ("XREVRANGE", lambda: Ledger(s).recent(1)),
-        ("OBJECT IDLETIME", lambda: s.execute([s.key_idle_s(s.keys.ledger)])),
         ("CONFIG GET", lambda: s.config_get("maxmemory-policy")),
         ("INFO", lambda: s.server_info()),
     ]
@@ -185,11 +182,9 @@ def _acl_check(store: Store) -> Check:
             "warn",
             f"user {user}: enough for engines; denied "
             f"{', '.join(operator_denied)}, so audit and monitor degrade (no ledger, "
-            f"idle or server checks). For them use an operator user: {OPERATOR_ACL}",
+            f"or server checks). For them use an operator user: {OPERATOR_ACL}",
         )
-    return Check(
-        "acl", "ok", f"user {user}: SCAN, EVALSHA, stream, idle-time and CONFIG reads allowed"
-    )
+    return Check("acl", "ok", f"user {user}: SCAN, EVALSHA, stream and CONFIG reads allowed")
 
 
 def _ucx_checks(checks: list[Check]) -> None:

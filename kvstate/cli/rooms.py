@@ -142,11 +142,11 @@ def show(obj: Ctx, room: str, as_json: bool) -> None:
     elif view.aborted is not None:
         out.print("no participants")
     for member in view.missing_members:
-        out.print(styled(f"parts lists {member} but its participant hash is gone", "red"))
+        out.print(styled(f"the room hash lists {member} but its participant hash is gone", "red"))
     for member in view.unindexed:
         out.print(
             styled(
-                f"{member} is missing from the room's parts index: `kvstate abort` "
+                f"{member} is missing from the room hash: `kvstate abort` "
                 "cannot reach it; `kvstate audit --fix` re-indexes it",
                 "red",
             )
@@ -342,7 +342,7 @@ def _refuse_what_abort_cannot_reach(room: int, view: RoomView) -> None:
     """Say, before anything is written, what an abort of this room cannot get past."""
     if not view.members and view.participants:
         raise Failure(
-            f"room {room} has participants its parts index does not list; "
+            f"room {room} has participants its room hash does not list; "
             "run `kvstate audit --fix` to re-index them, then abort again"
         )
     for p in view.participants:

@@ -103,6 +103,17 @@ def _locate(f: Finding, parsed: RoomKey | None) -> None:
             f.side, f.engine = parsed.side, parsed.rest
 
 
+def _owners(name: str) -> list[tuple[Side, str]]:
+    """The participants whose clear takes a room-hash field of transfer infos (its
+    sender and its receiver) or acks (its receiver); [] for a participant field."""
+    f = schema.parse_room_field(name)
+    if f is None or f.kind in schema.SIDES:
+        return []
+    if f.kind == "xfer":
+        return [("tx", f.engine), ("rx", f.peer)]
+    return [("rx", f.engine)]
+
+
 def _delete_then_abort(key: str, room: int) -> str:
     return (
         f"no kvstate code wrote it, so nothing repairs it: look at it (redis-cli TYPE "
@@ -154,7 +165,7 @@ class Report:
 
 class Auditor:
     """Audits one namespace. ``grace``: seconds a terminal participant may wait for
-    its clear, and an unclaimed transfer info for its sender, before they count."""
+    its clear before it counts."""
 
     def __init__(self, store: Store, grace: float = DEFAULT_GRACE) -> None:
         self.store = store
@@ -187,7 +198,7 @@ class Auditor:
         self._dead_engines(parts, scratch)
         self._unindexed(parts, scratch)
         self._trackers(groups["addr"], scratch)
-        self._xfers(groups["xfer"], scratch)
+        self._room_data(groups["room"], scratch)
         return scratch.findings
 
     def _classify(self, all_keys: Sequence[str]) -> dict[str, list[str]]:
@@ -195,7 +206,7 @@ class Auditor:
         addr_prefix, engine_prefix = k.addr(""), k.engine("")
         groups: dict[str, list[str]] = {
             "participant": [],
-            "xfer": [],
+            "room": [],
             "addr": [],
             "engine": [],
             "other": [],
@@ -204,8 +215,8 @@ class Auditor:
             parsed = k.parse_room_key(key)
             if parsed is not None and parsed.side is not None:
                 groups["participant"].append(key)
-            elif parsed is not None and parsed.kind == "xfer":
-                groups["xfer"].append(key)
+            elif parsed is not None and parsed.kind == "room" and not parsed.rest:
+                groups["room"].append(key)
             elif key.startswith(addr_prefix):
                 groups["addr"].append(key)
             elif key.startswith(engine_prefix):
@@ -267,7 +278,7 @@ class Auditor:
                     _about(
                         "corrupt",
                         p,
-                        f"status {p.status!r} / since_ms {p.fields.get(schema.SINCE_MS)!r} do "
+                        f"status {p.status!r} / since_ms {schema.since(p.fields)!r} do "
                         f"not parse: no poll of it can succeed; kvstate abort {p.room} (or "
                         "--fix) fails it with the rest of its room",
                     )
@@ -336,13 +347,13 @@ class Auditor:
                 report.findings.append(f)
 
     def _unindexed(self, parts: list[Participant], report: Report) -> None:
-        """Participants missing from their room's parts index: `kvstate abort` and
+        """Participants missing from their room hash: `kvstate abort` and
         `show` find a room through that index, so they cannot reach these."""
         s = self.store
         k = self.keys
         for start in range(0, len(parts), BATCH):
             chunk = parts[start : start + BATCH]
-            # EXISTS and HEXISTS in one transaction (one slot per room): a clear between
+            # EXISTS and HGET in one transaction (one slot per room): a clear between
             # reading the participant and its index must not read as "unindexed"
             calls = []
             for p in chunk:
@@ -353,7 +364,7 @@ class Auditor:
                     f = _about(
                         "unindexed",
                         p,
-                        f"not in {k.parts(p.room)} (the index expired before the "
+                        f"not in {k.room_hash(p.room)} (the hash expired before the "
                         "participant, or a clear was cut short): abort and show "
                         "cannot reach it",
                     )
@@ -368,76 +379,61 @@ class Auditor:
         pairs = [(t, m.decode()) for t, ms in zip(trackers, members_raw, strict=True) for m in ms]
         for start in range(0, len(pairs), BATCH):
             chunk = pairs[start : start + BATCH]
-            exists = s.execute([s.key_exists(m) for _, m in chunk])
-            for (tracker, member), n in zip(chunk, exists, strict=True):
-                if int(n):
+            keys = [self.keys.tracked_key(m) for _, m in chunk]
+            exists = iter(s.execute([s.key_exists(k) for k in keys if k is not None]))
+            for (tracker, member), key in zip(chunk, keys, strict=True):
+                if key is not None and int(next(exists)):
                     continue
                 f = Finding(
                     "orphan_tracker",
                     tracker,
-                    f"member {member} names a participant that is gone "
+                    f"member {member!r} names a receiver that is gone "
                     "(a clear interrupted between the room and the tracker)",
                 )
-                _locate(f, self.keys.parse_room_key(member))
+                _locate(f, None if key is None else self.keys.parse_room_key(key))
                 f.target = (member,)
                 report.findings.append(f)
 
-    def _xfers(self, xfers: Sequence[str], report: Report) -> None:
-        for start in range(0, len(xfers), BATCH):
-            chunk = [p for x in xfers[start : start + BATCH] if (p := self.keys.parse_room_key(x))]
-            raw = self._xfer_reads(chunk, report)
-            for x, (exists, member, idle_s) in zip(chunk, raw, strict=True):
-                if exists or member or idle_s is None:
-                    continue
-                if idle_s * 1000 < self.grace_ms:
-                    continue  # a receiver may publish before its sender exists
-                report.findings.append(
-                    Finding(
-                        "unclaimed_xfer",
-                        x.key,
-                        f"transfer infos for sender {x.rest}, which does not exist and is not "
-                        f"in the room; untouched for {fmt_ms(idle_s * 1000)}",
-                        room=x.room,
-                        engine=x.rest,
-                    )
-                )
-
-    def _xfer_reads(
-        self, chunk: Sequence[RoomKey], report: Report
-    ) -> list[tuple[bool, bool, int | None]]:
-        """(sender exists, sender in parts, idle seconds) per xfer key. OBJECT IDLETIME
-        comes first and nothing here reads the xfer hash itself: a read would reset the
-        idle time the next audit measures. Idle is None where an LFU policy hides it."""
+    def _room_data(self, rooms: Sequence[str], report: Report) -> None:
+        """Transfer infos and acks in a room hash that no clear will take: an info whose
+        sender and receiver are both gone and unlisted, acks whose receiver is. (A
+        receiver may publish before its sender exists: its own clear takes the info.)"""
         s = self.store
-        calls = []
-        for x in chunk:
-            calls += [
-                s.key_idle_s(x.key),
-                s.key_exists(self.keys.participant(x.room, "tx", x.rest)),
-                s.is_member(x.room, "tx", x.rest),
-            ]
-        try:
-            raw = s.execute(calls)
-        except KVStateError as exc:  # LFU maxmemory policy: idle time is not tracked
-            if acl_refused(exc):
-                note = (
-                    "OBJECT IDLETIME is not allowed for this user: unclaimed transfer "
-                    "infos not checked (the README's operator ACL line allows it)"
+        for start in range(0, len(rooms), BATCH):
+            chunk = [p for x in rooms[start : start + BATCH] if (p := self.keys.parse_room_key(x))]
+            read = s.execute([s.room_fields(p.room) for p in chunk], partial=True)
+            orphans: list[tuple[RoomKey, str, list[tuple[Side, str]]]] = []
+            for p, fields in zip(chunk, read, strict=True):
+                if isinstance(fields, KVStateError):
+                    continue  # not a hash: no_ttl / the operator's look, not this check
+                for name in sorted(fields):
+                    owners = _owners(name)
+                    if owners and not any(schema.member(*o) in fields for o in owners):
+                        orphans.append((p, name, owners))
+            exists = s.execute(
+                [
+                    s.key_exists(self.keys.participant(p.room, *o))
+                    for p, _, owners in orphans
+                    for o in owners
+                ]
+            )
+            at = 0
+            for p, name, owners in orphans:
+                found = [int(n) for n in exists[at : at + len(owners)]]
+                at += len(owners)
+                if any(found):
+                    continue
+                who = " and ".join(f"{side}:{engine}" for side, engine in owners)
+                f = Finding(
+                    "unclaimed_xfer",
+                    p.key,
+                    f"field {name!r} names {who}, none of which exists or is in the "
+                    "room: no clear will take it (its TTL is the room's)",
+                    room=p.room,
+                    engine=owners[0][1],
                 )
-            elif "IDLETIME" in str(exc):
-                note = (
-                    "OBJECT IDLETIME refused (LFU maxmemory policy?): unclaimed transfer "
-                    "infos not checked"
-                )
-            else:
-                raise
-            if note not in report.notes:
-                report.notes.append(note)
-            return [(True, True, None) for _ in chunk]
-        return [
-            (bool(int(raw[3 * i + 1])), bool(int(raw[3 * i + 2])), int(raw[3 * i] or 0))
-            for i in range(len(chunk))
-        ]
+                f.target = (name,)
+                report.findings.append(f)
 
     # -- repairs -----------------------------------------------------------------
     def _fix(self, report: Report) -> None:
@@ -475,12 +471,12 @@ class Auditor:
             )
 
     def _room_ttl_ms(self, room: int, also: Sequence[str] = ()) -> int:
-        """The longest TTL left on the room's index, its listed participants and
+        """The longest TTL left on the room hash, its listed participants and
         ``also``: what a repair gives the keys it writes. The store's TTL (--room-ttl)
         only when none of them has one."""
         s = self.store
         k = self.keys
-        keys = [k.parts(room), *also]
+        keys = [k.room_hash(room), *also]
         keys += [k.participant(room, *p) for m in s.members(room) if (p := schema.parse_member(m))]
         ttls = [int(t) for t in s.execute([s.key_ttl(key) for key in keys])]
         return max((t for t in ttls if t > 0), default=s.ttl_ms)
@@ -542,12 +538,15 @@ class Auditor:
     def _fix_unclaimed_xfer(self, f: Finding) -> None:
         s = self.store
         assert f.room is not None
-        exists = s.execute([s.key_exists(s.keys.participant(f.room, "tx", f.engine))])
-        if int(exists[0]):
-            f.resolved = "its sender appeared meanwhile"
+        (name,) = f.target
+        owners = _owners(name)
+        keys = [s.keys.participant(f.room, *o) for o in owners]
+        if any(int(n) for n in s.execute([s.key_exists(k) for k in keys])):
+            f.resolved = "a participant it names appeared meanwhile"
+        elif int(s.execute([s.drop_room_fields(f.room, name)])[0]):
+            f.fixed = f"deleted the field {name!r}"
         else:
-            s.execute([s.delete(f.key)])
-            f.fixed = "deleted the unclaimed transfer infos"
+            f.resolved = "the field was deleted meanwhile"
 
     def _fix_dead_engine(self, f: Finding) -> None:
         s = self.store
@@ -600,7 +599,7 @@ class Auditor:
         s.execute(
             [
                 s.index_member(f.room, side, engine, f.target[0]),
-                s.set_ttl(self.keys.parts(f.room), ttl),
+                s.set_ttl(self.keys.room_hash(f.room), ttl),
             ],
             transaction=True,
         )

@@ -67,10 +67,10 @@ KINDS: tuple[FindingKind, ...] = (
     ),
     FindingKind(
         "unclaimed_xfer",
-        check="transfer infos for a sender that does not exist and is not in the room, "
-        "untouched for the grace period",
+        check="a room-hash field of transfer infos (or acks) whose sender and receiver "
+        "(the receiver) all neither exist nor are in the room: no clear will take it",
         hint="--fix deletes",
-        fix="deletes them, unless the sender appeared meanwhile",
+        fix="deletes the field, unless a participant it names appeared meanwhile",
     ),
     FindingKind(
         "dead_engine",
@@ -86,10 +86,10 @@ KINDS: tuple[FindingKind, ...] = (
     ),
     FindingKind(
         "unindexed",
-        check="a participant missing from its room's `parts` index (the index expired "
+        check="a participant missing from its room hash (the hash expired "
         "first, or a clear was cut short): `abort` and `show` cannot reach it",
         hint="--fix re-indexes it",
-        fix="adds it back to the index, with the room's remaining TTL",
+        fix="adds it back to the room hash, with the room's remaining TTL",
     ),
     FindingKind(
         "corrupt",

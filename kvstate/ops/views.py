@@ -59,7 +59,7 @@ class Participant:
 
     @property
     def member(self) -> str:
-        """Its member in the room's parts index."""
+        """Its member (field) in the room hash."""
         return schema.member(self.side, self.engine)
 
     @property
@@ -89,7 +89,7 @@ class Participant:
 
     @property
     def since_ms(self) -> int | None:
-        return _int(self.fields.get(schema.SINCE_MS))
+        return _int(schema.since(self.fields))
 
     @property
     def age_ms(self) -> int | None:
@@ -111,8 +111,9 @@ class Participant:
         timeout = schema.STATUS_TIMEOUTS.get(self.status)
         if timeout is None:
             return None
-        name, field_name = timeout
-        limit = _int(self.fields.get(field_name))
+        name, at = timeout
+        limits = schema.parse_timeouts(self.fields.get(schema.TIMEOUTS_MS))
+        limit = None if limits is None else limits[at]
         return None if not limit or limit <= 0 else (name, limit)
 
     def to_json(self) -> dict[str, Any]:
@@ -242,16 +243,18 @@ class RoomView:
     @property
     def empty(self) -> bool:
         """Nothing at all is stored for the room (not even an abort mark)."""
-        return not self.members and not self.participants and self.aborted is None
+        return not (self.members or self.participants or self.infos or self.acks) and (
+            self.aborted is None
+        )
 
     @property
     def unindexed(self) -> list[str]:
-        """Participants the room's parts index does not list (abort cannot reach them)."""
+        """Participants the room hash does not list (abort cannot reach them)."""
         return [p.member for p in self.participants if p.member not in self.members]
 
     @property
     def missing_members(self) -> list[str]:
-        """Parts members whose participant hash is gone (a clear half done)."""
+        """Room-hash members whose participant hash is gone (a clear half done)."""
         present = {p.member for p in self.participants}
         return [m for m in self.members if m not in present]
 
@@ -312,33 +315,25 @@ def fmt_ranges(ranges: list[list[int]], shown: int = 3) -> str:
 
 
 def room_view(store: Store, room: int) -> RoomView:
-    """Read a room through its parts set and the keys its participants name (no SCAN)."""
+    """Read a room through its room hash and the keys its participants name (no SCAN)."""
     k = store.keys
     now = store.server_time_ms()
-    members = store.members(room)
+    fields: dict[str, Any] = store.execute([store.room_fields(room)])[0]
+    members: list[str] = []
+    infos: dict[str, dict[str, TransferInfo | str]] = {}
+    acks: dict[str, list[str]] = {}
+    key = k.room_hash(room)
+    for name, value in sorted(fields.items()):
+        f = schema.parse_room_field(name)
+        if f is None or f.kind in schema.SIDES:
+            members.append(name)  # a foreign field too: abort names it corrupt
+        elif f.kind == "xfer":
+            infos.setdefault(f.engine, {})[f.peer] = _decode_info(key, name, f.peer, value)
+        else:
+            acks[f.engine] = sorted(schema.ack_list(value or ""))
     parts = read_participants(store, _participant_keys(store, room, members), now)
-    senders = {p.engine for p in parts if p.side == "tx"}
-    receivers = {p.engine for p in parts if p.side == "rx"}
-    for p in parts:
-        senders.update(p.bindings)
-    sender_list, receiver_list = sorted(senders), sorted(receivers)
-    calls = [store.read_hash(k.xfer(room, s)) for s in sender_list]
-    calls += [store.acks_of(room, r) for r in receiver_list]
-    calls += store.abort_mark(room)
-    calls.append(store.key_exists(k.trace(room)))
-    raw = store.execute(calls)
-    mark, mark_ttl, traced = raw[-3:]
-    raw = raw[:-3]
-    infos = {
-        s: _decode_infos(k.xfer(room, s), h)
-        for s, h in zip(sender_list, raw[: len(sender_list)], strict=True)
-        if h
-    }
-    acks = {
-        r: sorted(m.decode() for m in a)
-        for r, a in zip(receiver_list, raw[len(sender_list) :], strict=True)
-        if a
-    }
+    raw = store.execute([*store.abort_mark(room), store.key_exists(k.trace(room))])
+    mark, mark_ttl, traced = raw
     parts.sort(key=lambda p: (p.side != "tx", p.engine))
     aborted = None if mark is None else mark.decode("utf-8", "replace")
     return RoomView(
@@ -355,7 +350,7 @@ def room_view(store: Store, room: int) -> RoomView:
 
 
 def _participant_keys(store: Store, room: int, members: list[str]) -> list[str]:
-    """The room's participant keys: from its parts index, else (the index expired
+    """The room's participant keys: from its room hash, else (the hash expired
     before its participants?) the slow way, by SCAN."""
     k = store.keys
     keys = [k.participant(room, *part) for m in members if (part := schema.parse_member(m))]
@@ -368,16 +363,12 @@ def _participant_keys(store: Store, room: int, members: list[str]) -> list[str]:
     ]
 
 
-def _decode_infos(key: str, raw: dict[bytes, bytes]) -> dict[str, TransferInfo | str]:
-    """One sender's xfer hash: receiver -> its transfer info, or why it does not decode."""
-    per: dict[str, TransferInfo | str] = {}
-    for f, v in raw.items():
-        receiver = f.decode("utf-8", "replace")
-        try:
-            per[receiver] = TransferInfo.decode(receiver, v, key)
-        except CorruptStateError as exc:
-            per[receiver] = str(exc)
-    return per
+def _decode_info(key: str, name: str, receiver: str, raw: bytes) -> TransferInfo | str:
+    """One transfer info of the room hash, or why it does not decode."""
+    try:
+        return TransferInfo.decode(receiver, raw, key, name)
+    except CorruptStateError as exc:
+        return str(exc)
 
 
 def holds_keys(store: Store) -> bool:

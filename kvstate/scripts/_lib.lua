@@ -11,8 +11,7 @@ local F_SINCE_MS = 'since_ms'
 local F_REASON = 'reason'
 local F_PEERS = 'peers'
 local F_PEER_ADDR = 'peer_addr'
-local F_BOOTSTRAP_TIMEOUT_MS = 'bootstrap_timeout_ms'
-local F_WAITING_TIMEOUT_MS = 'waiting_timeout_ms'
+local F_TIMEOUTS_MS = 'timeouts_ms'
 local F_INFOS_V = 'infos_v'
 local F_BOUND = 'bound'
 local F_PEER_PREFIX = 'peer:'
@@ -20,6 +19,12 @@ local F_INCARNATION = 'incarnation'
 local F_HOST = 'host'
 local F_PID = 'pid'
 local F_CREATED_MS = 'created_ms'
+-- the room hash's fields besides its participants (tx:<engine> / rx:<engine>):
+-- xfer:<sender>,<receiver> -> packed transfer info; ack:<receiver> -> the senders that
+-- finished for it, joined by F_SEP
+local F_XFER_PREFIX = 'xfer:'
+local F_ACK_PREFIX = 'ack:'
+local F_SEP = ','
 -- the room trace's fields and events (besides the status names)
 local F_TRACE_MS = 'ms'
 local F_TRACE_SIDE = 'side'
@@ -72,10 +77,38 @@ local function set_status(key, status, now, ttl, reason)
   redis.call('PEXPIRE', key, ttl)
 end
 
--- Keep the room's parts index alive as long as its participants: every script that
--- refreshes a participant's TTL refreshes the index too (PEXPIRE never creates it).
-local function touch(parts, ttl)
-  redis.call('PEXPIRE', parts, ttl)
+-- Keep the room hash alive as long as its participants: every script that refreshes a
+-- participant's TTL refreshes it too (PEXPIRE never creates it), and every script that
+-- writes into it, after the write.
+local function touch(room, ttl)
+  redis.call('PEXPIRE', room, ttl)
+end
+
+-- The room hash (KEYS: kvstate:<ns>:{<room>}:room), read whole by `cmd` (HGETALL or
+-- HKEYS): a small listpack. A key of another type is corrupt, named here, before the
+-- calling script wrote anything (design rule 7).
+local function read_room(room, cmd)
+  local all = redis.pcall(cmd, room)
+  if all.err then
+    if string.find(all.err, 'WRONGTYPE', 1, true) then corrupt(room, '*', 'not a hash') end
+    error(all)  -- anything else (the ACL refusing it...) as it is
+  end
+  return all
+end
+
+-- The transfer infos addressed to `sender` in a room hash read by HGETALL (`all`):
+-- {receiver, info, ...}, the field prefix stripped (plain comparison: engine names may
+-- hold pattern characters).
+local function infos_in(all, sender)
+  local prefix = F_XFER_PREFIX .. sender .. F_SEP
+  local n, out = #prefix, {}
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, n) == prefix then
+      out[#out + 1] = string.sub(all[i], n + 1)
+      out[#out + 1] = all[i + 1]
+    end
+  end
+  return out
 end
 
 -- The room's failure mark (KEYS: kvstate:<ns>:{<room>}:aborted): the reason of the

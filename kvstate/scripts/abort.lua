@@ -3,24 +3,33 @@
 -- room's failure mark (the first reason stays), so that a participant created later
 -- (the other side had not joined yet, or already cleared) starts Failed. clear()
 -- leaves the mark: it expires on its own TTL.
--- The caller read the parts hash first; if it changed since (a participant joined or
--- cleared), nothing is written and -1 is returned so the caller reads it again.
--- KEYS[1] room parts hash
+-- The caller read the room hash's participants first; if they changed since (a
+-- participant joined or cleared), nothing is written and -1 is returned so the caller
+-- reads them again.
+-- KEYS[1] room hash
 -- KEYS[2] room failure mark (string: the reason)
--- KEYS[2+i] (i = 1..n) participant hash of parts member i
+-- KEYS[2+i] (i = 1..n) participant hash of room member i
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason (unless the room already failed: its first reason stays)
 -- ARGV[3] the failure mark's ttl in ms
--- ARGV[3+i] parts member i, as the caller read it
+-- ARGV[3+i] room member i (tx:<engine> / rx:<engine>), as the caller read it
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
 --         _lib.lua): after the participants, taken off first, so the lists above hold
 -- Returns the number of participants moved to Failed, or -1.
 take_trace()
-local parts = KEYS[1]
+local room = KEYS[1]
 local n = #KEYS - 2
-if redis.call('HLEN', parts) ~= n then return -1 end
+-- the room's participants now: its fields but the transfer infos and acks
+local listed, count = {}, 0
+for _, f in ipairs(read_room(room, 'HKEYS')) do
+  if string.sub(f, 1, #F_XFER_PREFIX) ~= F_XFER_PREFIX
+    and string.sub(f, 1, #F_ACK_PREFIX) ~= F_ACK_PREFIX then
+    listed[f], count = true, count + 1
+  end
+end
+if count ~= n then return -1 end
 for i = 1, n do
-  if redis.call('HEXISTS', parts, ARGV[3 + i]) == 0 then return -1 end
+  if not listed[ARGV[3 + i]] then return -1 end
 end
 -- Read every participant before writing anything (a script's writes stay when it
 -- errors): a key of the wrong type raises here, with nothing written. A status that
@@ -51,6 +60,6 @@ for i = 1, n do
     failed = failed + 1
   end
 end
-if failed > 0 then touch(parts, ARGV[1]) end
+if failed > 0 then touch(room, ARGV[1]) end
 if failed == 0 then trace(nil, F_EV_ABORT, F_REASON, reason) end
 return failed

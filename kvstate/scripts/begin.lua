@@ -7,7 +7,7 @@
 -- as it is, nothing written: the caller refuses. Forward-only and sticky like
 -- update.lua; idempotent. Everything is read before anything is written (rule 7).
 -- KEYS[1] sender participant hash
--- KEYS[2] room parts hash (TTL refreshed with the participant's)
+-- KEYS[2] room hash (TTL refreshed with the participant's)
 -- KEYS[3] room failure mark
 -- KEYS[3+j] (j = 1..m) receiver j's participant hash
 -- ARGV[1] ttl in ms

@@ -2,16 +2,16 @@
 -- script that creates a participant; a no-op returning the current status if it
 -- already exists (a retried create changes nothing).
 -- KEYS[1] participant hash   kvstate:<ns>:{<room>}:<tx|rx>:<engine>
--- KEYS[2] room parts hash    kvstate:<ns>:{<room>}:parts (member -> created ms)
+-- KEYS[2] room hash         kvstate:<ns>:{<room>}:room (member -> created ms; infos)
 -- KEYS[3] room failure mark  kvstate:<ns>:{<room>}:aborted (reason), left by every
 --         script that fails a participant (abort, timeout, fan-out...) and kept past
 --         clear(): a participant created after its room failed starts Failed with it
--- KEYS[4] (sender only) the sender's transfer infos hash, to start in
+-- ARGV[1] ttl in ms
+-- ARGV[2] room-hash member (tx:<engine> | rx:<engine>); a sender reads the infos
+--         addressed to it there (xfer:<engine>,<receiver>), to start in
 --         WaitingForInput when every receiver published before the sender existed;
 --         then the infos come back as from poll.lua, so that a sender's first poll is
 --         this script alone
--- ARGV[1] ttl in ms
--- ARGV[2] parts member (tx:<engine> | rx:<engine>)
 -- ARGV[3..] field, value pairs (addr, peers, timeouts, peer bindings); side and
 --           engine are in the key name, not repeated in the hash
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
@@ -21,22 +21,23 @@ take_trace()
 local key = KEYS[1]
 local ttl = ARGV[1]
 if redis.call('EXISTS', key) == 1 then return read_status(key) end
-local status, reason = 'Bootstrapping', nil
+local status, reason, infos = 'Bootstrapping', nil, nil
 local aborted = read_mark(KEYS[3])
 if aborted then
   status, reason = 'Failed', aborted
-elseif KEYS[4] then
+elseif string.sub(ARGV[2], 1, 3) == 'tx:' then
   local peers = nil
   for i = 3, #ARGV - 1, 2 do
     if ARGV[i] == F_PEERS then peers = ARGV[i + 1] end
   end
-  if redis.call('HLEN', KEYS[4]) >= number_of(key, F_PEERS, peers) then
-    status = 'WaitingForInput'
-  end
+  peers = number_of(key, F_PEERS, peers)
+  infos = infos_in(read_room(KEYS[2], 'HGETALL'), string.sub(ARGV[2], 4))
+  if #infos / 2 >= peers then status = 'WaitingForInput' end
 end
 local now = now_ms()
--- one HSET: the given fields, the creation stamp and the status
-local fields = {F_CREATED_MS, now, F_STATUS, status, F_SINCE_MS, now}
+-- one HSET: the given fields, the creation stamp and the status (no since_ms: it
+-- equals created_ms until the status changes, and readers fall back to it)
+local fields = {F_CREATED_MS, now, F_STATUS, status}
 if reason then
   fields[#fields + 1] = F_REASON
   fields[#fields + 1] = reason
@@ -47,5 +48,5 @@ redis.call('PEXPIRE', key, ttl)
 redis.call('HSET', KEYS[2], ARGV[2], now)
 redis.call('PEXPIRE', KEYS[2], ttl)
 trace(key, F_EV_CREATED, F_STATUS, status, F_REASON, reason)
-if status == 'WaitingForInput' then return {status, '', redis.call('HGETALL', KEYS[4]), 0} end
+if status == 'WaitingForInput' then return {status, '', infos, 0} end
 return {status, reason or ''}

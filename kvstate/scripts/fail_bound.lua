@@ -6,7 +6,7 @@
 -- failure mark, so the other side (a sender that resumes after losing its lease)
 -- cannot reach Success (design rule 3).
 -- KEYS[1] receiver participant hash
--- KEYS[2] room parts hash (TTL refreshed with the participant's)
+-- KEYS[2] room hash (TTL refreshed with the participant's)
 -- KEYS[3] room failure mark
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason

@@ -1,5 +1,6 @@
 -- finish.lua: a sender finished moving its pages. Sender Transferring -> Success; for
--- each receiver still waiting, add this sender to its acks and flip it to Success when
+-- each receiver still waiting, add this sender to its acks (the room hash's field
+-- ack:<receiver>, the senders SEP-joined) and flip it to Success when
 -- every required sender has acked (a receiver that does not know yet how many it
 -- needs, peers 0, cannot be flipped). One outcome per room (design rule 3): in a room
 -- that failed (its failure mark is set), or with a receiver Failed or gone, the sender
@@ -9,11 +10,11 @@
 -- checked before anything is written (rule 7). Idempotent: a Success answered again
 -- refreshes its TTLs (durable mode: the WAIT covers the first, unconfirmed answer).
 -- KEYS[1] sender participant hash
--- KEYS[2] room parts hash (TTL refreshed with the participants')
+-- KEYS[2] room hash (TTL refreshed with the participants'; the acks)
 -- KEYS[3] room failure mark
--- KEYS[2j+2], KEYS[2j+3] (j = 1..m) receiver j's participant hash, its acks set
+-- KEYS[3+j] (j = 1..m) receiver j's participant hash
 -- ARGV[1] ttl in ms
--- ARGV[2] sender engine (the member added to each acks set)
+-- ARGV[2] sender engine (the name added to each receiver's acks)
 -- ARGV[3] the failure mark's ttl in ms
 -- ARGV[3+j] receiver j's engine (named in a reason)
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
@@ -26,11 +27,13 @@ local cur = read_status(tx)
 if cur[1] == '' or cur[1] == 'Failed' then return cur end
 local mark = read_mark(KEYS[3])
 local why = nil
-local m = (#KEYS - 3) / 2
-local waiting = {}  -- receivers to ack: {key, acks key, peers, acks before this one}
+local m = #KEYS - 3
+-- receivers to ack: {key, acks field, peers, the new acks value (nil: acked before),
+-- how many acked after this one}
+local waiting = {}
 if cur[1] == 'Transferring' then
   for j = 1, m do
-    local rx, acks = KEYS[2 * j + 2], KEYS[2 * j + 3]
+    local rx = KEYS[3 + j]
     local r = redis.call('HMGET', rx, F_STATUS, F_PEERS, F_REASON)
     local rank = r[1] and rank_of(rx, r[1])
     if not r[1] then
@@ -38,13 +41,30 @@ if cur[1] == 'Transferring' then
     elseif rank == 0 then
       why = why or ('receiver ' .. ARGV[3 + j] .. ' failed before the transfer finished: ' .. (r[3] or ''))
     elseif rank ~= 4 then
-      local n = redis.pcall('SCARD', acks)
-      if type(n) == 'table' then
-        if string.find(n.err, 'WRONGTYPE', 1, true) then corrupt(acks, '*', 'not a set') end
-        error(n)  -- anything else (the ACL refusing SCARD...) as it is
-      end
-      waiting[#waiting + 1] = {rx, acks, number_of(rx, F_PEERS, r[2]), n}
+      waiting[#waiting + 1] = {rx, F_ACK_PREFIX .. ARGV[3 + j], number_of(rx, F_PEERS, r[2])}
     end
+  end
+end
+if #waiting > 0 then  -- their acks so far, in one read of the room hash
+  local fields = {}
+  for i, w in ipairs(waiting) do fields[i] = w[2] end
+  local acks = redis.pcall('HMGET', KEYS[2], unpack(fields))
+  if acks.err then
+    if string.find(acks.err, 'WRONGTYPE', 1, true) then corrupt(KEYS[2], '*', 'not a hash') end
+    error(acks)  -- anything else (the ACL refusing HMGET...) as it is
+  end
+  for i, w in ipairs(waiting) do
+    local list = acks[i] or ''
+    local n, seen = 0, false
+    for s in string.gmatch(list, '[^' .. F_SEP .. ']+') do
+      n = n + 1
+      if s == ARGV[2] then seen = true end
+    end
+    if not seen then
+      n = n + 1
+      w[4] = (list == '') and ARGV[2] or (list .. F_SEP .. ARGV[2])
+    end
+    w[5] = n
   end
 end
 why = why or mark
@@ -61,13 +81,12 @@ if cur[1] ~= 'Success' then
   trace(tx, 'Success')
 end
 if cur[1] == 'Success' then redis.call('PEXPIRE', tx, ttl) end
-touch(KEYS[2], ttl)
 for _, w in ipairs(waiting) do
-  local acked = w[4] + redis.call('SADD', w[2], ARGV[2])  -- + 1 unless acked before
-  redis.call('PEXPIRE', w[2], ttl)
-  if w[3] >= 1 and acked >= w[3] then
+  if w[4] then redis.call('HSET', KEYS[2], w[2], w[4]) end  -- unless acked before
+  if w[3] >= 1 and w[5] >= w[3] then
     set_status(w[1], 'Success', now_ms(), ttl, nil)
     trace(w[1], 'Success')
   end
 end
+touch(KEYS[2], ttl)  -- after the acks' writes: the room hash may have expired meanwhile
 return {'Success', ''}

@@ -1,27 +1,29 @@
 -- poll.lua: read a participant's status, applying its timeouts on the server
--- clock: stuck in Bootstrapping past bootstrap_timeout_ms, or in WaitingForInput
--- past waiting_timeout_ms, it becomes Failed with a reason naming the timeout (and,
--- for a receiver, how many of its required senders it had bound), and the room's
--- failure mark is set. A participant of a room that failed elsewhere (the mark is
+-- clock (timeouts_ms: "<bootstrap ms> <waiting ms>"): stuck in Bootstrapping or in
+-- WaitingForInput past that status's limit (since_ms, or created_ms before the first
+-- status change), it becomes Failed with a reason naming the timeout (and, for a
+-- receiver, how many of its required senders it had bound), and the room's failure
+-- mark is set. A participant of a room that failed elsewhere (the mark is
 -- set: an abort, the other side's timeout or fan-out) becomes Failed with the mark's
 -- reason, Success included: at rest, the participants of a room agree (design rule 3).
 -- KEYS[1] participant hash
--- KEYS[2] room parts hash (TTL refreshed with the participant's)
+-- KEYS[2] room hash (TTL refreshed with the participant's; the transfer infos)
 -- KEYS[3] room failure mark (string: the first failure's reason)
--- KEYS[4] (optional) transfer infos hash to return with the status once the
---         participant is past Bootstrapping (saves the sender a round trip)
 -- ARGV[1] ttl in ms (refreshed only when the poll fails the participant)
--- ARGV[2] the infos version the caller holds (with KEYS[4]): the infos are returned
+-- ARGV[2] the infos version the caller holds (with ARGV[4]): the infos are returned
 --         only when the sender's infos_v (bumped by publish.lua) differs from it
 -- ARGV[3] the failure mark's ttl in ms
+-- ARGV[4] (optional) the sender's engine, whose transfer infos (the room hash's
+--         xfer:<engine>,<receiver> fields) to return with the status once it is past
+--         Bootstrapping (saves the sender a round trip)
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
---         _lib.lua): after the mark's key and TTL, so KEYS[4] stays optional
+--         _lib.lua): after the mark's key and TTL, so ARGV[4] stays optional
 -- Returns {status, reason, {field, value, ...}, version}; status '' means missing;
 -- version is -1 when no infos were returned.
 take_trace()
 local key = KEYS[1]
 local h = redis.call('HMGET', key, F_STATUS, F_REASON, F_SINCE_MS,
-  F_BOOTSTRAP_TIMEOUT_MS, F_WAITING_TIMEOUT_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS)
+  F_TIMEOUTS_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS, F_CREATED_MS)
 if not h[1] then return {'', 'missing', {}, -1} end
 local rank = rank_of(key, h[1])
 local status, reason = h[1], h[2] or ''
@@ -30,18 +32,19 @@ if rank == 0 then return {status, reason, {}, -1} end
 local mark = read_mark(KEYS[3])
 local timed_out = nil
 if not mark and (rank == 1 or rank == 2) then
-  local field, raw = F_WAITING_TIMEOUT_MS, h[5]
-  if rank == 1 then field, raw = F_BOOTSTRAP_TIMEOUT_MS, h[4] end
-  local limit = number_of(key, field, raw)
-  local waited = now_ms() - number_of(key, F_SINCE_MS, h[3])
+  local bootstrap, waiting = string.match(h[4] or '', '^(%d+) (%d+)$')
+  if not bootstrap then corrupt(key, F_TIMEOUTS_MS, h[4]) end
+  local limit = tonumber((rank == 1) and bootstrap or waiting)
+  -- since_ms is written at the first status change; until then it is created_ms
+  local waited = now_ms() - number_of(key, F_SINCE_MS, h[3] or h[9])
   if limit > 0 and waited > limit then
     timed_out = string.format('%s timeout: %s for %.1f s (limit %.1f s)',
       (rank == 1) and 'bootstrap' or 'waiting', h[1], waited / 1000, limit / 1000)
-    if rank == 1 and h[7] then
-      local peers = tonumber(h[9]) or 0
+    if rank == 1 and h[6] then
+      local peers = tonumber(h[8]) or 0
       timed_out = timed_out .. string.format('; bound %d of %s senders at %s',
-        tonumber(h[8]) or 0, (peers > 0) and tostring(peers) or '?', h[7])
-      if h[7] and (tonumber(h[8]) or 0) >= peers and peers > 0 then
+        tonumber(h[7]) or 0, (peers > 0) and tostring(peers) or '?', h[6])
+      if h[6] and (tonumber(h[7]) or 0) >= peers and peers > 0 then
         timed_out = timed_out .. ' (bound, but init() was never called: nothing published)'
       end
     end
@@ -56,10 +59,10 @@ if mark or timed_out then
   return {status, reason, {}, -1}
 end
 local infos, version = {}, -1
-if KEYS[4] and rank >= 2 then
-  local have = tonumber(h[6]) or 0
+if ARGV[4] and rank >= 2 then
+  local have = tonumber(h[5]) or 0
   if tostring(have) ~= ARGV[2] then
-    infos, version = redis.call('HGETALL', KEYS[4]), have
+    infos, version = infos_in(read_room(KEYS[2], 'HGETALL'), ARGV[4]), have
   end
 end
 return {status, reason, infos, version}

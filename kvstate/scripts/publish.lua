@@ -1,6 +1,6 @@
 -- publish.lua: a receiver binds to senders and publishes its transfer info to them
--- (receiver -> sender's xfer hash). A receiver binds to the prefill engines of its
--- address as they register (the caller reads the registry, or the script: lookup,
+-- (the room hash's field xfer:<sender>,<receiver>). A receiver binds to the prefill
+-- engines of its address as they register (the caller reads the registry, or the script: lookup,
 -- below), recording each one's incarnation in peer:<engine> the first time; a
 -- binding never changes afterwards (a restarted peer fails the room through fan-out
 -- instead). The info goes only to senders bound at the incarnation given. A sender
@@ -14,28 +14,28 @@
 -- (its failure mark is set) fails with the mark's reason. Everything is read and
 -- checked before anything is written (design rule 7).
 -- KEYS[1] receiver participant hash
--- KEYS[2] room parts hash (TTL refreshed with the participants')
+-- KEYS[2] room hash (TTL refreshed with the participants'; the transfer infos)
 -- KEYS[3] room failure mark
--- Either the caller names the senders (KEYS/ARGV pairs below: senders=[...], a
--- Cluster, whose index lives in another slot), or (lookup, standalone only: #KEYS is
--- even) the script finds them itself in the address's engine index, the registry
+-- Either the caller names the senders (KEYS/ARGV below: senders=[...], a Cluster,
+-- whose index lives in another slot; ARGV[6] is ''), or (lookup, standalone only:
+-- ARGV[6] is the room's sender key prefix) the script finds them itself in the address's engine index, the registry
 -- read folded into this call (issue 22): the live prefill engines listed there (lease
 -- deadline after now, the latest incarnation of each name), those not bound yet, in
 -- name order, up to the senders still required; when none is required yet, as many
 -- as the group declares (its largest `ranks`) or as are listed, whichever is more.
--- A lookup names the chosen senders' keys from the room's prefixes it is given
--- (ARGV[6], ARGV[7]): the same slot as KEYS[1], the one exception to "only KEYS".
--- KEYS[2i+2], KEYS[2i+3] (i = 1..n) sender i's participant hash, sender i's xfer hash
+-- A lookup names the chosen senders' keys from the room's prefix it is given
+-- (ARGV[6]): the same slot as KEYS[1], the one exception to "only KEYS".
+-- KEYS[3+i] (i = 1..n) sender i's participant hash
 -- KEYS[4] (lookup) the index  kvstate:<ns>:engines_at:<bootstrap addr> (index.lua)
 -- ARGV[1] ttl in ms
--- ARGV[2] receiver engine (the field name in each xfer hash)
+-- ARGV[2] receiver engine (in each xfer:<sender>,<receiver> field)
 -- ARGV[3] msgpack transfer info, or '' to bind only (init() not called yet)
 -- ARGV[4] senders required, written if the receiver has none yet (0: not known yet)
 -- ARGV[5] the failure mark's ttl in ms
--- ARGV[4+2i], ARGV[5+2i] sender i's engine and the incarnation to bind
--- ARGV[6], ARGV[7] (lookup) the room's sender key prefix (`...{<room>}:tx:`) and xfer
---         key prefix (`...{<room>}:xfer:`), each completed by a sender's engine
--- ARGV[8..] (lookup) the senders the caller knows it is bound to: not published to here
+-- ARGV[6] '' (senders named), or (lookup) the room's sender key prefix
+--         (`...{<room>}:tx:`), completed by a sender's engine
+-- ARGV[5+2i], ARGV[6+2i] (named) sender i's engine and the incarnation to bind
+-- ARGV[7..] (lookup) the senders the caller knows it is bound to: not published to here
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
 --         _lib.lua): after the senders, taken off first, so the lists above hold
 -- Returns the receiver's {status, reason}; status '' means missing. A lookup that
@@ -44,8 +44,8 @@
 take_trace()
 local rx = KEYS[1]
 local ttl = ARGV[1]
-local lookup = #KEYS % 2 == 0
-local names, incs, txk, xk = {}, {}, {}, {}  -- sender i: engine, incarnation, keys
+local lookup = ARGV[6] ~= ''
+local names, incs, txk = {}, {}, {}  -- sender i: engine, incarnation, key
 local most = 0  -- lookup: the largest group size (`ranks`) declared by those listed
 if lookup then
   local inc_of, score_of = {}, {}
@@ -63,9 +63,8 @@ if lookup then
   table.sort(names)
   for i, e in ipairs(names) do incs[i] = inc_of[e] end
 else
-  for i = 1, (#KEYS - 3) / 2 do
-    names[i], incs[i] = ARGV[4 + 2 * i], ARGV[5 + 2 * i]
-    txk[i], xk[i] = KEYS[2 * i + 2], KEYS[2 * i + 3]
+  for i = 1, #KEYS - 3 do
+    names[i], incs[i], txk[i] = ARGV[5 + 2 * i], ARGV[6 + 2 * i], KEYS[3 + i]
   end
 end
 -- Everything read of the receiver, in one HMGET; everything written to it, in one HSET
@@ -90,7 +89,7 @@ if lookup then
   -- those listed and not bound yet, in name order, up to the senders still required
   if required == 0 and #names > 0 then required = math.max(#names, most) end
   local known = {}
-  for i = 8, #ARGV do known[ARGV[i]] = true end
+  for i = 7, #ARGV do known[ARGV[i]] = true end
   local kept, kinc, kheld, more = {}, {}, {}, 0
   for i = 1, #names do
     local take = false
@@ -112,7 +111,7 @@ if lookup then
   for i, e in ipairs(names) do
     h[4 + i] = kheld[i]
     want[4 + i] = F_PEER_PREFIX .. e
-    txk[i], xk[i] = ARGV[6] .. e, ARGV[7] .. e
+    txk[i] = ARGV[6] .. e
   end
 end
 local n = #names
@@ -161,18 +160,33 @@ local function finish_rx(status, reason)
   touch(KEYS[2], ttl)
 end
 -- the senders, read and checked before any write: their status and peers, and the
--- size of their xfer hashes (a key of the wrong type raises here, nothing written)
+-- infos each holds in the room hash (a key of the wrong type raises here, nothing
+-- written)
 local senders, why = {}, read_mark(KEYS[3])
+local held_infos = {}  -- sender i: how many infos it holds, whether one is this receiver's
+if n > 0 then
+  local fields = read_room(KEYS[2], 'HKEYS')
+  for i = 1, n do
+    local prefix = F_XFER_PREFIX .. names[i] .. F_SEP
+    local count, mine = 0, 0
+    for _, f in ipairs(fields) do
+      if string.sub(f, 1, #prefix) == prefix then
+        count = count + 1
+        if f == prefix .. ARGV[2] then mine = 1 end
+      end
+    end
+    held_infos[i] = {count, mine}
+  end
+end
 for i = 1, n do
-  local tx, xfer = txk[i], xk[i]
+  local tx = txk[i]
   local t = redis.call('HMGET', tx, F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
   if t[1] then
     rank_of(tx, t[1])
     if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
     if t[1] == 'Bootstrapping' then number_of(tx, F_PEERS, t[3]) end
   end
-  t[5] = redis.call('HLEN', xfer)
-  t[6] = redis.call('HEXISTS', xfer, ARGV[2])
+  t[5], t[6] = held_infos[i][1], held_infos[i][2]
   senders[i] = t
 end
 if why then
@@ -187,10 +201,10 @@ if ARGV[3] == '' then
 end
 trace_bound()
 for i = 1, n do
-  local tx, xfer = txk[i], xk[i]
+  local tx = txk[i]
   if held[i] == incs[i] then
-    redis.call('HSET', xfer, ARGV[2], ARGV[3])
-    redis.call('PEXPIRE', xfer, ttl)
+    -- the room hash's TTL: refreshed by finish_rx() below, after these writes
+    redis.call('HSET', KEYS[2], F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2], ARGV[3])
     trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, names[i])
     local t = senders[i]
     if t[1] then

@@ -1,9 +1,9 @@
--- track.lua: bind a participant to a peer address in the address tracker, a
+-- track.lua: bind a receiver to a peer address in the address tracker, a
 -- sorted set scored by deadline (server clock + ttl). Members past their
 -- deadline are dropped here, so a room that was never cleared cannot keep the
 -- tracker alive; the key's own TTL follows its latest deadline.
 -- KEYS[1] address tracker  kvstate:<ns>:addr:<bootstrap addr>
--- ARGV[1] member (the receiver's participant key)
+-- ARGV[1] member: `<room> <receiver engine>` (Keys.tracker_member)
 -- ARGV[2] ttl in ms
 -- Returns the number of stale members dropped.
 local now = now_ms()

@@ -5,7 +5,7 @@
 -- is set) becomes Failed with the mark's reason instead. A missing participant is
 -- never re-created (rule 2). Idempotent.
 -- KEYS[1] participant hash
--- KEYS[2] room parts hash (TTL refreshed with the participant's)
+-- KEYS[2] room hash (TTL refreshed with the participant's)
 -- KEYS[3] room failure mark
 -- ARGV[1] new status name
 -- ARGV[2] reason (recorded when the new status is Failed)

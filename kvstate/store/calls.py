@@ -132,9 +132,7 @@ class Calls:
     # -- participant calls ----------------------------------------------------------
     def create(self, room: int, side: Side, engine: str, fields: dict[str, Any]) -> Call:
         k = self.keys
-        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
-        if side == "tx":
-            keys.append(k.xfer(room, engine))
+        keys = [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
         return self._script(
             "create",
             keys,
@@ -149,16 +147,16 @@ class Calls:
         """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
         they are still at ``infos_version`` (the version the caller holds)."""
         k = self.keys
-        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
+        keys = [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
+        args: list[Any] = [self.ttl_ms, infos_version, self.mark_ttl_ms]
         if with_infos:
-            keys.append(k.xfer(room, engine))
-        args = [self.ttl_ms, infos_version, self.mark_ttl_ms]
+            args.append(engine)
         return self._script("poll", keys, args, Status.parse, room)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
         check_reason(reason)
         k = self.keys
-        keys = [k.participant(room, side, engine), k.parts(room), k.aborted(room)]
+        keys = [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
         return self._script(
             "update",
             keys,
@@ -183,21 +181,22 @@ class Calls:
         is bound to (``Status.bound``); ``senders`` are then those the caller knows
         bound, which it publishes to itself."""
         k = self.keys
-        keys = [k.participant(room, "rx", receiver), k.parts(room), k.aborted(room)]
+        keys = [k.participant(room, "rx", receiver), k.room_hash(room), k.aborted(room)]
         args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
         if lookup is not None:
             keys.append(k.engines_at(lookup))
-            args += [k.participant(room, "tx", ""), k.xfer(room, ""), *senders]
+            args += [k.participant(room, "tx", ""), *senders]
             return self._script("publish", keys, args, Status.parse, room)
+        args.append("")  # no lookup: the senders follow
         for sender, incarnation in senders.items():
-            keys += [k.participant(room, "tx", sender), k.xfer(room, sender)]
+            keys.append(k.participant(room, "tx", sender))
             args += [sender, incarnation]
         return self._script("publish", keys, args, Status.parse, room)
 
     def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
         names = list(receivers)
-        keys = [k.participant(room, "tx", sender), k.parts(room), k.aborted(room)]
+        keys = [k.participant(room, "tx", sender), k.room_hash(room), k.aborted(room)]
         keys += [k.participant(room, "rx", r) for r in names]
         args = [self.ttl_ms, self.mark_ttl_ms, "", *names]
         return self._script("begin", keys, args, Status.parse, room)
@@ -205,13 +204,13 @@ class Calls:
     def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
         names = list(receivers)
-        keys = [k.participant(room, "tx", sender), k.parts(room), k.aborted(room)]
-        for receiver in names:
-            keys += [k.participant(room, "rx", receiver), k.acks(room, receiver)]
+        keys = [k.participant(room, "tx", sender), k.room_hash(room), k.aborted(room)]
+        keys += [k.participant(room, "rx", receiver) for receiver in names]
         args = [self.ttl_ms, sender, self.mark_ttl_ms, *names]
         return self._script("finish", keys, args, Status.parse, room)
 
-    def track(self, bootstrap_addr: str, member: str) -> Call:
+    def track(self, bootstrap_addr: str, room: int, receiver: str) -> Call:
+        member = self.keys.tracker_member(room, receiver)
         return self._script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
 
     def clear_calls(
@@ -221,22 +220,29 @@ class Calls:
         engine: str,
         senders: Iterable[str] = (),
         peer_addr: str | None = None,
+        receivers: Iterable[str] = (),
     ) -> list[Call]:
-        """What deletes everything one participant created (see ``clear_many``)."""
+        """What deletes everything one participant created (see ``clear_many``): its hash
+        and its room-hash fields: its member, the infos it read (a sender: ``receivers``)
+        or published (a receiver: to ``senders``), a receiver's acks."""
         k = self.keys
         me = k.participant(room, side, engine)
+        fields = [schema.member(side, engine)]
+        if side == "tx":
+            fields += [schema.xfer_field(engine, r) for r in receivers]
+        else:
+            fields.append(schema.ack_field(engine))
+            fields += [schema.xfer_field(s, engine) for s in senders]
         calls = [
             # the room's failure mark stays: a participant joining later must see it
-            self._command(
-                "DEL", me, k.xfer(room, engine) if side == "tx" else k.acks(room, engine)
-            ),
-            self._command("HDEL", k.parts(room), args=[k.part_member(side, engine)]),
+            self._command("DEL", me),
+            self._command("HDEL", k.room_hash(room), args=fields),
         ]
-        calls += [self._command("HDEL", k.xfer(room, s), args=[engine]) for s in senders]
         if self.traced(room):  # in the room's MULTI/EXEC: no round trip of its own
             calls.append(self._trace_cleared(room, me))
         if peer_addr is not None:
-            calls.append(self._command("ZREM", k.addr(peer_addr), args=[me]))
+            member = k.tracker_member(room, engine)
+            calls.append(self._command("ZREM", k.addr(peer_addr), args=[member]))
         return calls
 
     def _trace_cleared(self, room: int, participant: str) -> Call:
@@ -253,7 +259,7 @@ class Calls:
             raise CorruptStateError(key, "*", "not a receiver participant key")
         return self._script(
             "fail_bound",
-            [key, self.keys.parts(parsed.room), self.keys.aborted(parsed.room)],
+            [key, self.keys.room_hash(parsed.room), self.keys.aborted(parsed.room)],
             [self.ttl_ms, reason, peer_engine, incarnation, self.mark_ttl_ms],
             room=parsed.room,
         )
@@ -264,7 +270,7 @@ class Calls:
     # run at once, publish_transfer_stats and ledger_append, are Store's, in core.py).
 
     def read_hash(self, key: str) -> Call:
-        """HGETALL of any kvstate hash (a participant, an xfer, a registration...)."""
+        """HGETALL of any kvstate hash (a participant, a room hash, a registration...)."""
         return self._command("HGETALL", key)
 
     def key_ttl(self, key: str) -> Call:
@@ -274,10 +280,6 @@ class Calls:
     def key_exists(self, key: str) -> Call:
         return self._command("EXISTS", key)
 
-    def key_idle_s(self, key: str) -> Call:
-        """OBJECT IDLETIME (refused under an LFU policy); reading the key would reset it."""
-        return self._command("OBJECT IDLETIME", key)
-
     def set_ttl(self, key: str, ttl_ms: int) -> Call:
         return self._command("PEXPIRE", key, args=[ttl_ms])
 
@@ -285,18 +287,27 @@ class Calls:
         return self._command("DEL", *keys)
 
     def is_member(self, room: int, side: Side, engine: str) -> Call:
-        """Whether the room's parts index lists that participant (HEXISTS)."""
-        return self._command("HEXISTS", self.keys.parts(room), args=[schema.member(side, engine)])
+        """Whether the room hash lists that participant (HGET: an engine user's read)."""
+        key, member = self.keys.room_hash(room), schema.member(side, engine)
+        return self._command("HGET", key, args=[member], parse=lambda raw: int(raw is not None))
 
     def index_member(self, room: int, side: Side, engine: str, created_ms: str) -> Call:
-        """Put a participant back into its room's parts index (an audit repair)."""
-        return self._command(
-            "HSET", self.keys.parts(room), args=[schema.member(side, engine), created_ms]
-        )
+        """Put a participant back into its room hash (an audit repair)."""
+        member = schema.member(side, engine)
+        return self._command("HSET", self.keys.room_hash(room), args=[member, created_ms])
+
+    def room_fields(self, room: int) -> Call:
+        """The room hash, field -> value (text; a transfer info's msgpack stays bytes)."""
+        return self._command("HGETALL", self.keys.room_hash(room), parse=_room_fields)
+
+    def drop_room_fields(self, room: int, *fields: str) -> Call:
+        """HDEL of room-hash fields (an audit repair); answers how many were there."""
+        return self._command("HDEL", self.keys.room_hash(room), args=fields)
 
     def acks_of(self, room: int, receiver: str) -> Call:
-        """The sender engines that finished for one receiver."""
-        return self._command("SMEMBERS", self.keys.acks(room, receiver))
+        """The sender engines that finished for one receiver, sorted."""
+        key, field = self.keys.room_hash(room), schema.ack_field(receiver)
+        return self._command("HGET", key, args=[field], parse=_ack_list)
 
     def abort_mark(self, room: int) -> list[Call]:
         """The room's abort reason (None if not aborted) and the mark's PTTL."""
@@ -365,6 +376,18 @@ class Calls:
 def pairs(fields: dict[str, Any]) -> list[Any]:
     """A hash's fields as HSET (and the scripts) take them: name, value, name, value..."""
     return [x for item in fields.items() for x in item]
+
+
+def _room_fields(raw: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in dict(raw or {}).items():
+        text = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+        out[text] = value if text.startswith(schema.XFER_PREFIX) else _text_or_none(value)
+    return out
+
+
+def _ack_list(raw: Any) -> list[str]:
+    return sorted(schema.ack_list(_text_or_none(raw) or ""))
 
 
 def _text_or_none(raw: Any) -> str | None:

@@ -8,7 +8,6 @@ SCAN) and the store's life (connect, dedicated, close).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
@@ -165,8 +164,11 @@ class Store(Calls, Admin):
     # -- room-wide ---------------------------------------------------------------
 
     def members(self, room: int) -> list[str]:
-        raw = self.execute([self._command("HKEYS", self.keys.parts(room))])[0]
-        return sorted(m.decode() for m in raw)
+        """The room hash's participant fields (``tx:<engine>`` / ``rx:<engine>``),
+        sorted; its transfer infos and acks left out."""
+        raw = self.execute([self._command("HKEYS", self.keys.room_hash(room))])[0]
+        fields = (m.decode("utf-8", "replace") for m in raw)
+        return sorted(f for f in fields if not f.startswith(schema.ROOM_DATA))
 
     def abort(self, room: int, reason: str) -> int:
         """Fail every participant of the room; returns how many moved to Failed."""
@@ -174,11 +176,11 @@ class Store(Calls, Admin):
         k = self.keys
         for _ in range(20):
             members = self.members(room)
-            keys = [k.parts(room), k.aborted(room)]
+            keys = [k.room_hash(room), k.aborted(room)]
             for member in members:
                 part = schema.parse_member(member)
                 if part is None:
-                    raise CorruptStateError(k.parts(room), member, "not a tx:/rx: member")
+                    raise CorruptStateError(k.room_hash(room), member, "not a tx:/rx: member")
                 keys.append(k.participant(room, *part))
             args = [self.ttl_ms, reason, self.mark_ttl_ms, *members]
             call = self._script("abort", keys, args, room=room, follow=True)
@@ -200,8 +202,9 @@ class Store(Calls, Admin):
         # a corrupt room (or tracker member) fails alone: the others are still failed
         calls = []
         for m in members:
-            with contextlib.suppress(CorruptStateError):
-                calls.append(self.fail_receiver(m.decode(), peer_engine, incarnation, reason))
+            key = self.keys.tracked_key(m.decode("utf-8", "replace"))
+            if key is not None:
+                calls.append(self.fail_receiver(key, peer_engine, incarnation, reason))
         replies = self.execute(calls, partial=True)
         return sum(int(n) for n in replies if isinstance(n, int))
 
