@@ -30,7 +30,7 @@ from kvstate.errors import (
     StateOutOfMemoryError,
 )
 from kvstate.keys import Keys, Side
-from kvstate.store import embedded, scripts
+from kvstate.store import embedded, functions, scripts
 from kvstate.store.admin import Admin
 from kvstate.store.calls import Call, Calls, check_reason, pairs
 from kvstate.store.connection import (
@@ -71,6 +71,7 @@ class Store(Calls, Admin):
         self._pool = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
+        self._fcall = {}
         self.closed = False
 
     def __repr__(self) -> str:
@@ -104,17 +105,25 @@ class Store(Calls, Admin):
             client = redis.Redis.from_pool(
                 type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs)
             )
-        return Store(client, self.url, self.namespace, self.room_ttl, self.options)  # url redacted
+        store = Store(client, self.url, self.namespace, self.room_ttl, self.options)  # url redacted
+        store._fcall, store.eval_only = self._fcall, self.eval_only  # the same servers
+        return store
 
     def ping(self) -> None:
         with self.bounded():
             self.client.ping()
 
     def load_scripts(self) -> None:
-        """Load every script on every primary up front, so steady-state calls never pay
-        a NOSCRIPT round trip (they still recover from one after a restart or flush)."""
+        """Load the scripts on every primary up front, so steady-state calls never pay a
+        round trip for it (they still recover after a restart, flush or failover): the
+        function library where the node takes it (Redis >= 7.0, FUNCTION LOAD allowed),
+        and that decides the node's way (FCALL); else SCRIPT LOAD of each (EVALSHA)."""
         with self.bounded():
-            scripts.load(node for _, node in self.nodes())
+            for _, node in self.nodes():
+                fcall = not self.eval_only and functions.load(node)
+                self._fcall[functions.node_key(node)] = fcall
+                if not fcall:
+                    scripts.load([node])
 
     def clear(
         self,

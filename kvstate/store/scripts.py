@@ -63,13 +63,10 @@ def with_lib(lib: str, body: str) -> str:
     return preamble + kept + lib[at:] + "\n" + body
 
 
-def load_sources() -> dict[str, str]:
-    folder = resources.files("kvstate") / "scripts"
-    lib = (folder / "_lib.lua").read_text()
-    return {name: with_lib(lib, (folder / f"{name}.lua").read_text()) for name in SCRIPT_NAMES}
-
-
-SOURCES = load_sources()
+_FOLDER = resources.files("kvstate") / "scripts"
+LIB = (_FOLDER / "_lib.lua").read_text()
+BODIES = {name: (_FOLDER / f"{name}.lua").read_text() for name in SCRIPT_NAMES}
+SOURCES = {name: with_lib(LIB, body) for name, body in BODIES.items()}
 SHAS = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in SOURCES.items()}
 
 
