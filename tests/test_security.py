@@ -33,6 +33,7 @@ from kvstate.store.connection import Options, redact
 from kvstate.testing import RedisProcess, make_test_certs
 from tests.helpers import (
     ACL_PASSWORD,
+    ENGINE_ACL,
     ENGINE_ACL_EVAL,
     PREFILL_ADDR,
     engine_acl,
@@ -172,6 +173,14 @@ def test_engine_acl_is_minimal(acl_server) -> None:
     assert kept == [], f"the engine paths work without {kept}: drop them from ENGINE_ACL"
 
 
+def test_readme_gives_both_engine_lines() -> None:
+    """The README's engine line is ENGINE_ACL; ENGINE_ACL_EVAL is the swap it states."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert ENGINE_ACL.format(password="PASSWORD", ns="NAMESPACE") in readme
+    swap = "`+evalsha +eval +script|load` in place of `+fcall +function|load`"
+    assert swap in " ".join(readme.split())
+
+
 def test_engine_acl_without_function_takes_the_eval_path(acl_server) -> None:
     """On Redis 7 a user kept off FUNCTION and FCALL (ENGINE_ACL_EVAL, or
     ``-function -fcall``) runs every engine path by EVALSHA/EVAL; the ACL LOG holds only
@@ -237,11 +246,30 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
     ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             raw.execute_command(*command)
+    # Inside a script the same ACL holds; a key passed in KEYS is checked before the
+    # script runs. Redis 7's user runs functions (a library it may load), 6.2's EVAL.
+    flush_all, delete = "return redis.call('FLUSHALL')", "return redis.call('DEL', KEYS[1])"
+    if redis_major(admin) >= 7:
+        register = "redis.register_function('acl_{0}', function(KEYS) {1} end)"
+        library = "\n".join(
+            ["#!lua name=acl_test", register.format("a", flush_all), register.format("b", delete)]
+        )
+        raw.function_load(library)
+        scripted = {flush_all: "acl_a", delete: "acl_b"}
+
+        def run(body: str, *keys: str) -> object:
+            return raw.fcall(scripted[body], len(keys), *keys)
+    else:
+
+        def run(body: str, *keys: str) -> object:
+            return raw.eval(body, len(keys), *keys)
+
     with pytest.raises(redis.ResponseError, match="can't run this command"):
-        raw.eval("return redis.call('FLUSHALL')", 0)  # inside a script: same ACL
-    # Scripts are confined too: a key passed in KEYS is checked before the script runs.
+        run(flush_all)
     with pytest.raises(redis.exceptions.NoPermissionError):
-        raw.eval("return redis.call('DEL', KEYS[1])", 1, next(iter(before)))
+        run(delete, next(iter(before)))
+    if redis_major(admin) >= 7:
+        admin.function_delete("acl_test")
     raw.close()
     assert {k: owner.client.hgetall(k) for k in keys_of(owner) if ":engines_at:" not in k} == before
     # The same user does its own namespace's work.

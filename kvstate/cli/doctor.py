@@ -150,7 +150,7 @@ def _acl_check(store: Store) -> Check:
     s = store
     engine_probes: list[tuple[str, Callable[[], object]]] = [
         ("SCAN", lambda: next(iter(s.scan(s.keys.all_pattern, count=10)), None)),
-        ("EVALSHA", lambda: s.execute([s.poll(0, "tx", "kvstate-doctor")])),
+        ("scripts", lambda: s.execute([s.poll(0, "tx", "kvstate-doctor")])),  # FCALL/EVALSHA
     ]
     operator_probes: list[tuple[str, Callable[[], object]]] = [
         ("XREVRANGE", lambda: Ledger(s).recent(1)),
@@ -188,7 +188,7 @@ def _acl_check(store: Store) -> Check:
             f"idle or server checks). For them use an operator user: {OPERATOR_ACL}",
         )
     return Check(
-        "acl", "ok", f"user {user}: SCAN, EVALSHA, stream, idle-time and CONFIG reads allowed"
+        "acl", "ok", f"user {user}: SCAN, scripts, stream, idle-time and CONFIG reads allowed"
     )
 
 
