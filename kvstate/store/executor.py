@@ -163,11 +163,11 @@ class Executor(Translating):
         """How to send the batch again, or None (the replies stand). FCALL: the node
         lacks the library -> FUNCTION LOAD and FCALL in one write; it cannot run
         FCALL/FUNCTION (Redis 6.2, renamed, ACL; or FUNCTION LOAD failed) -> the EVAL
-        path from now on; refused
-        up front at maxmemory (outside MULTI, where EVAL would be refused too) -> EVAL,
-        whose reads go through. EVALSHA after NOSCRIPT (a restarted or new server) ->
-        EVAL of the sources, which cannot meet NOSCRIPT, with a FUNCTION LOAD in the
-        same write: if that loads, the node takes FCALL from the next batch on."""
+        path from now on; refused up front at maxmemory (outside MULTI, where EVAL
+        would be refused too) -> EVAL, whose reads go through. EVALSHA after NOSCRIPT
+        (a restarted or new server) -> EVAL of the sources, which cannot meet NOSCRIPT,
+        with a FUNCTION LOAD in the same write: if that loads, the node takes FCALL
+        from the next batch on."""
         errors = [r for r in replies if isinstance(r, Exception)]
         if how == PROBE_EVAL and functions.loaded(loaded):
             self._fcall[node] = True
