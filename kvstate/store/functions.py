@@ -1,9 +1,10 @@
 """The Lua scripts as one Redis 7 FUNCTION library, and how a node is told to use it.
 
-On Redis >= 7.0 every script runs as a function (FCALL): Redis skips the per-call
-script-cache lookup and the re-run of the preamble that EVALSHA pays (a measured
-8-17% of Redis command time per lifecycle). The library is generated here from the
-same ``kvstate/scripts/*.lua`` files (no second copy of any Lua): ``_lib.lua`` once at
+On Redis >= 7.0 every script runs as a function (FCALL): Redis no longer runs the
+``_lib.lua`` preamble on every call (its RANK table, a closure per helper), as it does
+for each EVALSHA (9-10% of Redis command time per lifecycle: tools/bench_state.py).
+The library is generated here from the same ``kvstate/scripts/*.lua`` files (no
+second copy of any Lua): ``_lib.lua`` once at
 library level, its helpers made once at load instead of per call, and each script's
 body as the callback of ``kvstate_<hash>_<script>``. Functions see no globals, so the
 library declares ``KEYS``, ``ARGV`` and ``_lib.lua``'s per-call state (``clock``,
