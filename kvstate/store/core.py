@@ -309,8 +309,9 @@ def connect(
     """Open the state store at ``url``, else ``$KVSTATE_REDIS_URL``; with neither,
     raise InvalidURLError naming them. ``url="embedded"`` (EMBEDDED) starts this
     process's private redis-server instead, by choice (docs/design.md, Zero setup).
-    ``preload_scripts=False`` skips SCRIPT LOAD, for readers (a read-only ACL user):
-    a script still runs on first use, by EVAL after NOSCRIPT."""
+    ``preload_scripts=False`` skips FUNCTION LOAD and SCRIPT LOAD, for readers (a
+    read-only ACL user): a script still runs on first use (FUNCTION LOAD and FCALL
+    after "Function not found", or EVAL)."""
     if url is None:
         url = os.environ.get(ENV_URL) or None
         if url is None:
@@ -327,7 +328,7 @@ def connect(
     _check_room_ttl(room_ttl)
     opts = effective_options(url, options)  # also validates the URL and its parameters
     # One deadline for the whole of connect(): the Cluster client asks for the slots
-    # when it is made, then PING, then SCRIPT LOAD on every primary.
+    # when it is made, then PING, then FUNCTION LOAD (or SCRIPT LOAD) on every primary.
     with deadline(opts.call_timeout):
         probe_s = min(1.0, opts.connect_timeout, opts.call_timeout / 4)
         if url.startswith("rediss") and answers_plain_text(url, probe_s):
