@@ -213,3 +213,56 @@ def test_cluster_fcall_and_a_lost_library(
     store.close()
     for c in nodes:
         c.close()
+
+
+def move_slot(cluster: RedisCluster, slot: int, src: RedisProcess, dst: RedisProcess) -> None:
+    """Migrate ``slot`` from ``src`` to ``dst`` (keys included), as an operator would."""
+    src_id, dst_id = cluster.node_id(src), cluster.node_id(dst)
+    with cluster._node_client(src) as s, cluster._node_client(dst) as t:
+        t.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while keys := s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            s.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS", *keys)
+        t.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        s.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    for node in cluster.primaries():
+        if node.port not in (src.port, dst.port):
+            with cluster._node_client(node) as c:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+@pytest.mark.cluster
+def test_cluster_slot_moved_to_a_node_without_the_library(
+    redis_cluster_url: str, redis_cluster: RedisCluster
+) -> None:
+    """A room's slot migrates mid-lifecycle to a primary that lacks the library: the
+    store follows the slot (MOVED) and loads the library there within the call."""
+    store = kvstate.connect(redis_cluster_url, namespace="fn")
+    p, d = managers(store, lease=60.0)
+    room = 5
+    with p, d:
+        snd, rcv = p.sender(room), d.receiver(room, PREFILL_ADDR)
+        assert rcv.init([1, 2]) == KVPoll.WaitingForInput
+        key = store.keys.parts(room)
+        slot = int(store.client.keyslot(key))  # type: ignore[union-attr]
+        owner = redis_cluster.node_for_key(key)
+        target = next(n for n in redis_cluster.primaries() if n.port != owner.port)
+        with redis_cluster._node_client(target) as t:
+            needs_7(t)
+            t.function_flush()
+            t.config_resetstat()
+        move_slot(redis_cluster, slot, owner, target)
+        try:
+            assert snd.poll() == KVPoll.WaitingForInput
+            assert snd.begin_transfer() == KVPoll.Transferring
+            assert snd.finish_transfer() == KVPoll.Success
+            assert rcv.poll() == KVPoll.Success
+            with redis_cluster._node_client(target) as t:
+                assert fcall_failed(t) >= 1  # "Function not found", answered by a load
+                assert script_calls(t)["fcall"] > 0 and script_calls(t)["evalsha"] == 0
+            snd.clear()
+            rcv.clear()
+        finally:
+            move_slot(redis_cluster, slot, target, owner)
+    assert keys_of(store) == []
+    store.close()
