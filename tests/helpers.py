@@ -131,9 +131,12 @@ def snapshot(store: Store) -> dict[str, object]:
 # tests/test_security.py's test_engine_acl_is_minimal, which takes each command away
 # in turn and watches the engine paths fail.
 # - ping, client|setname: connection set-up (redis-py) and health checks
-# - script|load at connect; evalsha, and eval after NOSCRIPT (server restart, failover,
-#   SCRIPT FLUSH); inside the scripts: exists, hset, hmget, hgetall, hkeys, pexpire,
-#   zadd, zremrangebyscore, time; rpush and rpushx (a traced room, its clear)
+# - function|load at connect, fcall (Redis >= 7: the scripts as one function library,
+#   loaded again after "Function not found"); on Redis 6.2, or for ENGINE_ACL_EVAL,
+#   script|load, evalsha, and eval after NOSCRIPT (server restart, failover, SCRIPT
+#   FLUSH) instead; inside the scripts: exists, hset, hmget, hgetall,
+#   hkeys, pexpire, zadd, zremrangebyscore, time; rpush and rpushx (a
+#   traced room, its clear)
 # - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
 # - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
 #   hkeys (abort), zrange (dead-peer fan-out)
@@ -142,12 +145,34 @@ def snapshot(store: Store) -> dict[str, object]:
 ENGINE_ACL = (
     "ACL SETUSER kvstate-engine reset on >{password} ~kvstate:{ns}:* resetchannels -@all "
     "+ping +client|setname +time +scan "
-    "+evalsha +eval +script|load "
+    "+fcall +function|load "
     "+multi +exec +del +exists +pexpire +pttl +get +set "
     "+hget +hmget +hgetall +hset +hdel +hkeys "
     "+zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
 )
+# The same for the EVAL path: Redis 6.2 (which knows no FCALL: its ACL SETUSER refuses
+# the line above), or a Redis 7 user kept off FUNCTION (its refused FUNCTION LOAD, in
+# the ACL LOG, is how kvstate learns to take EVAL there).
+ENGINE_ACL_EVAL = ENGINE_ACL.replace("+fcall +function|load ", "+evalsha +eval +script|load ")
 ACL_PASSWORD = "engine-Pw_7"
+
+
+def redis_major(client: redis.Redis) -> int:
+    return int(str(client.info("server")["redis_version"]).split(".")[0])
+
+
+def engine_acl(client: redis.Redis) -> str:
+    """The engine line for the server ``client`` talks to: FCALL on 7+, EVAL on 6.2."""
+    return ENGINE_ACL if redis_major(client) >= 7 else ENGINE_ACL_EVAL
+
+
+def flush_scripts(*clients: redis.Redis) -> None:
+    """SCRIPT FLUSH, and FUNCTION FLUSH where there is one (Redis >= 7), on each: the
+    next script calls meet NOSCRIPT or "Function not found"."""
+    for c in clients:
+        c.script_flush()
+        if redis_major(c) >= 7:
+            c.function_flush()
 
 
 def setuser(admin: redis.Redis, line: str, ns: str, password: str = ACL_PASSWORD) -> None:

@@ -31,7 +31,7 @@ from kvstate.ops.metrics import Metrics
 from kvstate.poll import KVPoll
 from kvstate.store import Store
 from kvstate.testing import RedisProcess
-from tests.helpers import ENGINE_ACL, scaled, wait_for
+from tests.helpers import engine_acl, scaled, wait_for
 
 ADDR = "10.0.0.1:8998"
 KVSTATE_BIN = Path(sys.executable).with_name("kvstate")
@@ -470,7 +470,8 @@ def acl_users(redis_server_factory: Callable[..., RedisProcess]) -> tuple[str, s
     """(admin, engine user, operator user) URLs of a private server."""
     server = redis_server_factory(port="auto")
     admin = redis.Redis(host="127.0.0.1", port=server.port)
-    admin.execute_command(*ENGINE_ACL.format(password="eng-Pw_1", ns="default").split())
+    line = engine_acl(admin).format(password="eng-Pw_1", ns="default")
+    admin.execute_command(*line.split())
     line = OPERATOR_ACL.replace("PASSWORD", "op-Pw_2").replace("NAMESPACE", "default")
     admin.execute_command(*line.split())
     admin.close()

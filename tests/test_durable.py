@@ -29,9 +29,9 @@ from kvstate.errors import DurabilityError, StateConnectionError
 from kvstate.store import Store, wire
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import (
-    ENGINE_ACL,
     PREFILL_ADDR,
     assert_every_key_has_ttl,
+    engine_acl,
     keys_of,
     managers,
     scaled,
@@ -224,7 +224,7 @@ def test_without_a_replica_or_without_wait_rights(
         snd.clear()
     store.close()
     with server.client() as admin:
-        setuser(admin, ENGINE_ACL, "acl")  # no +wait
+        setuser(admin, engine_acl(admin), "acl")  # no +wait
     store = kvstate.connect(f"{user_url(server)}?durable=true", namespace="acl")
     with kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR) as p:
         snd = p.sender(1)

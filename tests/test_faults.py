@@ -367,8 +367,9 @@ def test_client_kill_storm_no_double_effect(
     "deployment", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
 )
 def test_script_flush_storm_is_transparent(request: pytest.FixtureRequest, deployment: str) -> None:
-    """SCRIPT FLUSH every 2-8 ms on every primary while rooms run: the store reloads the
-    scripts after NOSCRIPT and every operation still succeeds."""
+    """SCRIPT FLUSH and FUNCTION FLUSH every 2-8 ms on every primary while rooms run: the
+    store reloads the scripts after NOSCRIPT (EVAL path) or the library after "Function
+    not found" (FCALL path, Redis >= 7) and every operation still succeeds."""
     if deployment == "standalone":
         url = request.getfixturevalue("redis_url")
         target: RedisProcess | RedisCluster = request.getfixturevalue("redis_proc")
@@ -380,12 +381,22 @@ def test_script_flush_storm_is_transparent(request: pytest.FixtureRequest, deplo
     rooms = 150
     nodes = _primaries(target)
 
+    functions = all(int(c.info("server")["redis_version"].split(".")[0]) >= 7 for c in nodes)
+
     def flush() -> int:
         for c in nodes:
             c.script_flush()
+            if functions:
+                c.function_flush()
         return len(nodes)
 
-    noscript_before = sum(errorstats(c).get("NOSCRIPT", 0) for c in nodes)
+    def missing() -> int:  # NOSCRIPT, and FCALLs that met "Function not found"
+        fcall = [c.info("commandstats").get("cmdstat_fcall", {}) for c in nodes]
+        return sum(errorstats(c).get("NOSCRIPT", 0) for c in nodes) + sum(
+            int(f.get("failed_calls", 0)) for f in fcall
+        )
+
+    noscript_before = missing()
     with p1, p2, d:
         t0 = time.monotonic()
         with background(flush, pause=(0.002, 0.008)) as flushes:
@@ -395,8 +406,8 @@ def test_script_flush_storm_is_transparent(request: pytest.FixtureRequest, deplo
                     assert set(d.poll_many(range(room, room + 20)).values()) == {KVPoll.Failed}
         took = time.monotonic() - t0
         assert flushes[0] > 20, f"too few flushes to mean anything: {flushes}"
-        noscript = sum(errorstats(c).get("NOSCRIPT", 0) for c in nodes) - noscript_before
-        assert noscript > 0, "no call met NOSCRIPT: the test did not test the reload"
+        noscript = missing() - noscript_before
+        assert noscript > 0, "no call met a flush: the test did not test the reload"
         assert_every_key_has_ttl(store)
     assert keys_of(store) == []
     store.close()

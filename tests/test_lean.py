@@ -55,19 +55,27 @@ def test_errors_are_translated(store: Store) -> None:
     store.execute([store._command("DEL", k)])
 
 
+def flush_scripts(store: Store) -> None:
+    """SCRIPT FLUSH, and FUNCTION FLUSH where the server has it, on every primary."""
+    for _, node in store.nodes():
+        node.script_flush()
+        if int(node.info("server")["redis_version"].split(".")[0]) >= 7:
+            node.function_flush()
+
+
 def test_noscript_reload_and_reconnect(store: Store) -> None:
-    """SCRIPT FLUSH and CLIENT KILL between calls: the next calls (a lone poll, a batch,
-    a transaction) answer as if nothing happened."""
+    """SCRIPT FLUSH, FUNCTION FLUSH and CLIENT KILL between calls: the next calls (a lone
+    poll, a batch, a transaction) answer as if nothing happened."""
     p, d = managers(store, lease=60.0)
     with p, d:
         snd = p.sender(3)
         rcv = d.receiver(3, PREFILL_ADDR)
         assert rcv.init([1, 2]) == KVPoll.WaitingForInput
+        flush_scripts(store)
+        # FCALL -> Function not found -> FUNCTION LOAD + FCALL (EVALSHA -> NOSCRIPT -> EVAL)
+        assert snd.poll() == KVPoll.WaitingForInput
+        flush_scripts(store)
         for _, node in store.nodes():
-            node.script_flush()
-        assert snd.poll() == KVPoll.WaitingForInput  # EVALSHA -> NOSCRIPT -> EVAL
-        for _, node in store.nodes():
-            node.script_flush()
             node.client_kill_filter(_type="normal", skipme=True)
         assert p.poll_many([3]) == {3: KVPoll.WaitingForInput}
         assert snd.begin_transfer() == KVPoll.Transferring

@@ -34,8 +34,12 @@ from kvstate.testing import RedisProcess, make_test_certs
 from tests.helpers import (
     ACL_PASSWORD,
     ENGINE_ACL,
+    ENGINE_ACL_EVAL,
     PREFILL_ADDR,
+    engine_acl,
+    flush_scripts,
     keys_of,
+    redis_major,
     scaled,
     setuser,
     user_url,
@@ -44,14 +48,13 @@ from tests.helpers import (
 
 # --------------------------------------------------------------------------- ACL
 
-# ENGINE_ACL (tests/helpers.py): the least privilege an engine process needs.
-# On a Redis Cluster (set on every node: ACLs are per node), redis-py's Cluster client
-# also reads the slot map and the command table.
+# ENGINE_ACL (tests/helpers.py): the least privilege an engine process needs (Redis 7;
+# ENGINE_ACL_EVAL on 6.2: engine_acl picks). On a Redis Cluster (set on every node: ACLs
+# are per node), redis-py's Cluster client also reads the slot map and the command table.
 CLUSTER_EXTRA = "+cluster|slots +command"
-ENGINE_COMMANDS = [w[1:] for w in ENGINE_ACL.split() if w.startswith("+")]
 
 
-def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:
+def engine_paths(url: str, *admins: redis.Redis, ns: str = "acl") -> None:
     """Every path an engine takes: connect, register, resolve peers by address and by
     name, publish, transfer, finish, poll_many, abort, dead-peer fan-out, a bootstrap
     timeout, NOSCRIPT recovery, heartbeats, clear, close."""
@@ -82,7 +85,7 @@ def engine_paths(url: str, admin: redis.Redis, ns: str = "acl") -> None:
         assert d.poll_many([1, 2]) == {1: KVPoll.Success, 2: KVPoll.Failed}
         snd.clear()
         rcv.clear()
-        admin.script_flush()  # the next calls meet NOSCRIPT
+        flush_scripts(*admins)  # the next calls meet NOSCRIPT or "Function not found"
         s2 = p.sender(2)
         assert s2.poll() == KVPoll.Bootstrapping
         r2 = d.receiver(2, PREFILL_ADDR, senders=["p0"])
@@ -137,7 +140,7 @@ def acl_server(redis_server_factory) -> tuple[RedisProcess, redis.Redis]:
 
 def test_engine_acl_runs_every_engine_path(acl_server) -> None:
     proc, admin = acl_server
-    setuser(admin, ENGINE_ACL, "acl")
+    setuser(admin, engine_acl(admin), "acl")
     admin.acl_log_reset()
     engine_paths(user_url(proc), admin)
     denied = engine_denials(admin)
@@ -151,8 +154,9 @@ def test_engine_acl_is_minimal(acl_server) -> None:
     back (a KVStateError: Redis rejected ...)."""
     proc, admin = acl_server
     kept: list[str] = []
-    for command in ENGINE_COMMANDS:
-        line = " ".join(w for w in ENGINE_ACL.split() if w != f"+{command}")
+    full = engine_acl(admin)
+    for command in [w[1:] for w in full.split() if w.startswith("+")]:
+        line = " ".join(w for w in full.split() if w != f"+{command}")
         admin.flushall()
         setuser(admin, line, "acl")
         try:
@@ -169,11 +173,37 @@ def test_engine_acl_is_minimal(acl_server) -> None:
     assert kept == [], f"the engine paths work without {kept}: drop them from ENGINE_ACL"
 
 
+def test_readme_gives_both_engine_lines() -> None:
+    """The README's engine line is ENGINE_ACL; ENGINE_ACL_EVAL is the swap it states."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert ENGINE_ACL.format(password="PASSWORD", ns="NAMESPACE") in readme
+    swap = "`+evalsha +eval +script|load` in place of `+fcall +function|load`"
+    assert swap in " ".join(readme.split())
+
+
+def test_engine_acl_without_function_takes_the_eval_path(acl_server) -> None:
+    """On Redis 7 a user kept off FUNCTION and FCALL (ENGINE_ACL_EVAL, or
+    ``-function -fcall``) runs every engine path by EVALSHA/EVAL; the ACL LOG holds only
+    the refused FUNCTION LOAD that tells kvstate so (at connect, and with the EVAL
+    after NOSCRIPT that probes whether FCALL works again)."""
+    proc, admin = acl_server
+    if redis_major(admin) < 7:
+        pytest.skip("Redis 6.2 has no FUNCTION: every test here takes the EVAL path")
+    setuser(admin, ENGINE_ACL_EVAL + " -function -fcall", "acl")
+    admin.acl_log_reset()
+    admin.config_resetstat()
+    engine_paths(user_url(proc), admin)
+    refused = {e.get("object") for e in engine_denials(admin)}
+    assert refused == {"function|load"}, refused
+    stats = admin.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] > 0 and "cmdstat_fcall" not in stats, stats
+
+
 def test_engine_acl_confines_the_namespace(acl_server) -> None:
     """The engine user of namespace 'acl' can neither read nor write namespace 'other'
     (or anything outside kvstate:acl:*), through kvstate or directly."""
     proc, admin = acl_server
-    setuser(admin, ENGINE_ACL, "acl")
+    setuser(admin, engine_acl(admin), "acl")
     # State of another tenant, written by the admin.
     owner = kvstate.connect(proc.tcp_url, namespace="other")
     om = kvstate.KVManager(owner, "prefill", "victim", PREFILL_ADDR)
@@ -216,11 +246,30 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
     ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             raw.execute_command(*command)
+    # Inside a script the same ACL holds; a key passed in KEYS is checked before the
+    # script runs. Redis 7's user runs functions (a library it may load), 6.2's EVAL.
+    flush_all, delete = "return redis.call('FLUSHALL')", "return redis.call('DEL', KEYS[1])"
+    if redis_major(admin) >= 7:
+        register = "redis.register_function('acl_{0}', function(KEYS) {1} end)"
+        library = "\n".join(
+            ["#!lua name=acl_test", register.format("a", flush_all), register.format("b", delete)]
+        )
+        raw.function_load(library)
+        scripted = {flush_all: "acl_a", delete: "acl_b"}
+
+        def run(body: str, *keys: str) -> object:
+            return raw.fcall(scripted[body], len(keys), *keys)
+    else:
+
+        def run(body: str, *keys: str) -> object:
+            return raw.eval(body, len(keys), *keys)
+
     with pytest.raises(redis.ResponseError, match="can't run this command"):
-        raw.eval("return redis.call('FLUSHALL')", 0)  # inside a script: same ACL
-    # Scripts are confined too: a key passed in KEYS is checked before the script runs.
+        run(flush_all)
     with pytest.raises(redis.exceptions.NoPermissionError):
-        raw.eval("return redis.call('DEL', KEYS[1])", 1, next(iter(before)))
+        run(delete, next(iter(before)))
+    if redis_major(admin) >= 7:
+        admin.function_delete("acl_test")
     raw.close()
     assert {k: owner.client.hgetall(k) for k in keys_of(owner) if ":engines_at:" not in k} == before
     # The same user does its own namespace's work.
@@ -236,17 +285,6 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
     owner.close()
 
 
-class _EveryPrimary:
-    """Stands in for the admin client where engine_paths flushes the scripts."""
-
-    def __init__(self, clients: list[redis.Redis]) -> None:
-        self.clients = clients
-
-    def script_flush(self) -> None:
-        for c in self.clients:
-            c.script_flush()
-
-
 @pytest.mark.cluster
 def test_engine_acl_on_cluster(redis_cluster_url: str, redis_cluster) -> None:
     """The same line plus CLUSTER_EXTRA runs every engine path on a Cluster; without the
@@ -256,15 +294,15 @@ def test_engine_acl_on_cluster(redis_cluster_url: str, redis_cluster) -> None:
     url = f"redis+cluster://kvstate-engine:{ACL_PASSWORD}@127.0.0.1:{port}"
     try:
         for a in admins:
-            setuser(a, ENGINE_ACL, "acl")
+            setuser(a, engine_acl(a), "acl")
         with pytest.raises(StateConnectionError) as info:
             kvstate.connect(url, namespace="acl")
         assert "refused a command under its ACL" in str(info.value)
         assert ACL_PASSWORD not in str(info.value)
         for a in admins:
-            setuser(a, ENGINE_ACL + " " + CLUSTER_EXTRA, "acl")
+            setuser(a, engine_acl(a) + " " + CLUSTER_EXTRA, "acl")
             a.acl_log_reset()
-        engine_paths(url, _EveryPrimary(admins))  # type: ignore[arg-type]
+        engine_paths(url, *admins)
         for a in admins:
             denied = engine_denials(a)
             assert denied == [], denied
@@ -354,7 +392,7 @@ def test_password_never_shown(
     caplog.set_level(logging.DEBUG)  # every logger: kvstate.*, redis.*
     proc = redis_server_factory(port="auto", password=SECRET)
     with proc.client() as admin:
-        setuser(admin, ENGINE_ACL, "sec", password=SECRET)
+        setuser(admin, engine_acl(admin), "sec", password=SECRET)
     urls = {
         "unix requirepass": proc.unix_url,
         "tcp requirepass": proc.tcp_url,
@@ -410,7 +448,7 @@ def test_password_never_shown(
     assert wait_for(lambda: any("heartbeat of p0" in r.getMessage() for r in caplog.records), 5.0)
     proc.restart()
     with proc.client() as admin:
-        setuser(admin, ENGINE_ACL, "sec", password=SECRET)  # ACL users live in memory
+        setuser(admin, engine_acl(admin), "sec", password=SECRET)  # ACL users live in memory
     assert wait_for(lambda: p.registry.get("p0") is not None, 5.0)
     assert snd.poll() == KVPoll.Failed and "state lost" in snd._reason
 

@@ -30,10 +30,15 @@ so a busy machine moves them less than the absolute figures):
   primaries and of the replicas) and lifecycles/s, single and batched, as ratios;
 - the room trace (``kvstate trace ROOM``) at 100%, at the default rate and off, on the
   same server in alternating rounds: round trips, Redis command us, CPU us and commands
-  per lifecycle, Redis memory of one room's trace, lifecycles/s against off.
+  per lifecycle, Redis memory of one room's trace, lifecycles/s against off;
+- the scripts by FCALL (the Redis 7 function library) against the EVAL path forced, on
+  the same server in alternating rounds: Redis command and CPU us per lifecycle, single
+  and batched, and FCALL / EVAL as the median of the rounds' ratios (``--eval`` forces
+  the EVAL path for the whole run instead, to set against a run without it).
 
     python tools/bench_state.py [--quick] [--json] [--lifecycles 2000] [--batch 16]
                                 [--procs 1 2 4] [--no-cluster] [--no-durable] [--no-trace]
+                                [--no-fcall-vs-eval] [--eval]
                                 [--rooms-per-step 16 256 4096 10000]
 """
 
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -54,11 +60,15 @@ import redis
 import kvstate
 from kvstate.defaults import LEASE, TRACE_RATE
 from kvstate.store import Store
+from kvstate.store.functions import FUNCTIONS
 from kvstate.store.scripts import SHAS
 from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
 
 HB = 3600.0  # lease: keeps heartbeats out of the counts
-_SCRIPT_OF = {sha: name for name, sha in SHAS.items()}
+_SCRIPT_OF = {sha: name for name, sha in SHAS.items()} | {f: n for n, f in FUNCTIONS.items()}
+# Redis command time: a script's or EXEC's includes the commands it runs
+_TOP = ("fcall", "evalsha", "eval", "exec")
+_EVAL_ENV = "KVSTATE_BENCH_EVAL"  # --eval, for the worker processes too
 
 
 # -- workloads ------------------------------------------------------------------------
@@ -106,6 +116,16 @@ def pair(
         yield p, d
 
 
+def connect(url: str, namespace: str, eval_only: bool = False, **kw: Any) -> Store:
+    """kvstate.connect, on the EVAL path when asked (``eval_only``, or ``--eval``)."""
+    if not (eval_only or os.environ.get(_EVAL_ENV) == "1"):
+        return kvstate.connect(url, namespace=namespace, **kw)
+    store = kvstate.connect(url, namespace=namespace, preload_scripts=False, **kw)
+    store.eval_only = True
+    store.load_scripts()
+    return store
+
+
 # -- Redis-side counters ----------------------------------------------------------------
 def _primaries(server: RedisProcess | RedisCluster) -> list[redis.Redis]:
     if isinstance(server, RedisCluster):
@@ -125,8 +145,8 @@ class RedisCost:
     @staticmethod
     def _read(c: redis.Redis) -> tuple[float, float, float]:
         """(us in top-level calls, Redis CPU us, commands run); a script's or EXEC's
-        time includes the commands it runs, so only EVALSHA, EVAL and EXEC are summed
-        for the time (kvstate's few plain top-level reads are left out)."""
+        time includes the commands it runs, so only FCALL, EVALSHA, EVAL and EXEC are
+        summed for the time (kvstate's few plain top-level reads are left out)."""
         stats = c.info("commandstats")
         top = calls = 0.0
         for k, v in stats.items():
@@ -134,7 +154,7 @@ class RedisCost:
             if name in ("info", "config", "slowlog", "ping", "script"):
                 continue
             calls += float(v["calls"])
-            if name in ("evalsha", "eval", "exec"):
+            if name in _TOP:
                 top += float(v["usec"])
         cpu = c.info("cpu")
         return top, (float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])) * 1e6, calls
@@ -168,8 +188,8 @@ def script_costs(nodes: list[redis.Redis], run: Any) -> dict[str, float]:
     for entry in entries:
         args = [a.decode("latin-1") if isinstance(a, bytes) else str(a) for a in entry[3]]
         name = args[0].lower()
-        if name in ("evalsha", "eval") and len(args) > 1:
-            name = _SCRIPT_OF.get(args[1], args[1][:8]) if name == "evalsha" else "eval"
+        if name in ("fcall", "evalsha", "eval") and len(args) > 1:
+            name = "eval" if name == "eval" else _SCRIPT_OF.get(args[1], args[1][:8])
         if name in ("slowlog", "config", "info", "ping", "client", "hello"):
             continue
         per.setdefault(name, []).append(int(entry[2]))
@@ -203,7 +223,7 @@ def ping_raw_tcp(host: str, port: int, n: int) -> float:
 
 # -- one deployment -----------------------------------------------------------------------
 def measure(url: str, server: RedisProcess | RedisCluster, n: int, batch: int) -> dict[str, Any]:
-    store = kvstate.connect(url, namespace="bench")
+    store = connect(url, "bench")
     nodes = _primaries(server)
     pages = np.arange(0, 4096, dtype=np.int32)
     out: dict[str, Any] = {}
@@ -283,7 +303,7 @@ def rooms_per_step(
     default lease (heartbeat every lease / 3): the trips their heartbeats make while a
     long step runs (2 per renewal, 1 more per peer check) are counted apart, by thread,
     and so is the Redis time they cost (a few commands each, left in the figures)."""
-    store = kvstate.connect(url, namespace="bench-steps")
+    store = connect(url, "bench-steps")
     nodes = _primaries(server)
     pages = np.arange(0, 4096, dtype=np.int32)
     out: dict[str, dict[str, float]] = {}
@@ -517,7 +537,7 @@ def held_room_memory(
 
 # -- client processes -----------------------------------------------------------------------
 def _worker(url: str, worker: int, rooms: int, batch: int, start: Any, done: Any) -> None:
-    store = kvstate.connect(url, namespace="bench")
+    store = connect(url, "bench")
     pages = np.arange(0, 4096, dtype=np.int32)
     with pair(store, worker) as (p, d):
         batch_lifecycles(p, d, range(batch), pages)  # warm
@@ -589,7 +609,7 @@ def _redis_us(nodes: list[redis.Redis]) -> tuple[float, float]:
     cmd = cpu = 0.0
     for c in nodes:
         for k, v in c.info("commandstats").items():
-            if k.split("_", 1)[1].split("|")[0] in ("evalsha", "eval", "exec", "wait"):
+            if k.split("_", 1)[1].split("|")[0] in (*_TOP, "wait"):
                 cmd += float(v["usec"])
         info = c.info("cpu")
         cpu += (float(info["used_cpu_sys"]) + float(info["used_cpu_user"])) * 1e6
@@ -606,9 +626,7 @@ def durable_cost(
     shared host moves a round, not the median)."""
     pages = np.arange(0, 4096, dtype=np.int32)
     modes = ("plain", "durable")
-    stores = {
-        m: kvstate.connect(f"{url}?durable={m == 'durable'}", namespace="bench") for m in modes
-    }
+    stores = {m: connect(f"{url}?durable={m == 'durable'}", "bench") for m in modes}
     rounds = max(8, n // 50)
     single, batches = max(n // rounds, 1), max(n // rounds // batch, 1)
     took: dict[str, dict[str, list[float]]] = {m: {"single": [], "batched": []} for m in modes}
@@ -689,13 +707,13 @@ TRACE_MODES = {"off": 0.0, "default": TRACE_RATE, "full": 1.0}
 def trace_cost(url: str, server: RedisProcess | RedisCluster, n: int, batch: int) -> dict[str, Any]:
     """The trace off, at the default rate and on every room (100%), on one deployment
     in many short rounds that each run all three (the order rotated): per lifecycle,
-    round trips, Redis command us (EVALSHA + EXEC), Redis CPU us, commands run;
+    round trips, Redis command us (scripts + EXEC), Redis CPU us, commands run;
     lifecycles/s against off as the median of the rounds' ratios; the Redis memory of
     one room's trace once cleared (what a traced room leaves for its trace TTL)."""
     pages = np.arange(0, 4096, dtype=np.int32)
     nodes = _primaries(server)
     stores = {
-        m: kvstate.connect(url, namespace="bench", options=kvstate.Options(trace_rate=rate))
+        m: connect(url, "bench", options=kvstate.Options(trace_rate=rate))
         for m, rate in TRACE_MODES.items()
     }
     modes = list(TRACE_MODES)
@@ -763,6 +781,60 @@ def trace_cost(url: str, server: RedisProcess | RedisCluster, n: int, batch: int
     return out
 
 
+def fcall_vs_eval(url: str, server: RedisProcess, n: int, batch: int) -> dict[str, Any]:
+    """The scripts by FCALL (the library, Redis 7) and by EVALSHA (the EVAL path forced)
+    on the same server, in short rounds that each run both (each first in half of
+    them): Redis command and CPU us per lifecycle, single and batched, and FCALL / EVAL
+    as the median of the rounds' ratios (a load swing moves a round, not the median)."""
+    pages = np.arange(0, 4096, dtype=np.int32)
+    nodes = _primaries(server)
+    modes = ("fcall", "eval")
+    stores = {m: connect(url, f"bench-{m}", eval_only=m == "eval") for m in modes}
+    rounds = max(10, min(20, n // 100))
+    single, batches = max(n // rounds, 1), max(n // rounds // batch, 1)
+    kinds = ("single", "batched")
+    per = {m: {k: {"cmd": [], "cpu": []} for k in kinds} for m in modes}  # per round
+    cost = RedisCost(nodes)
+    with pair(stores["fcall"], 20) as fc, pair(stores["eval"], 21) as ev:
+        engines = {"fcall": fc, "eval": ev}
+        room = 0
+        for p, d in engines.values():
+            batch_lifecycles(p, d, range(room, room + batch), pages)  # warm
+            room += batch
+        for r in range(rounds):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                p, d = engines[mode]
+                for kind, count in (("single", single), ("batched", batches * batch)):
+                    with cost.measuring():
+                        if kind == "single":
+                            for _ in range(single):
+                                lifecycle(p, d, room, pages)
+                                room += 1
+                        else:
+                            for _ in range(batches):
+                                batch_lifecycles(p, d, range(room, room + batch), pages)
+                                room += batch
+                    per[mode][kind]["cmd"].append(sum(cost.cmd_us) / count)
+                    per[mode][kind]["cpu"].append(sum(cost.cpu_us) / count)
+    for store in stores.values():
+        store.close()
+    for c in nodes:
+        c.close()
+    out: dict[str, Any] = {"rounds": rounds}
+    for kind in kinds:
+        for what in ("cmd", "cpu"):
+            f, e = per["fcall"][kind][what], per["eval"][kind][what]
+            for mode, values in (("fcall", f), ("eval", e)):
+                out[f"{kind}_{mode}_redis_{what}_us_per_lifecycle"] = round(
+                    float(np.mean(values)), 1
+                )
+            ratio = f"{kind}_redis_{what}_fcall_over_eval"
+            out[ratio], out[f"{ratio}_range"] = _median_range(
+                [a / b for a, b in zip(f, e, strict=True) if b], 3
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON document")
@@ -774,6 +846,12 @@ def main() -> None:
     ap.add_argument("--no-durable", action="store_true", help="skip durable mode's cost")
     ap.add_argument("--no-trace", action="store_true", help="skip the room trace's cost")
     ap.add_argument(
+        "--no-fcall-vs-eval", action="store_true", help="skip FCALL against the EVAL path"
+    )
+    ap.add_argument(
+        "--eval", action="store_true", help="every store on the EVAL path (EVALSHA), as on 6.2"
+    )
+    ap.add_argument(
         "--rooms-per-step",
         type=int,
         nargs="+",
@@ -782,6 +860,8 @@ def main() -> None:
         "step and Redis us per lifecycle, standalone (and Cluster unless --no-cluster)",
     )
     args = ap.parse_args()
+    if args.eval:
+        os.environ[_EVAL_ENV] = "1"
     if args.rooms_per_step:
         steps: dict[str, Any] = {}
         with RedisProcess(port="auto") as server:
@@ -820,6 +900,9 @@ def main() -> None:
                 2,
             ),
         }
+    if not args.no_fcall_vs_eval and not args.eval:
+        with RedisProcess(port="auto") as server:
+            results["fcall_vs_eval"] = fcall_vs_eval(server.url, server, n, args.batch)
     if not args.no_durable:
         results["durable"] = durable_runs(n, args.batch, not args.no_cluster)
     if not args.no_trace:
@@ -831,9 +914,9 @@ def main() -> None:
                 results["trace"]["cluster3"] = trace_cost(
                     cluster.url, cluster, max(n // 2, 3 * args.batch), args.batch
                 )
-    results["command"] = "python tools/bench_state.py " + " ".join(
-        a for a in ("--quick" if args.quick else "", f"--lifecycles {args.lifecycles}") if a
-    )
+    flags = ("--quick" if args.quick else "", f"--lifecycles {args.lifecycles}")
+    flags += ("--eval" if args.eval else "",)
+    results["command"] = "python tools/bench_state.py " + " ".join(a for a in flags if a)
     print(json.dumps(results, indent=None if args.json else 2))
 
 

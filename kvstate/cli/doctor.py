@@ -148,7 +148,7 @@ def _acl_check(store: Store) -> Check:
     s = store
     engine_probes: list[tuple[str, Callable[[], object]]] = [
         ("SCAN", lambda: next(iter(s.scan(s.keys.all_pattern, count=10)), None)),
-        ("EVALSHA", lambda: s.execute([s.poll(0, "tx", "kvstate-doctor")])),
+        ("scripts", lambda: s.execute([s.poll(0, "tx", "kvstate-doctor")])),  # FCALL/EVALSHA
     ]
     operator_probes: list[tuple[str, Callable[[], object]]] = [
         ("XREVRANGE", lambda: Ledger(s).recent(1)),
@@ -184,7 +184,7 @@ def _acl_check(store: Store) -> Check:
             f"{', '.join(operator_denied)}, so audit and monitor degrade (no ledger, "
             f"or server checks). For them use an operator user: {OPERATOR_ACL}",
         )
-    return Check("acl", "ok", f"user {user}: SCAN, EVALSHA, stream and CONFIG reads allowed")
+    return Check("acl", "ok", f"user {user}: SCAN, scripts, stream and CONFIG reads allowed")
 
 
 def _ucx_checks(checks: list[Check]) -> None:

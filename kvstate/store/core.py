@@ -29,7 +29,7 @@ from kvstate.errors import (
     StateOutOfMemoryError,
 )
 from kvstate.keys import Keys, Side
-from kvstate.store import embedded, scripts
+from kvstate.store import embedded, functions, scripts
 from kvstate.store.admin import Admin
 from kvstate.store.calls import Call, Calls, check_reason, pairs
 from kvstate.store.connection import (
@@ -70,6 +70,7 @@ class Store(Calls, Admin):
         self._pool = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
+        self._fcall = {}
         self.closed = False
 
     def __repr__(self) -> str:
@@ -103,17 +104,25 @@ class Store(Calls, Admin):
             client = redis.Redis.from_pool(
                 type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs)
             )
-        return Store(client, self.url, self.namespace, self.room_ttl, self.options)  # url redacted
+        store = Store(client, self.url, self.namespace, self.room_ttl, self.options)  # url redacted
+        store._fcall, store.eval_only = self._fcall, self.eval_only  # the same servers
+        return store
 
     def ping(self) -> None:
         with self.bounded():
             self.client.ping()
 
     def load_scripts(self) -> None:
-        """Load every script on every primary up front, so steady-state calls never pay
-        a NOSCRIPT round trip (they still recover from one after a restart or flush)."""
+        """Load the scripts on every primary up front, so steady-state calls never pay a
+        round trip for it (they still recover after a restart, flush or failover): the
+        function library where the node takes it (Redis >= 7.0, FUNCTION LOAD allowed),
+        and that decides the node's way (FCALL); else SCRIPT LOAD of each (EVALSHA)."""
         with self.bounded():
-            scripts.load(node for _, node in self.nodes())
+            for _, node in self.nodes():
+                fcall = not self.eval_only and functions.load(node)
+                self._fcall[functions.node_key(node)] = fcall
+                if not fcall:
+                    scripts.load([node])
 
     def clear(
         self,
@@ -303,8 +312,9 @@ def connect(
     """Open the state store at ``url``, else ``$KVSTATE_REDIS_URL``; with neither,
     raise InvalidURLError naming them. ``url="embedded"`` (EMBEDDED) starts this
     process's private redis-server instead, by choice (docs/design.md, Zero setup).
-    ``preload_scripts=False`` skips SCRIPT LOAD, for readers (a read-only ACL user):
-    a script still runs on first use, by EVAL after NOSCRIPT."""
+    ``preload_scripts=False`` skips FUNCTION LOAD and SCRIPT LOAD, for readers (a
+    read-only ACL user): a script still runs on first use (FUNCTION LOAD and FCALL
+    after "Function not found", or EVAL)."""
     if url is None:
         url = os.environ.get(ENV_URL) or None
         if url is None:
@@ -321,7 +331,7 @@ def connect(
     _check_room_ttl(room_ttl)
     opts = effective_options(url, options)  # also validates the URL and its parameters
     # One deadline for the whole of connect(): the Cluster client asks for the slots
-    # when it is made, then PING, then SCRIPT LOAD on every primary.
+    # when it is made, then PING, then FUNCTION LOAD (or SCRIPT LOAD) on every primary.
     with deadline(opts.call_timeout):
         probe_s = min(1.0, opts.connect_timeout, opts.call_timeout / 4)
         if url.startswith("rediss") and answers_plain_text(url, probe_s):

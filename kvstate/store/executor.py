@@ -3,8 +3,11 @@
 On a standalone server a batch is one round trip; on a Cluster it is one round trip
 per node (a transaction: one MULTI/EXEC per slot in it), sent straight to the node
 that owns the keys, the nodes at once. Every round trip takes the lean path of
-``kvstate.store.wire`` (one packed write, one hiredis read loop). A batch that met
-NOSCRIPT is sent again with the scripts' sources (``kvstate.store.scripts``).
+``kvstate.store.wire`` (one packed write, one hiredis read loop). Scripts run by FCALL
+of the library (``kvstate.store.functions``) on a node that has it, else by EVALSHA
+(``kvstate.store.scripts``), decided per node; a batch that met a reply saying the way
+was wrong for its node (NOSCRIPT, "Function not found", FCALL unknown or refused) is
+sent again another way, never surfacing that reply.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
-from redis.exceptions import RedisClusterException, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
 
 from kvstate.errors import CorruptStateError, DurabilityError, KVStateError, StateConnectionError
-from kvstate.store import scripts, wire
+from kvstate.store import functions, scripts, wire
 from kvstate.store.calls import Call
 from kvstate.store.connection import Client
 from kvstate.store.deadline import time_left
@@ -30,6 +33,21 @@ from kvstate.store.translate import NODE_TROUBLE, Translating
 
 _MULTI = wire.pack(("MULTI",))
 _EXEC = wire.pack(("EXEC",))
+_LOAD = wire.pack(("FUNCTION", "LOAD", functions.LIBRARY))
+# How a batch runs its scripts (Executor._retry picks the next): FCALL of the library's
+# functions; FUNCTION LOAD then FCALL; EVALSHA; EVAL of the sources; the same after
+# NOSCRIPT, FUNCTION LOAD first (a new server may run FCALL: the probe tells).
+FCALL, LOAD_FCALL, EVALSHA, EVAL, PROBE_EVAL = "fcall", "load+fcall", "evalsha", "eval", "probe"
+
+
+def _way_error(exc: object) -> bool:
+    """An error that ``Executor._retry`` may answer by sending the batch another way."""
+    return (
+        scripts.is_noscript(exc)
+        or functions.not_found(exc)
+        or functions.refused(exc)
+        or isinstance(exc, OutOfMemoryError)
+    )
 
 
 class Executor(Translating):
@@ -40,6 +58,8 @@ class Executor(Translating):
     _pool: ThreadPoolExecutor | None  # Cluster: one pipeline per node at once
     _pool_pid: int
     _pool_lock: threading.Lock
+    _fcall: dict[object, bool]  # node -> whether it runs the scripts by FCALL (unknown: try)
+    eval_only = False  # the EVAL path on any server (tests, tools/bench_state.py --eval)
 
     def nodes(self) -> list[tuple[str, redis.Redis]]:
         """(name, client) of every primary: where SCAN, SCRIPT LOAD, INFO and CONFIG go."""
@@ -79,15 +99,18 @@ class Executor(Translating):
         """One round trip to one server (kvstate.store.wire): the batch packed into one write,
         the replies read in one loop. ``transaction``: the calls in MULTI/EXEC, one
         block per hash slot on a Cluster (so a node's slots still share the trip).
-        NOSCRIPT (restart, failover, SCRIPT FLUSH) sends the batch again with EVAL of
-        the sources, which cannot meet NOSCRIPT: every batch is safe to send twice.
+        Scripts run by FCALL where the node has the library, else by EVALSHA; a reply
+        that the way is wrong for the node (``_retry``) sends the batch again another
+        way: every batch is safe to send twice.
         Durable mode: a batch holding a DURABLE_SCRIPTS call ends with WAIT, in the
         same write, and is answered only when a replica confirmed it. ``partial``: a
         call's CorruptStateError takes its reply's place instead of raising."""
         blocks = self._blocks(calls) if transaction else None
         durable = self.options.durable and any(c.script in scripts.DURABLE_SCRIPTS for c in calls)
-        for attempt in range(2):
-            packed = [self._pack(call, attempt > 0) for call in calls]
+        node = functions.node_key(conn)
+        how = EVALSHA if self.eval_only or not self._fcall.get(node, True) else FCALL
+        for attempt in range(3):
+            packed = [self._pack(call, how) for call in calls]
             out: list[bytes] = packed
             if blocks is not None:
                 out = []
@@ -95,20 +118,27 @@ class Executor(Translating):
                     out.append(_MULTI)
                     out += [packed[i] for i in block]
                     out.append(_EXEC)
+            load = how in (LOAD_FCALL, PROBE_EVAL)
+            if load:
+                out = [_LOAD, *out]
             if durable:
                 wait_s = self._wait_budget()
                 out = [*out, wire.pack(("WAIT", 1, int(wait_s * 1000)))]
             raw = wire.roundtrip(conn, b"".join(out), len(out))
             confirmed = raw.pop() if durable else None
+            loaded = raw.pop(0) if load else None
             if blocks is None:
                 replies = raw
             else:
                 replies = [None] * len(calls)
                 at = 0
                 for block in blocks:
-                    self._unblock(calls, block, raw[at : at + len(block) + 2], replies, attempt)
+                    retry = attempt < 2
+                    self._unblock(calls, block, raw[at : at + len(block) + 2], replies, retry)
                     at += len(block) + 2
-            if attempt == 0 and any(scripts.is_noscript(r) for r in replies):
+            again = self._retry(node, how, loaded, replies, blocks is None)
+            if again is not None and attempt < 2:
+                how = again
                 continue
             callbacks: Any = conn.response_callbacks
             for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
@@ -126,6 +156,38 @@ class Executor(Translating):
                 self._check_confirmed(confirmed, calls, wait_s)
             return replies
         raise AssertionError("unreachable")
+
+    def _retry(
+        self, node: object, how: str, loaded: object, replies: list[Any], oom_retry: bool
+    ) -> str | None:
+        """How to send the batch again, or None (the replies stand). FCALL: the node
+        lacks the library -> FUNCTION LOAD and FCALL in one write; it cannot run
+        FCALL/FUNCTION (Redis 6.2, renamed, ACL; or FUNCTION LOAD failed) -> the EVAL
+        path from now on; refused up front at maxmemory (outside MULTI, where EVAL
+        would be refused too) -> EVAL, whose reads go through. EVALSHA after NOSCRIPT
+        (a restarted or new server) -> EVAL of the sources, which cannot meet NOSCRIPT,
+        with a FUNCTION LOAD in the same write: if that loads, the node takes FCALL
+        from the next batch on."""
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if how == PROBE_EVAL and functions.loaded(loaded):
+            self._fcall[node] = True
+        if how == EVALSHA:
+            if not any(scripts.is_noscript(r) for r in errors):
+                return None
+            return EVAL if self.eval_only else PROBE_EVAL
+        if how not in (FCALL, LOAD_FCALL):
+            return None
+        missing = any(functions.not_found(r) for r in errors)
+        if missing and how == LOAD_FCALL and functions.loaded(loaded):
+            return EVAL  # flushed again between the two: this batch by EVAL, FCALL stays
+        if any(functions.refused(r) for r in errors) or (missing and how == LOAD_FCALL):
+            self._fcall[node] = False
+            return EVAL
+        if missing:
+            return LOAD_FCALL
+        if oom_retry and any(isinstance(r, OutOfMemoryError) for r in errors):
+            return EVAL
+        return None
 
     def _wait_budget(self) -> float:
         """Seconds WAIT may block for: what is left of the call, and no more than one
@@ -161,19 +223,20 @@ class Executor(Translating):
         return list(slots.values())
 
     def _unblock(
-        self, calls: list[Call], block: list[int], raw: list[Any], replies: list[Any], attempt: int
+        self, calls: list[Call], block: list[int], raw: list[Any], replies: list[Any], retry: bool
     ) -> None:
         """The replies of one MULTI/EXEC block into ``replies``, as redis-py's pipeline
         reads them: a command refused when queued (OOM, NOPERM...) aborts the block,
-        which raises that error for the block's first call."""
+        which raises that error for the block's first call; with ``retry``, an error
+        that the batch goes again another way for (``_retry``) is left in its place."""
         queued = [r for r in raw[:-1] if isinstance(r, Exception)]
         result = raw[-1]
         if isinstance(result, Exception) or result is None:
             exc = queued[0] if queued else result
             if exc is None:
                 exc = ResponseError("EXEC answered nil: the transaction was discarded")
-            if scripts.is_noscript(exc) and attempt == 0:
-                replies[block[0]] = exc  # sent again with EVAL
+            if retry and _way_error(exc):
+                replies[block[0]] = exc  # _retry sends the batch again
                 return
             raise self.reply_error(calls[block[0]], exc) from None
         if len(result) != len(block):
@@ -182,12 +245,15 @@ class Executor(Translating):
             replies[i] = reply
 
     @staticmethod
-    def _pack(call: Call, source: bool) -> bytes:
+    def _pack(call: Call, how: str) -> bytes:
         if call.script is None:
             name = call.command or ""
             head = name.split() if " " in name else (name,)
             return wire.pack((*head, *call.keys, *call.args))
-        script = scripts.invocation(call.script, source)
+        if how in (FCALL, LOAD_FCALL):
+            script: tuple[Any, ...] = functions.invocation(call.script)
+        else:
+            script = scripts.invocation(call.script, how != EVALSHA)
         return wire.pack((*script, len(call.keys), *call.keys, *call.args))
 
     def _execute_cluster(

@@ -1,10 +1,12 @@
 """The Lua scripts: their sources, SHAs, loading, and how a call names one.
 
 Each script is its ``kvstate/scripts/<name>.lua`` after ``_lib.lua``'s preamble and the
-helpers it uses. Calls run a script by EVALSHA; after NOSCRIPT (server restart,
-failover, SCRIPT FLUSH) the executor sends the batch again with EVAL of the source,
-which cannot meet NOSCRIPT, so a batch must be safe to send twice: every script is
-idempotent.
+helpers it uses. On Redis 7 the same files make one FUNCTION library instead
+(kvstate.store.functions); this is the EVAL path, taken where a node cannot run it
+(Redis 6.2, FUNCTION renamed or refused by the ACL). It runs a script by EVALSHA;
+after NOSCRIPT (server restart, failover, SCRIPT FLUSH) the executor sends the batch
+again with EVAL of the source, which cannot meet NOSCRIPT, so a batch must be safe
+to send twice: every script is idempotent.
 """
 
 from __future__ import annotations
@@ -63,13 +65,10 @@ def with_lib(lib: str, body: str) -> str:
     return preamble + kept + lib[at:] + "\n" + body
 
 
-def load_sources() -> dict[str, str]:
-    folder = resources.files("kvstate") / "scripts"
-    lib = (folder / "_lib.lua").read_text()
-    return {name: with_lib(lib, (folder / f"{name}.lua").read_text()) for name in SCRIPT_NAMES}
-
-
-SOURCES = load_sources()
+_FOLDER = resources.files("kvstate") / "scripts"
+LIB = (_FOLDER / "_lib.lua").read_text()
+BODIES = {name: (_FOLDER / f"{name}.lua").read_text() for name in SCRIPT_NAMES}
+SOURCES = {name: with_lib(LIB, body) for name, body in BODIES.items()}
 SHAS = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in SOURCES.items()}
 
 
