@@ -243,7 +243,7 @@ def test_cluster_slot_moved_to_a_node_without_the_library(
     with p, d:
         snd, rcv = p.sender(room), d.receiver(room, PREFILL_ADDR)
         assert rcv.init([1, 2]) == KVPoll.WaitingForInput
-        key = store.keys.parts(room)
+        key = store.keys.room_hash(room)
         slot = int(store.client.keyslot(key))  # type: ignore[union-attr]
         owner = redis_cluster.node_for_key(key)
         target = next(n for n in redis_cluster.primaries() if n.port != owner.port)
