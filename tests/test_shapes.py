@@ -106,7 +106,10 @@ def test_tp_ranks_registering_late_in_random_order(
         rcvs = {r: d.receiver(r, ADDR) for r in early}
         for r, rcv in rcvs.items():
             assert rcv.init([r % 50, r % 50 + 1]) == KVPoll.Bootstrapping  # nobody there yet
-        for n, i in enumerate(order):
+
+        def start(i: int) -> tuple[Any, ...]:
+            """Rank i's process; answers its "ready" (the order is the shuffled one, by
+            handshake: start delays alone let a loaded host register them out of it)."""
             procs.start(
                 workers.prefill_rank,
                 state_url,
@@ -115,19 +118,23 @@ def test_tp_ranks_registering_late_in_random_order(
                 ADDR,
                 ranks,
                 1.0,
-                0.3 * n,
+                0.0,
                 early + late,
                 results,
                 hold if engines[i] == last else None,
             )
-        first = get(results, "ready")
+            msg: tuple[Any, ...] = get(results, "ready")
+            assert msg[1] == engines[i], msg
+            return msg
+
+        first = start(order[0])
         for r in late:  # made after a first rank registered, before the others did
             rcvs[r] = d.receiver(r, ADDR)
             rcvs[r].init([r % 50])
         assert first[1] != last or ranks == 1
         incs = {first[1]: first[2]}
-        for _ in range(ranks - 1):
-            msg = get(results, "ready")
+        for i in order[1:]:
+            msg = start(i)
             incs[msg[1]] = msg[2]
         # every receiver binds every rank (its next operations do the binding)
         assert wait_for(
