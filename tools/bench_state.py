@@ -141,14 +141,15 @@ class RedisCost:
         self.cmd_us: list[float] = [0.0] * len(nodes)
         self.cpu_us: list[float] = [0.0] * len(nodes)
         self.calls: list[float] = [0.0] * len(nodes)
+        self.scripts: list[float] = [0.0] * len(nodes)
 
     @staticmethod
-    def _read(c: redis.Redis) -> tuple[float, float, float]:
-        """(us in top-level calls, Redis CPU us, commands run); a script's or EXEC's
-        time includes the commands it runs, so only FCALL, EVALSHA, EVAL and EXEC are
-        summed for the time (kvstate's few plain top-level reads are left out)."""
+    def _read(c: redis.Redis) -> tuple[float, float, float, float]:
+        """(us in top-level calls, Redis CPU us, commands run, script calls); a script's
+        or EXEC's time includes the commands it runs, so only FCALL, EVALSHA, EVAL and
+        EXEC are summed for the time (kvstate's few plain top-level reads are left out)."""
         stats = c.info("commandstats")
-        top = calls = 0.0
+        top = calls = scripts = 0.0
         for k, v in stats.items():
             name = k.split("_", 1)[1].split("|")[0]
             if name in ("info", "config", "slowlog", "ping", "script"):
@@ -156,8 +157,10 @@ class RedisCost:
             calls += float(v["calls"])
             if name in _TOP:
                 top += float(v["usec"])
+                scripts += float(v["calls"]) if name != "exec" else 0.0
         cpu = c.info("cpu")
-        return top, (float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])) * 1e6, calls
+        cpu_us = (float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])) * 1e6
+        return top, cpu_us, calls, scripts
 
     @contextmanager
     def measuring(self) -> Iterator[RedisCost]:
@@ -167,6 +170,7 @@ class RedisCost:
         self.cmd_us = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
         self.cpu_us = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
         self.calls = [a[2] - b[2] for a, b in zip(after, before, strict=True)]
+        self.scripts = [a[3] - b[3] for a, b in zip(after, before, strict=True)]
 
 
 def script_costs(nodes: list[redis.Redis], run: Any) -> dict[str, float]:
@@ -248,6 +252,7 @@ def measure(url: str, server: RedisProcess | RedisCluster, n: int, batch: int) -
             out[f"{kind}_redis_cmd_us_per_lifecycle"] = round(sum(cost.cmd_us) / count, 1)
             out[f"{kind}_redis_cpu_us_per_lifecycle"] = round(sum(cost.cpu_us) / count, 1)
             out[f"{kind}_redis_commands_per_lifecycle"] = round(sum(cost.calls) / count, 1)
+            out[f"{kind}_script_calls_per_lifecycle"] = round(sum(cost.scripts) / count, 2)
         out["batched_busiest_primary_cpu_us_per_lifecycle"] = round(
             max(batched.cpu_us) / (nb * batch), 1
         )
@@ -343,6 +348,7 @@ def _add_cost(total: RedisCost, block: RedisCost) -> None:
     total.cmd_us = [a + b for a, b in zip(total.cmd_us, block.cmd_us, strict=True)]
     total.cpu_us = [a + b for a, b in zip(total.cpu_us, block.cpu_us, strict=True)]
     total.calls = [a + b for a, b in zip(total.calls, block.calls, strict=True)]
+    total.scripts = [a + b for a, b in zip(total.scripts, block.scripts, strict=True)]
 
 
 def _median_range(values: list[float], digits: int) -> tuple[float, list[float]]:
