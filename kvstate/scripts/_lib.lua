@@ -55,6 +55,15 @@ local function corrupt(key, field, value)
   error('CORRUPT ' .. key .. ' ' .. field .. ' ' .. tostring(value))
 end
 
+-- Raise an error reply that redis.pcall caught (the ACL refusing a command...) as
+-- redis.call would have. Redis 7 raises the reply itself; 6.2's error handler cannot
+-- take a table (it answers "attempt to concatenate"), so there its text goes, with no
+-- position added (level 0).
+local function raise(reply)
+  if redis.REDIS_VERSION_NUM then error(reply) end
+  error(reply.err, 0)
+end
+
 local function rank_of(key, status)
   local r = RANK[status]
   if r == nil then corrupt(key, F_STATUS, status) end
@@ -91,7 +100,7 @@ local function read_room(room, cmd)
   local all = redis.pcall(cmd, room)
   if all.err then
     if string.find(all.err, 'WRONGTYPE', 1, true) then corrupt(room, '*', 'not a hash') end
-    error(all)  -- anything else (the ACL refusing it...) as it is
+    raise(all)  -- anything else (the ACL refusing it...) as it is
   end
   return all
 end
@@ -118,7 +127,7 @@ local function read_mark(mark)
   local v = redis.pcall('GET', mark)
   if type(v) == 'table' and v.err then
     if string.find(v.err, 'WRONGTYPE', 1, true) then corrupt(mark, '*', 'not a string') end
-    error(v)  -- anything else (the ACL refusing GET...) as it is
+    raise(v)  -- anything else (the ACL refusing GET...) as it is
   end
   return v
 end

@@ -42,7 +42,7 @@ end
 local reason = ARGV[2]
 local first = redis.pcall('GET', KEYS[2])
 if type(first) == 'table' and not string.find(first.err, 'WRONGTYPE', 1, true) then
-  error(first)  -- the ACL refusing GET...: as it is
+  raise(first)  -- the ACL refusing GET...: as it is
 end
 if type(first) == 'string' then
   reason = first

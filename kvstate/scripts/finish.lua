@@ -51,7 +51,7 @@ if #waiting > 0 then  -- their acks so far, in one read of the room hash
   local acks = redis.pcall('HMGET', KEYS[2], unpack(fields))
   if acks.err then
     if string.find(acks.err, 'WRONGTYPE', 1, true) then corrupt(KEYS[2], '*', 'not a hash') end
-    error(acks)  -- anything else (the ACL refusing HMGET...) as it is
+    raise(acks)  -- anything else (the ACL refusing HMGET...) as it is
   end
   for i, w in ipairs(waiting) do
     local list = acks[i] or ''
