@@ -130,9 +130,15 @@ class Calls:
         return Call(tuple(keys), tuple(args), command=name, parse=parse)
 
     # -- participant calls ----------------------------------------------------------
+    def _room_keys(self, room: int, side: Side, engine: str) -> list[str]:
+        """The KEYS every room script starts with: the participant, the room hash, the
+        room's failure mark."""
+        k = self.keys
+        return [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
+
     def create(self, room: int, side: Side, engine: str, fields: dict[str, Any]) -> Call:
         k = self.keys
-        keys = [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
+        keys = self._room_keys(room, side, engine)
         return self._script(
             "create",
             keys,
@@ -146,8 +152,7 @@ class Calls:
     ) -> Call:
         """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
         they are still at ``infos_version`` (the version the caller holds)."""
-        k = self.keys
-        keys = [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
+        keys = self._room_keys(room, side, engine)
         args: list[Any] = [self.ttl_ms, infos_version, self.mark_ttl_ms]
         if with_infos:
             args.append(engine)
@@ -155,8 +160,7 @@ class Calls:
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
         check_reason(reason)
-        k = self.keys
-        keys = [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
+        keys = self._room_keys(room, side, engine)
         return self._script(
             "update",
             keys,
@@ -181,7 +185,7 @@ class Calls:
         is bound to (``Status.bound``); ``senders`` are then those the caller knows
         bound, which it publishes to itself."""
         k = self.keys
-        keys = [k.participant(room, "rx", receiver), k.room_hash(room), k.aborted(room)]
+        keys = self._room_keys(room, "rx", receiver)
         args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
         if lookup is not None:
             keys.append(k.engines_at(lookup))
@@ -196,7 +200,7 @@ class Calls:
     def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
         names = list(receivers)
-        keys = [k.participant(room, "tx", sender), k.room_hash(room), k.aborted(room)]
+        keys = self._room_keys(room, "tx", sender)
         keys += [k.participant(room, "rx", r) for r in names]
         args = [self.ttl_ms, self.mark_ttl_ms, "", *names]
         return self._script("begin", keys, args, Status.parse, room)
@@ -204,7 +208,7 @@ class Calls:
     def finish(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
         k = self.keys
         names = list(receivers)
-        keys = [k.participant(room, "tx", sender), k.room_hash(room), k.aborted(room)]
+        keys = self._room_keys(room, "tx", sender)
         keys += [k.participant(room, "rx", receiver) for receiver in names]
         args = [self.ttl_ms, sender, self.mark_ttl_ms, *names]
         return self._script("finish", keys, args, Status.parse, room)

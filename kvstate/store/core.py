@@ -131,11 +131,13 @@ class Store(Calls, Admin):
         engine: str,
         senders: Iterable[str] = (),
         peer_addr: str | None = None,
+        receivers: Iterable[str] = (),
     ) -> None:
-        """Delete everything one participant created: one MULTI/EXEC on a standalone
-        server; on a Cluster one round trip per node, a MULTI/EXEC per slot (the
-        room's, the tracker's)."""
-        self.clear_many([self.clear_calls(room, side, engine, senders, peer_addr)], False)
+        """Delete everything one participant created (``clear_calls``): one MULTI/EXEC on
+        a standalone server; on a Cluster one round trip per node, a MULTI/EXEC per slot
+        (the room's, the tracker's)."""
+        calls = self.clear_calls(room, side, engine, senders, peer_addr, receivers)
+        self.clear_many([calls], False)
 
     def clear_many(
         self, participants: Sequence[Sequence[Call]], partial: bool = True
