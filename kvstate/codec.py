@@ -91,14 +91,15 @@ class TransferInfo:
     incarnation: str = ""  # the receiver engine's, so a sender never writes to a restarted one
 
     def encode(self) -> bytes:
-        doc: dict[str, Any] = {
-            "kv": encode_runs(self.kv_indices),
-            "prefix": self.prefix_len,
-            "dummy": self.dummy,
-            "inc": self.incarnation,
-        }
-        if self.aux_index is not None:  # absent fields keep small payloads under Redis's
-            doc["aux"] = self.aux_index  # 64-byte listpack limit
+        doc: dict[str, Any] = {"kv": encode_runs(self.kv_indices), "inc": self.incarnation}
+        # absent fields keep small payloads under Redis's 64-byte listpack limit, and
+        # the room hash small: defaults (prefix 0, not dummy) are not written
+        if self.prefix_len:
+            doc["prefix"] = self.prefix_len
+        if self.dummy:
+            doc["dummy"] = True
+        if self.aux_index is not None:
+            doc["aux"] = self.aux_index
         if self.state_indices is not None:
             doc["state"] = encode_runs(self.state_indices)
         return pack(doc)
@@ -112,7 +113,7 @@ class TransferInfo:
         where = receiver if field_name is None else field_name
         doc = unpack(raw, key, where)
         kv, aux, state = doc.get("kv"), doc.get("aux"), doc.get("state")
-        prefix, dummy, inc = doc.get("prefix"), doc.get("dummy"), doc.get("inc")
+        prefix, dummy, inc = doc.get("prefix", 0), doc.get("dummy", False), doc.get("inc")
         if not isinstance(kv, bytes):
             raise CorruptStateError(key, where, "kv runs are not bytes")
         if aux is not None and (not isinstance(aux, int) or aux < 0):

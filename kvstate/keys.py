@@ -99,8 +99,8 @@ class Keys:
 
     def room_hash(self, room: int) -> str:
         """The room's one shared hash (fields spelled in ``kvstate.schema``): its
-        participants (``tx:<engine>`` / ``rx:<engine>`` -> created ms, so that abort and
-        ``kvstate show`` find them without SCAN), the transfer infos each receiver
+        participants (``tx:<engine>`` / ``rx:<engine>``, value '': the field is the entry),
+        so that abort and ``kvstate show`` find them without SCAN, the transfer infos each receiver
         published to each sender and the acks of each receiver. A hash, not a key per
         thing: Redis 7.0 keeps a small hash as one listpack, and each key costs its name,
         its value object and two dict entries. It vanishes with its last field."""

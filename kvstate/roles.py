@@ -88,14 +88,15 @@ class Participant:
         self.room = check_room(room)
         self.engine = mgr.engine
         self.key = self.store.keys.participant(self.room, self.side, self.engine)
-        self._fields = {
-            schema.ADDR: mgr.bootstrap_addr,
-            schema.PEERS: peers,
-            schema.TIMEOUTS_MS: schema.timeouts_value(
-                int(mgr.bootstrap_timeout * 1000), int(mgr.waiting_timeout * 1000)
-            ),
-            **fields,
-        }
+        timeouts = schema.timeouts_value(
+            int(mgr.bootstrap_timeout * 1000), int(mgr.waiting_timeout * 1000)
+        )
+        # the engine's own address is its registration's, and the default timeouts
+        # are poll.lua's when none are stored: neither is written per room
+        self._fields: dict[str, Any] = {schema.PEERS: peers}
+        if timeouts != schema.DEFAULT_TIMEOUTS_MS:
+            self._fields[schema.TIMEOUTS_MS] = timeouts
+        self._fields.update(fields)
         self._created = False
         self._create_sent = False  # a create went out; it may have run even if the call failed
         self._cleared = False

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final, Literal, NamedTuple, TypeVar
 
+from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
+
 Side = Literal["tx", "rx"]  # tx: a sender (prefill), rx: a receiver (decode)
 SIDES: Final[tuple[Side, ...]] = ("tx", "rx")
 
@@ -21,11 +23,12 @@ STATUS: Final = "status"  # a KVPoll name
 SINCE_MS: Final = "since_ms"
 CREATED_MS: Final = "created_ms"  # server ms of the create (create.lua)
 REASON: Final = "reason"  # text, set with Failed
-ADDR: Final = "addr"  # the participant's own engine's bootstrap address
+# (no addr: the participant's own engine's bootstrap address is its registration's)
 PEERS: Final = "peers"  # senders a receiver waits for / receivers a sender serves
 PEER_ADDR: Final = "peer_addr"  # receiver: the prefill side's bootstrap address
 # "<bootstrap ms> <waiting ms>" (timeouts_value()): the limits of Bootstrapping and
-# WaitingForInput, 0 for none; one field, not two (each costs its name in the listpack)
+# WaitingForInput, 0 for none; one field, not two (each costs its name in the listpack).
+# Not stored when it is DEFAULT_TIMEOUTS_MS (kvstate.defaults'): most participants
 TIMEOUTS_MS: Final = "timeouts_ms"
 INFOS_V: Final = "infos_v"  # sender: publishes addressed to it so far
 BOUND: Final = "bound"  # receiver: senders bound so far
@@ -52,6 +55,18 @@ def timeouts_value(bootstrap_ms: int, waiting_ms: int) -> str:
     return f"{int(bootstrap_ms)} {int(waiting_ms)}"
 
 
+# what a participant without TIMEOUTS_MS has (mirrored in _lib.lua: poll.lua applies it)
+DEFAULT_TIMEOUTS_MS: Final = timeouts_value(
+    int(BOOTSTRAP_TIMEOUT * 1000), int(WAITING_TIMEOUT * 1000)
+)
+
+
+def timeouts_of(fields: Mapping[str, str]) -> tuple[int, int] | None:
+    """(bootstrap ms, waiting ms) of a participant's fields: its TIMEOUTS_MS, else
+    (none stored) DEFAULT_TIMEOUTS_MS; None when the stored one does not parse."""
+    return parse_timeouts(fields.get(TIMEOUTS_MS, DEFAULT_TIMEOUTS_MS))
+
+
 def parse_timeouts(value: str | None) -> tuple[int, int] | None:
     """(bootstrap ms, waiting ms) of a TIMEOUTS_MS value; None when it does not parse."""
     parts = (value or "").split(" ")
@@ -64,15 +79,16 @@ def parse_timeouts(value: str | None) -> tuple[int, int] | None:
 ROLE: Final = "role"  # prefill / decode
 INCARNATION: Final = "incarnation"  # changes with every new KVManager of the name
 HOST: Final = "host"
+ADDR: Final = "addr"  # the engine's bootstrap address
 PID: Final = "pid"
 ENDPOINT: Final = "endpoint"  # the transport's endpoint blob
 LAYOUT: Final = "layout"  # msgpack {"layout": {...}}
 GPUS: Final = "gpus"  # msgpack {"gpus": [...]}
 RANKS: Final = "ranks"  # prefill ranks serving the address
-# ADDR (above) is the engine's bootstrap address here too.
 
 # -- the room hash: kvstate:<ns>:{<room>}:room (one per room, beside its participants) ----
-# field "<side>:<engine>" (member())       -> created ms: the room's participants
+# field "<side>:<engine>" (member())       -> '': the room's participants (the field is
+#                                          the entry; its created_ms is the participant's)
 # field "xfer:<sender>,<receiver>"         -> packed TransferInfo (xfer_field())
 # field "ack:<receiver>"                   -> the senders that finished for it, SEP-joined
 # Engine names never hold SEP (keys.check_name), so a field splits back one way only.

@@ -5,6 +5,7 @@ side's run builder: every (src, dst) pair kept in order, in maximal runs."""
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -50,6 +51,22 @@ def test_transfer_info_round_trip(kv: np.ndarray, prefix: int, dummy: bool) -> N
     assert back.state_indices is not None
     np.testing.assert_array_equal(back.state_indices, kv[::-1])
     assert (back.prefix_len, back.dummy, back.incarnation) == (prefix, dummy, "inc")
+
+
+def test_transfer_info_leaves_defaults_out_and_reads_them_written() -> None:
+    """Prefix 0 and not dummy are not stored (each costs its name in every room hash);
+    an info that spells them (as kvstate wrote them before) reads the same."""
+    kv = as_indices(np.arange(64, 128))
+    plain = TransferInfo("r", kv, incarnation="inc")
+    doc = unpack(plain.encode(), "k", "f")
+    assert "prefix" not in doc and "dummy" not in doc
+    assert unpack(TransferInfo("r", kv, None, None, 16, True, "inc").encode(), "k", "f") | {
+        "kv": b""
+    } == {"v": doc["v"], "kv": b"", "inc": "inc", "prefix": 16, "dummy": True}
+    old = msgpack.packb({**doc, "prefix": 0, "dummy": False}, use_bin_type=True)
+    back = TransferInfo.decode("r", old, "k")
+    assert (back.prefix_len, back.dummy, back.incarnation) == (0, False, "inc")
+    np.testing.assert_array_equal(back.kv_indices, kv)
 
 
 def _runs_in(indices: np.ndarray) -> int:

@@ -98,7 +98,6 @@ def test_field_names_are_distinct_per_hash() -> None:
         schema.SINCE_MS,
         schema.CREATED_MS,
         schema.REASON,
-        schema.ADDR,
         schema.PEERS,
         schema.PEER_ADDR,
         schema.TIMEOUTS_MS,

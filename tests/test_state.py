@@ -209,6 +209,30 @@ def test_timeouts_use_the_server_clock(store: Store) -> None:
         assert "waiting timeout" in rcv.failure_exception().reason
 
 
+def test_default_timeouts_are_not_stored_and_still_apply(store: Store) -> None:
+    """A participant with kvstate's default timeouts stores none (they are poll.lua's
+    F_DEFAULT_TIMEOUTS_MS), and its poll still fails it past them; other timeouts are
+    stored."""
+    p, d = managers(store)
+    other = kvstate.KVManager(store, "prefill", "prefill-c.tp0", "10.0.0.3:8998", waiting_timeout=7)
+    with p, d, other:
+        snd, custom = p.sender(23), other.sender(24)
+        rcv = d.receiver(23, PREFILL_ADDR)
+        assert snd.poll() == KVPoll.Bootstrapping and custom.poll() == KVPoll.Bootstrapping
+        assert rcv.poll() == KVPoll.Bootstrapping
+        for key in (snd.key, rcv.key):
+            assert store.client.hget(key, schema.TIMEOUTS_MS) is None, key
+        assert store.client.hget(custom.key, schema.TIMEOUTS_MS) == b"300000 7000"
+        bootstrap_ms = schema.timeouts_of({})[0]
+        now = int(store.client.time()[0]) * 1000
+        store.client.hset(snd.key, schema.CREATED_MS, now - bootstrap_ms - 5_000)
+        assert snd.poll() == KVPoll.Failed
+        reason = snd.failure_exception().reason
+        assert "bootstrap timeout" in reason and f"limit {bootstrap_ms / 1000:.1f} s" in reason
+        for x in (snd, custom, rcv):
+            x.clear()
+
+
 def test_poll_many_matches_single_polls(store: Store) -> None:
     p, d = managers(store)
     with p, d:

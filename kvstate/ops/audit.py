@@ -368,7 +368,6 @@ class Auditor:
                         "participant, or a clear was cut short): abort and show "
                         "cannot reach it",
                     )
-                    f.target = (str(p.created_ms or 0),)
                     report.findings.append(f)
 
     def _trackers(self, trackers: Sequence[str], report: Report) -> None:
@@ -598,7 +597,7 @@ class Auditor:
         ttl = self._room_ttl_ms(f.room, also=[f.key])
         s.execute(
             [
-                s.index_member(f.room, side, engine, f.target[0]),
+                s.index_member(f.room, side, engine),
                 s.set_ttl(self.keys.room_hash(f.room), ttl),
             ],
             transaction=True,

@@ -112,7 +112,7 @@ class Participant:
         if timeout is None:
             return None
         name, at = timeout
-        limits = schema.parse_timeouts(self.fields.get(schema.TIMEOUTS_MS))
+        limits = schema.timeouts_of(self.fields)
         limit = None if limits is None else limits[at]
         return None if not limit or limit <= 0 else (name, limit)
 
@@ -127,7 +127,6 @@ class Participant:
             "age_ms": self.age_ms,
             "in_status_ms": self.in_status_ms,
             "ttl_ms": self.pttl_ms,
-            "addr": self.fields.get(schema.ADDR, ""),
             "peer_addr": self.fields.get(schema.PEER_ADDR, ""),
             "peers": _int(self.fields.get(schema.PEERS)),
             "bindings": self.bindings,

@@ -12,6 +12,8 @@ local F_REASON = 'reason'
 local F_PEERS = 'peers'
 local F_PEER_ADDR = 'peer_addr'
 local F_TIMEOUTS_MS = 'timeouts_ms'
+-- the timeouts of a participant that stores no F_TIMEOUTS_MS (kvstate.defaults')
+local F_DEFAULT_TIMEOUTS_MS = '300000 300000'
 local F_INFOS_V = 'infos_v'
 local F_BOUND = 'bound'
 local F_PEER_PREFIX = 'peer:'

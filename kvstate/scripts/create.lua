@@ -2,7 +2,7 @@
 -- script that creates a participant; a no-op returning the current status if it
 -- already exists (a retried create changes nothing).
 -- KEYS[1] participant hash   kvstate:<ns>:{<room>}:<tx|rx>:<engine>
--- KEYS[2] room hash         kvstate:<ns>:{<room>}:room (member -> created ms; infos)
+-- KEYS[2] room hash         kvstate:<ns>:{<room>}:room (member -> ''; infos)
 -- KEYS[3] room failure mark  kvstate:<ns>:{<room>}:aborted (reason), left by every
 --         script that fails a participant (abort, timeout, fan-out...) and kept past
 --         clear(): a participant created after its room failed starts Failed with it
@@ -12,8 +12,8 @@
 --         WaitingForInput when every receiver published before the sender existed;
 --         then the infos come back as from poll.lua, so that a sender's first poll is
 --         this script alone
--- ARGV[3..] field, value pairs (addr, peers, timeouts, peer bindings); side and
---           engine are in the key name, not repeated in the hash
+-- ARGV[3..] field, value pairs (peers, timeouts unless the default, a receiver's
+--           peer address); side and engine are in the key name, not repeated in the hash
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
 -- Returns {status, reason}, or for a new sender in WaitingForInput
 -- {status, reason, {field, value, ...}, 0} (poll.lua's answer: infos at version 0).
@@ -45,7 +45,7 @@ end
 for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', key, unpack(fields))
 redis.call('PEXPIRE', key, ttl)
-redis.call('HSET', KEYS[2], ARGV[2], now)
+redis.call('HSET', KEYS[2], ARGV[2], '')  -- the field is the entry: no value to store
 redis.call('PEXPIRE', KEYS[2], ttl)
 trace(key, F_EV_CREATED, F_STATUS, status, F_REASON, reason)
 if status == 'WaitingForInput' then return {status, '', infos, 0} end

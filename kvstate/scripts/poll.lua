@@ -1,5 +1,6 @@
 -- poll.lua: read a participant's status, applying its timeouts on the server
--- clock (timeouts_ms: "<bootstrap ms> <waiting ms>"): stuck in Bootstrapping or in
+-- clock (timeouts_ms: "<bootstrap ms> <waiting ms>", F_DEFAULT_TIMEOUTS_MS when the
+-- participant stores none): stuck in Bootstrapping or in
 -- WaitingForInput past that status's limit (since_ms, or created_ms before the first
 -- status change), it becomes Failed with a reason naming the timeout (and, for a
 -- receiver, how many of its required senders it had bound), and the room's failure
@@ -32,7 +33,7 @@ if rank == 0 then return {status, reason, {}, -1} end
 local mark = read_mark(KEYS[3])
 local timed_out = nil
 if not mark and (rank == 1 or rank == 2) then
-  local bootstrap, waiting = string.match(h[4] or '', '^(%d+) (%d+)$')
+  local bootstrap, waiting = string.match(h[4] or F_DEFAULT_TIMEOUTS_MS, '^(%d+) (%d+)$')
   if not bootstrap then corrupt(key, F_TIMEOUTS_MS, h[4]) end
   local limit = tonumber((rank == 1) and bootstrap or waiting)
   -- since_ms is written at the first status change; until then it is created_ms

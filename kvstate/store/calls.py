@@ -295,10 +295,11 @@ class Calls:
         key, member = self.keys.room_hash(room), schema.member(side, engine)
         return self._command("HGET", key, args=[member], parse=lambda raw: int(raw is not None))
 
-    def index_member(self, room: int, side: Side, engine: str, created_ms: str) -> Call:
-        """Put a participant back into its room hash (an audit repair)."""
+    def index_member(self, room: int, side: Side, engine: str) -> Call:
+        """Put a participant back into its room hash (an audit repair), as create.lua
+        writes it: the field, with an empty value."""
         member = schema.member(side, engine)
-        return self._command("HSET", self.keys.room_hash(room), args=[member, created_ms])
+        return self._command("HSET", self.keys.room_hash(room), args=[member, ""])
 
     def room_fields(self, room: int) -> Call:
         """The room hash, field -> value (text; a transfer info's msgpack stays bytes)."""
