@@ -50,7 +50,7 @@ if type(first) == 'string' then
 else  -- none, or a corrupt mark (SET replaces a key of any type)
   redis.call('SET', KEYS[2], reason, 'PX', ARGV[3])
 end
-local now = now_ms()
+local now = now_text()
 local failed = 0
 for i = 1, n do
   if statuses[i] and statuses[i] ~= 'Failed' then

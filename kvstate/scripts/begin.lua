@@ -36,7 +36,7 @@ for j = 4, #KEYS do
 end
 why = why or mark
 if why then
-  set_status(tx, 'Failed', now_ms(), ttl, why)
+  set_status(tx, 'Failed', now_text(), ttl, why)
   touch(KEYS[2], ttl)
   mark_room(KEYS[3], why, ARGV[2])
   trace(tx, 'Failed', F_REASON, why)
@@ -44,7 +44,7 @@ if why then
 end
 if cur[1] == 'Bootstrapping' then return cur end
 if cur[1] ~= 'Transferring' then
-  set_status(tx, 'Transferring', now_ms(), ttl, nil)
+  set_status(tx, 'Transferring', now_text(), ttl, nil)
   touch(KEYS[2], ttl)
   trace(tx, 'Transferring')
 end

@@ -34,7 +34,7 @@ elseif string.sub(ARGV[2], 1, 3) == 'tx:' then
   infos = infos_in(read_room(KEYS[2], 'HGETALL'), string.sub(ARGV[2], 4))
   if #infos / 2 >= peers then status = 'WaitingForInput' end
 end
-local now = now_ms()
+local now = now_text()
 -- one HSET: the given fields, the creation stamp and the status (no since_ms: it
 -- equals created_ms until the status changes, and readers fall back to it)
 local fields = {F_CREATED_MS, now, F_STATUS, status}

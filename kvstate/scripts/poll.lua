@@ -18,16 +18,17 @@
 --         Bootstrapping (saves the sender a round trip)
 -- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
 --         _lib.lua): after the mark's key and TTL, so ARGV[4] stays optional
--- Returns {status, reason, {field, value, ...}, version}; status '' means missing;
--- version is -1 when no infos were returned.
+-- Returns {status, reason}, or {status, reason, {field, value, ...}, version} when it
+-- returns infos; status '' means missing. (No empty table and -1 placeholder: each
+-- table in a reply costs Redis CPU to convert, and a poll is the most frequent call.)
 take_trace()
 local key = KEYS[1]
 local h = redis.call('HMGET', key, F_STATUS, F_REASON, F_SINCE_MS,
   F_TIMEOUTS_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS, F_CREATED_MS)
-if not h[1] then return {'', 'missing', {}, -1} end
+if not h[1] then return {'', 'missing'} end
 local rank = rank_of(key, h[1])
 local status, reason = h[1], h[2] or ''
-if rank == 0 then return {status, reason, {}, -1} end
+if rank == 0 then return {status, reason} end
 -- everything read and checked before anything is written (design rule 7)
 local mark = read_mark(KEYS[3])
 local timed_out = nil
@@ -52,17 +53,16 @@ if not mark and (rank == 1 or rank == 2) then
 end
 if mark or timed_out then
   status, reason = 'Failed', mark or timed_out
-  set_status(key, status, now_ms(), ARGV[1], reason)
+  set_status(key, status, now_text(), ARGV[1], reason)
   touch(KEYS[2], ARGV[1])
   if timed_out then mark_room(KEYS[3], reason, ARGV[3]) end
   trace(key, 'Failed', F_REASON, reason)
-  return {status, reason, {}, -1}
+  return {status, reason}
 end
-local infos, version = {}, -1
 if ARGV[4] and rank >= 2 then
   local have = tonumber(h[5]) or 0
   if tostring(have) ~= ARGV[2] then
-    infos, version = infos_in(read_room(KEYS[2], 'HGETALL'), ARGV[4]), have
+    return {status, reason, infos_in(read_room(KEYS[2], 'HGETALL'), ARGV[4]), have}
   end
 end
-return {status, reason, infos, version}
+return {status, reason}

@@ -49,7 +49,7 @@ local names, incs, txk = {}, {}, {}  -- sender i: engine, incarnation, key
 local most = 0  -- lookup: the largest group size (`ranks`) declared by those listed
 if lookup then
   local inc_of, score_of = {}, {}
-  local listed = redis.pcall('ZRANGE', KEYS[4], '(' .. now_ms(), '+inf', 'BYSCORE', 'WITHSCORES')
+  local listed = redis.pcall('ZRANGE', KEYS[4], '(' .. now_text(), '+inf', 'BYSCORE', 'WITHSCORES')
   if listed.err then corrupt(KEYS[4], '*', 'not a sorted set') end
   for i = 1, #listed, 2 do
     local e, inc, ranks, role = string.match(listed[i], '^(%S+) (%S+) (%d+) (%S+)$')
@@ -152,7 +152,7 @@ local function finish_rx(status, reason)
   trace_bound()
   if status then
     put(F_STATUS, status)
-    put(F_SINCE_MS, now_ms())
+    put(F_SINCE_MS, now_text())
     if reason then put(F_REASON, reason) end
   end
   if #writes > 0 then redis.call('HSET', rx, unpack(writes)) end
@@ -212,7 +212,7 @@ for i = 1, n do
       local ready = t[1] == 'Bootstrapping'
         and t[5] + 1 - t[6] >= tonumber(t[3])
       if ready then
-        fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_ms()
+        fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_text()
       end
       redis.call('HSET', tx, unpack(fields))
       if ready then

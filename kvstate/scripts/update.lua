@@ -23,14 +23,14 @@ local mark = read_mark(KEYS[3])
 if new == 0 or (mark and new > RANK[cur[1]]) then
   local reason = ARGV[2]
   if new ~= 0 then reason = mark end
-  set_status(key, 'Failed', now_ms(), ARGV[3], reason)
+  set_status(key, 'Failed', now_text(), ARGV[3], reason)
   touch(KEYS[2], ARGV[3])
   mark_room(KEYS[3], reason, ARGV[4])
   trace(key, 'Failed', F_REASON, reason)
   return {'Failed', reason}
 end
 if new > RANK[cur[1]] then
-  set_status(key, ARGV[1], now_ms(), ARGV[3], nil)
+  set_status(key, ARGV[1], now_text(), ARGV[3], nil)
   touch(KEYS[2], ARGV[3])
   trace(key, ARGV[1])
   return {ARGV[1], cur[2]}
