@@ -160,20 +160,26 @@ local function read_status(key)
   return {h[1], h[2] or ''}
 end
 
--- The room trace (kvstate/trace.py). Every room script is called with the room's trace
--- list as its LAST key and the trace TTL in ms as its LAST argument: > 0 the room is
--- traced; 0 it is not (nothing written); < 0 append only to a trace that exists (an
--- abort by a process that does not trace the room, a clear). take_trace() takes both off
--- KEYS and ARGV, first thing, so that the script reads its lists as its header says
--- (into locals, not a table: this runs on every call).
+-- The room trace (kvstate/trace.py). Every room script is called with the trace TTL in
+-- ms as its LAST argument: > 0 the room is traced; 0 it is not (nothing written); < 0
+-- append only to a trace that exists (an abort by a process that does not trace the
+-- room, a clear); and, unless that TTL is 0, with the room's trace list as its LAST key
+-- (an untraced call carries neither key nor value it would not use: each argument costs
+-- Redis CPU to parse and to hand to Lua). take_trace() takes them off ARGV and KEYS,
+-- first thing, so that the script reads its lists as its header says (into locals, not
+-- a table: this runs on every call).
 local trace_key = nil
 local trace_ttl = nil
 local trace_timed = nil  -- the list's TTL set by this call
 local function take_trace()
-  local k, a = #KEYS, #ARGV
-  trace_key = KEYS[k]
+  local a = #ARGV
   trace_ttl = tonumber(ARGV[a]) or 0
-  KEYS[k], ARGV[a] = nil, nil
+  ARGV[a] = nil
+  if trace_ttl ~= 0 then
+    local k = #KEYS
+    trace_key = KEYS[k]
+    KEYS[k] = nil
+  end
 end
 
 -- Append one entry (a JSON object) to the room's trace, if it is traced: the server

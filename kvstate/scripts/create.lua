@@ -14,7 +14,8 @@
 --         this script alone
 -- ARGV[3..] field, value pairs (addr, peers, timeouts, peer bindings); side and
 --           engine are in the key name, not repeated in the hash
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL is 0
+--         (take_trace, _lib.lua)
 -- Returns {status, reason}, or for a new sender in WaitingForInput
 -- {status, reason, {field, value, ...}, 0} (poll.lua's answer: infos at version 0).
 take_trace()

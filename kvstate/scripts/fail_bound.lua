@@ -14,7 +14,8 @@
 --         is bound to some engine there)
 -- ARGV[4] peer incarnation, or '' for any
 -- ARGV[5] the failure mark's ttl in ms
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL is 0
+--         (take_trace, _lib.lua)
 -- Returns 1 if it failed the participant, else 0.
 take_trace()
 local key = KEYS[1]

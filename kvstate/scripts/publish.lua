@@ -36,8 +36,8 @@
 --         (`...{<room>}:tx:`), completed by a sender's engine
 -- ARGV[5+2i], ARGV[6+2i] (named) sender i's engine and the incarnation to bind
 -- ARGV[7..] (lookup) the senders the caller knows it is bound to: not published to here
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
---         _lib.lua): after the senders, taken off first, so the lists above hold
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
+--         is 0 (take_trace, _lib.lua): after the senders, taken off first, so the lists above hold
 -- Returns the receiver's {status, reason}; status '' means missing. A lookup that
 -- bound or found bound returns {status, reason, {}, -1, {engine, incarnation, ...} of
 -- the listed senders the receiver is bound to after it, the senders required}.

@@ -11,7 +11,8 @@
 -- ARGV[2] reason (recorded when the new status is Failed)
 -- ARGV[3] ttl in ms, refreshed whenever the status changes
 -- ARGV[4] the failure mark's ttl in ms
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL is 0
+--         (take_trace, _lib.lua)
 -- Returns {status, reason} after the update; status '' means missing.
 take_trace()
 local key = KEYS[1]

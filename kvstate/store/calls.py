@@ -99,16 +99,15 @@ class Calls:
         room: int | None = None,
         follow: bool = False,
     ) -> Call:
-        """A script call; with ``room``, the room's trace key and argument appended at
-        the end of its keys and arguments (``_lib.lua``'s take_trace)."""
+        """A script call; with ``room``, the trace argument appended at the end of its
+        arguments and, unless it is 0 (not traced), the room's trace key at the end of
+        its keys (``_lib.lua``'s take_trace: an untraced call carries neither)."""
         if room is None:
             return Call(tuple(keys), tuple(args), script=name, parse=parse)
-        return Call(
-            (*keys, self.keys.trace(room)),
-            (*args, self.trace_arg(room, follow)),
-            script=name,
-            parse=parse,
-        )
+        arg = self.trace_arg(room, follow)
+        if arg:
+            keys = (*keys, self.keys.trace(room))
+        return Call(tuple(keys), (*args, arg), script=name, parse=parse)
 
     def traced(self, room: int) -> bool:
         """Whether this store traces ``room`` (``Options.trace_rate``, by room id)."""
