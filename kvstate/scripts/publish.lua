@@ -39,8 +39,8 @@
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
 --         is 0 (take_trace, _lib.lua): after the senders, taken off first, so the lists above hold
 -- Returns the receiver's {status, reason}; status '' means missing. A lookup that
--- bound or found bound returns {status, reason, {}, -1, {engine, incarnation, ...} of
--- the listed senders the receiver is bound to after it, the senders required}.
+-- bound or found bound returns {status, reason, {engine, incarnation, ...} of the
+-- listed senders the receiver is bound to after it, the senders required}.
 take_trace()
 local rx = KEYS[1]
 local ttl = ARGV[1]
@@ -48,15 +48,15 @@ local lookup = ARGV[6] ~= ''
 local names, incs, txk = {}, {}, {}  -- sender i: engine, incarnation, key
 local most = 0  -- lookup: the largest group size (`ranks`) declared by those listed
 if lookup then
-  local inc_of, score_of = {}, {}
-  local listed = redis.pcall('ZRANGE', KEYS[4], '(' .. now_text(), '+inf', 'BYSCORE', 'WITHSCORES')
+  local inc_of = {}
+  -- members only, no scores: BYSCORE lists them in deadline order already
+  local listed = redis.pcall('ZRANGE', KEYS[4], '(' .. now_text(), '+inf', 'BYSCORE')
   if listed.err then corrupt(KEYS[4], '*', 'not a sorted set') end
-  for i = 1, #listed, 2 do
+  for i = 1, #listed do
     local e, inc, ranks, role = string.match(listed[i], '^(%S+) (%S+) (%d+) (%S+)$')
-    local score = tonumber(listed[i + 1])
-    if e and role == 'prefill' and (score_of[e] == nil or score > score_of[e]) then
-      if score_of[e] == nil then names[#names + 1] = e end
-      inc_of[e], score_of[e] = inc, score
+    if e and role == 'prefill' then
+      if inc_of[e] == nil then names[#names + 1] = e end
+      inc_of[e] = inc  -- listed by deadline: the last of a name is its latest incarnation
       most = math.max(most, tonumber(ranks))
     end
   end
@@ -130,7 +130,7 @@ for i = 1, n do
 end
 -- the answer: a lookup's carries whom it bound, and the senders required
 local function answer(st)
-  if lookup then return {st[1], st[2], {}, -1, answered, required} end
+  if lookup then return {st[1], st[2], answered, required} end
   return st
 end
 if #writes > 0 then put(F_BOUND, bound) end
