@@ -159,12 +159,29 @@ local function finish_rx(status, reason)
   redis.call('PEXPIRE', rx, ttl)
   touch(KEYS[2], ttl)
 end
--- the senders, read and checked before any write: their status and peers, and the
--- infos each holds in the room hash (a key of the wrong type raises here, nothing
--- written)
+-- the senders, read and checked before any write: their status and peers
 local senders, why = {}, read_mark(KEYS[3])
-local held_infos = {}  -- sender i: how many infos it holds, whether one is this receiver's
-if n > 0 then
+local counting = false  -- a Bootstrapping sender: whether this info makes it ready
+for i = 1, n do
+  local tx = txk[i]
+  local t = redis.call('HMGET', tx, F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
+  if t[1] then
+    rank_of(tx, t[1])
+    if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
+    if t[1] == 'Bootstrapping' then
+      number_of(tx, F_PEERS, t[3])
+      counting = true
+    end
+  end
+  senders[i] = t
+end
+-- the infos each sender holds in the room hash (t[5], and t[6] = 1 if one is this
+-- receiver's), read only when a Bootstrapping sender needs the count. The read also
+-- checks the room hash's type before any write (a key of the wrong type raises here,
+-- nothing written); where it is left out (one command less), the call publishes
+-- untraced, and its first write, the room hash's in the loop below, is that check.
+local first_write_checks = not (counting or why or ARGV[3] == '' or trace_ttl ~= 0)
+if n > 0 and not first_write_checks then
   local fields = read_room(KEYS[2], 'HKEYS')
   for i = 1, n do
     local prefix = F_XFER_PREFIX .. names[i] .. F_SEP
@@ -175,19 +192,8 @@ if n > 0 then
         if f == prefix .. ARGV[2] then mine = 1 end
       end
     end
-    held_infos[i] = {count, mine}
+    senders[i][5], senders[i][6] = count, mine
   end
-end
-for i = 1, n do
-  local tx = txk[i]
-  local t = redis.call('HMGET', tx, F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
-  if t[1] then
-    rank_of(tx, t[1])
-    if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
-    if t[1] == 'Bootstrapping' then number_of(tx, F_PEERS, t[3]) end
-  end
-  t[5], t[6] = held_infos[i][1], held_infos[i][2]
-  senders[i] = t
 end
 if why then
   finish_rx('Failed', why)
@@ -204,7 +210,11 @@ for i = 1, n do
   local tx = txk[i]
   if held[i] == incs[i] then
     -- the room hash's TTL: refreshed by finish_rx() below, after these writes
-    redis.call('HSET', KEYS[2], F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2], ARGV[3])
+    local done = redis.pcall('HSET', KEYS[2], F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2], ARGV[3])
+    if type(done) == 'table' and done.err then  -- only the first can fail: nothing written yet
+      if string.find(done.err, 'WRONGTYPE', 1, true) then corrupt(KEYS[2], '*', 'not a hash') end
+      raise(done)
+    end
     trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, names[i])
     local t = senders[i]
     if t[1] then
