@@ -14,7 +14,8 @@
 -- ARGV[3] the failure mark's ttl in ms
 -- ARGV[3+i] room member i (tx:<engine> / rx:<engine>), as the caller read it
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
---         is 0 (take_trace, _lib.lua): after the participants, taken off first, so the lists above hold
+--         is 0 (take_trace, _lib.lua): after the participants, taken off first, so the lists
+--         above hold
 -- Returns the number of participants moved to Failed, or -1.
 take_trace()
 local room = KEYS[1]

@@ -18,7 +18,8 @@
 -- ARGV[3] the failure mark's ttl in ms
 -- ARGV[3+j] receiver j's engine (named in a reason)
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
---         is 0 (take_trace, _lib.lua): after the receivers, taken off first, so the lists above hold
+--         is 0 (take_trace, _lib.lua): after the receivers, taken off first, so the lists
+--         above hold
 -- Returns the sender's {status, reason}; status '' means missing.
 take_trace()
 local tx = KEYS[1]

@@ -17,7 +17,8 @@
 --         xfer:<engine>,<receiver> fields) to return with the status once it is past
 --         Bootstrapping (saves the sender a round trip)
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
---         is 0 (take_trace, _lib.lua): after the mark's key and TTL, so ARGV[4] stays optional
+--         is 0 (take_trace, _lib.lua): after the mark's key and TTL, so ARGV[4] stays
+--         optional
 -- Returns {status, reason}, or {status, reason, {field, value, ...}, version} when it
 -- returns infos; status '' means missing. (No empty table and -1 placeholder: each
 -- table in a reply costs Redis CPU to convert, and a poll is the most frequent call.)

@@ -37,7 +37,8 @@
 -- ARGV[5+2i], ARGV[6+2i] (named) sender i's engine and the incarnation to bind
 -- ARGV[7..] (lookup) the senders the caller knows it is bound to: not published to here
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
---         is 0 (take_trace, _lib.lua): after the senders, taken off first, so the lists above hold
+--         is 0 (take_trace, _lib.lua): after the senders, taken off first, so the lists
+--         above hold
 -- Returns the receiver's {status, reason}; status '' means missing. A lookup that
 -- bound or found bound returns {status, reason, {engine, incarnation, ...} of the
 -- listed senders the receiver is bound to after it, the senders required}.
@@ -210,7 +211,8 @@ for i = 1, n do
   local tx = txk[i]
   if held[i] == incs[i] then
     -- the room hash's TTL: refreshed by finish_rx() below, after these writes
-    local done = redis.pcall('HSET', KEYS[2], F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2], ARGV[3])
+    local field = F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2]
+    local done = redis.pcall('HSET', KEYS[2], field, ARGV[3])
     if type(done) == 'table' and done.err then  -- only the first can fail: nothing written yet
       if string.find(done.err, 'WRONGTYPE', 1, true) then corrupt(KEYS[2], '*', 'not a hash') end
       raise(done)

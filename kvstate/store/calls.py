@@ -106,7 +106,7 @@ class Calls:
     ) -> Call:
         """A script call; with ``room``, the trace argument appended at the end of its
         arguments and, unless it is 0 (not traced), the room's trace key at the end of
-        its keys (``_lib.lua``'s take_trace: an untraced call carries neither)."""
+        its keys (``_lib.lua``'s take_trace: an untraced call carries no trace key)."""
         if room is None:
             return Call(tuple(keys), tuple(args), script=name, parse=parse)
         arg = self.trace_arg(room, follow)
