@@ -580,7 +580,7 @@ class KVReceiver(Participant):
     def _looked_up(self, raw: Any) -> Status:
         """A lookup binding's reply (parsed as it comes back): whom it bound, kept for
         the next ``_absorb``, which the batch's status reply reaches."""
-        st = Status.parse(raw)
+        st = Status.parse_bound(raw)
         self._found, self._lookup_out = st, False
         return st
 

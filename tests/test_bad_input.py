@@ -156,6 +156,32 @@ def test_corrupt_status_written_with_redis_cli(store: Store, redis_cli, redis_ur
         snd.clear()
 
 
+@pytest.mark.parametrize("rate", [0.0, 1.0], ids=["untraced", "traced"])
+def test_room_hash_of_another_type_at_publish(redis_url: str, rate: float) -> None:
+    """A room hash that is not a hash, met by init()'s publish.lua: CorruptStateError
+    naming it, and nothing written, no trace entry either. Untraced, the script does
+    not read the room hash first when no sender needs its count (issue 22): its first
+    write is the check; traced, the read still goes first."""
+    store = kvstate.connect(
+        redis_url, namespace="badroom", options=kvstate.Options(trace_rate=rate)
+    )
+    p, d = managers(store)
+    with p, d:
+        rcv = d.receiver(5, PREFILL_ADDR)
+        assert rcv.poll() == KVPoll.Bootstrapping  # created and bound, nothing published
+        room = store.keys.room_hash(5)
+        store.client.delete(room)
+        store.client.set(room, "not a hash", px=60_000)
+        before = snapshot(store)
+        with pytest.raises(CorruptStateError) as info:
+            rcv.init([1, 2, 3])
+        assert info.value.key == room
+        assert snapshot(store) == before
+        store.client.delete(room)
+        rcv.clear()
+    store.close()
+
+
 @pytest.mark.parametrize(
     "indices", [[-1, 2], [1.5, 2.0], [[1, 2]], ["a"], [2**31], [True, False]], ids=repr
 )

@@ -69,7 +69,9 @@ def test_library_is_generated_from_the_lua_files() -> None:
         assert functions.FUNCTIONS[name] == f"{functions.NAME}_{name}"
         assert body in functions.LIBRARY
     assert "replicate_commands" not in functions.LIBRARY  # EVAL-only; absent in functions
-    assert functions.per_call_state(scripts.LIB) == {"clock": "nil", "tracing": "nil"}
+    assert functions.per_call_state(scripts.LIB) == dict.fromkeys(
+        ("clock", "clock_text", "trace_key", "trace_ttl", "trace_timed"), "nil"
+    )
 
 
 def test_fcall_on_redis_7(redis_server_factory: Callable[..., RedisProcess]) -> None:

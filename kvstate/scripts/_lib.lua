@@ -43,12 +43,23 @@ local F_EV_CLEARED = 'cleared'
 local RANK = {Failed = 0, Bootstrapping = 1, WaitingForInput = 2, Transferring = 3, Success = 4}
 
 -- The server clock in ms: TIME at most once per script, and only when a script
--- needs it (most calls change no status and never ask).
+-- needs it (most calls change no status and never ask). now_text() is what a script
+-- writes (created_ms, since_ms...), made from TIME's digits: a Lua number passed to
+-- redis.call is formatted by sprintf("%.14g"), a measurable part of Redis CPU per
+-- lifecycle; now_ms() is the same instant as a number, for arithmetic.
 local clock = nil
+local clock_text = nil
+local function now_text()
+  if clock_text == nil then
+    local t = redis.call('TIME')  -- {seconds, microseconds}, both digits only
+    clock_text = t[1] .. string.sub('00000' .. t[2], -6, -4)
+  end
+  return clock_text
+end
+
 local function now_ms()
   if clock == nil then
-    local t = redis.call('TIME')
-    clock = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    clock = tonumber(now_text())
   end
   return clock
 end
@@ -151,14 +162,26 @@ local function read_status(key)
   return {h[1], h[2] or ''}
 end
 
--- The room trace (kvstate/trace.py). Every room script is called with the room's trace
--- list as its LAST key and the trace TTL in ms as its LAST argument: > 0 the room is
--- traced; 0 it is not (nothing written); < 0 append only to a trace that exists (an
--- abort by a process that does not trace the room, a clear). take_trace() takes both off
--- KEYS and ARGV, first thing, so that the script reads its lists as its header says.
-local tracing = nil
+-- The room trace (kvstate/trace.py). Every room script is called with the trace TTL in
+-- ms as its LAST argument: > 0 the room is traced; 0 it is not (nothing written); < 0
+-- append only to a trace that exists (an abort by a process that does not trace the
+-- room, a clear); and, unless that TTL is 0, with the room's trace list as its LAST key
+-- (an untraced call carries neither key nor value it would not use: each argument costs
+-- Redis CPU to parse and to hand to Lua). take_trace() takes them off ARGV and KEYS,
+-- first thing, so that the script reads its lists as its header says (into locals, not
+-- a table: this runs on every call).
+local trace_key = nil
+local trace_ttl = nil
+local trace_timed = nil  -- the list's TTL set by this call
 local function take_trace()
-  tracing = {table.remove(KEYS), tonumber(table.remove(ARGV)) or 0}
+  local a = #ARGV
+  trace_ttl = tonumber(ARGV[a]) or 0
+  ARGV[a] = nil
+  if trace_ttl ~= 0 then
+    local k = #KEYS
+    trace_key = KEYS[k]
+    KEYS[k] = nil
+  end
 end
 
 -- Append one entry (a JSON object) to the room's trace, if it is traced: the server
@@ -168,7 +191,7 @@ end
 -- after every read that can raise (bad input writes nothing, design rule 7) and, where
 -- the script allows, after its own writes (at maxmemory the state write is refused).
 local function trace(key, event, ...)
-  local ttl = tracing[2]
+  local ttl = trace_ttl
   if ttl == 0 then return end
   local side, engine = nil, nil
   if key then side, engine = string.match(key, '}:([tr]x):(.*)$') end
@@ -179,12 +202,12 @@ local function trace(key, event, ...)
     if value ~= nil then entry[name] = value end
   end
   if ttl < 0 then
-    if redis.call('RPUSHX', tracing[1], cjson.encode(entry)) == 0 then return end
+    if redis.call('RPUSHX', trace_key, cjson.encode(entry)) == 0 then return end
   else
-    redis.call('RPUSH', tracing[1], cjson.encode(entry))
+    redis.call('RPUSH', trace_key, cjson.encode(entry))
   end
-  if not tracing[3] then  -- the TTL once per script call: its entries share its clock
-    redis.call('PEXPIRE', tracing[1], math.abs(ttl))
-    tracing[3] = true
+  if not trace_timed then  -- the TTL once per script call: its entries share its clock
+    redis.call('PEXPIRE', trace_key, math.abs(ttl))
+    trace_timed = true
   end
 end

@@ -13,8 +13,9 @@
 -- ARGV[2] reason (unless the room already failed: its first reason stays)
 -- ARGV[3] the failure mark's ttl in ms
 -- ARGV[3+i] room member i (tx:<engine> / rx:<engine>), as the caller read it
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
---         _lib.lua): after the participants, taken off first, so the lists above hold
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
+--         is 0 (take_trace, _lib.lua): after the participants, taken off first, so the lists
+--         above hold
 -- Returns the number of participants moved to Failed, or -1.
 take_trace()
 local room = KEYS[1]
@@ -50,7 +51,7 @@ if type(first) == 'string' then
 else  -- none, or a corrupt mark (SET replaces a key of any type)
   redis.call('SET', KEYS[2], reason, 'PX', ARGV[3])
 end
-local now = now_ms()
+local now = now_text()
 local failed = 0
 for i = 1, n do
   if statuses[i] and statuses[i] ~= 'Failed' then

@@ -14,8 +14,9 @@
 -- ARGV[2] the failure mark's ttl in ms
 -- ARGV[3] unused, so that ARGV[k] names the receiver of KEYS[k]
 -- ARGV[3+j] receiver j's engine (named in the reason)
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
---         _lib.lua): after the receivers, taken off first, so the lists above hold
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
+--         is 0 (take_trace, _lib.lua): after the receivers, taken off first, so the lists
+--         above hold
 -- Returns the sender's {status, reason}; status '' means missing.
 take_trace()
 local tx = KEYS[1]
@@ -36,7 +37,7 @@ for j = 4, #KEYS do
 end
 why = why or mark
 if why then
-  set_status(tx, 'Failed', now_ms(), ttl, why)
+  set_status(tx, 'Failed', now_text(), ttl, why)
   touch(KEYS[2], ttl)
   mark_room(KEYS[3], why, ARGV[2])
   trace(tx, 'Failed', F_REASON, why)
@@ -44,7 +45,7 @@ if why then
 end
 if cur[1] == 'Bootstrapping' then return cur end
 if cur[1] ~= 'Transferring' then
-  set_status(tx, 'Transferring', now_ms(), ttl, nil)
+  set_status(tx, 'Transferring', now_text(), ttl, nil)
   touch(KEYS[2], ttl)
   trace(tx, 'Transferring')
 end

@@ -14,7 +14,8 @@
 --         this script alone
 -- ARGV[3..] field, value pairs (peers, timeouts unless the default, a receiver's
 --           peer address); side and engine are in the key name, not repeated in the hash
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL is 0
+--         (take_trace, _lib.lua)
 -- Returns {status, reason}, or for a new sender in WaitingForInput
 -- {status, reason, {field, value, ...}, 0} (poll.lua's answer: infos at version 0).
 take_trace()
@@ -34,7 +35,7 @@ elseif string.sub(ARGV[2], 1, 3) == 'tx:' then
   infos = infos_in(read_room(KEYS[2], 'HGETALL'), string.sub(ARGV[2], 4))
   if #infos / 2 >= peers then status = 'WaitingForInput' end
 end
-local now = now_ms()
+local now = now_text()
 -- one HSET: the given fields, the creation stamp and the status (no since_ms: it
 -- equals created_ms until the status changes, and readers fall back to it)
 local fields = {F_CREATED_MS, now, F_STATUS, status}

@@ -14,7 +14,8 @@
 --         is bound to some engine there)
 -- ARGV[4] peer incarnation, or '' for any
 -- ARGV[5] the failure mark's ttl in ms
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL is 0
+--         (take_trace, _lib.lua)
 -- Returns 1 if it failed the participant, else 0.
 take_trace()
 local key = KEYS[1]
@@ -26,7 +27,7 @@ if ARGV[3] ~= '' then
   if not h[2] then return 0 end
   if ARGV[4] ~= '' and h[2] ~= ARGV[4] then return 0 end
 end
-set_status(key, 'Failed', now_ms(), ARGV[1], ARGV[2])
+set_status(key, 'Failed', now_text(), ARGV[1], ARGV[2])
 touch(KEYS[2], ARGV[1])
 mark_room(KEYS[3], ARGV[2], ARGV[5])
 trace(key, 'Failed', F_REASON, ARGV[2])

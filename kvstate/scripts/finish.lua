@@ -17,8 +17,9 @@
 -- ARGV[2] sender engine (the name added to each receiver's acks)
 -- ARGV[3] the failure mark's ttl in ms
 -- ARGV[3+j] receiver j's engine (named in a reason)
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
---         _lib.lua): after the receivers, taken off first, so the lists above hold
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
+--         is 0 (take_trace, _lib.lua): after the receivers, taken off first, so the lists
+--         above hold
 -- Returns the sender's {status, reason}; status '' means missing.
 take_trace()
 local tx = KEYS[1]
@@ -69,7 +70,7 @@ if #waiting > 0 then  -- their acks so far, in one read of the room hash
 end
 why = why or mark
 if why then
-  set_status(tx, 'Failed', now_ms(), ttl, why)
+  set_status(tx, 'Failed', now_text(), ttl, why)
   touch(KEYS[2], ttl)
   mark_room(KEYS[3], why, ARGV[3])
   trace(tx, 'Failed', F_REASON, why)
@@ -77,14 +78,14 @@ if why then
 end
 if cur[1] ~= 'Transferring' and cur[1] ~= 'Success' then return cur end
 if cur[1] ~= 'Success' then
-  set_status(tx, 'Success', now_ms(), ttl, nil)
+  set_status(tx, 'Success', now_text(), ttl, nil)
   trace(tx, 'Success')
 end
 if cur[1] == 'Success' then redis.call('PEXPIRE', tx, ttl) end
 for _, w in ipairs(waiting) do
   if w[4] then redis.call('HSET', KEYS[2], w[2], w[4]) end  -- unless acked before
   if w[3] >= 1 and w[5] >= w[3] then
-    set_status(w[1], 'Success', now_ms(), ttl, nil)
+    set_status(w[1], 'Success', now_text(), ttl, nil)
     trace(w[1], 'Success')
   end
 end

@@ -17,18 +17,22 @@
 -- ARGV[4] (optional) the sender's engine, whose transfer infos (the room hash's
 --         xfer:<engine>,<receiver> fields) to return with the status once it is past
 --         Bootstrapping (saves the sender a round trip)
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
---         _lib.lua): after the mark's key and TTL, so ARGV[4] stays optional
--- Returns {status, reason, {field, value, ...}, version}; status '' means missing;
--- version is -1 when no infos were returned.
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
+--         is 0 (take_trace, _lib.lua): after the mark's key and TTL, so ARGV[4] stays
+--         optional
+-- Returns {status, reason}, or {status, reason, {field, value, ...}, version} when it
+-- returns infos; status '' means missing. (No empty table and -1 placeholder: each
+-- table in a reply costs Redis CPU to convert, and a poll is the most frequent call.)
 take_trace()
 local key = KEYS[1]
+-- what every poll may need; the binding fields a timeout's reason names are read
+-- only at that timeout (each field read costs Redis CPU, and polls are most calls)
 local h = redis.call('HMGET', key, F_STATUS, F_REASON, F_SINCE_MS,
-  F_TIMEOUTS_MS, F_INFOS_V, F_PEER_ADDR, F_BOUND, F_PEERS, F_CREATED_MS)
-if not h[1] then return {'', 'missing', {}, -1} end
+  F_TIMEOUTS_MS, F_INFOS_V, F_CREATED_MS)
+if not h[1] then return {'', 'missing'} end
 local rank = rank_of(key, h[1])
 local status, reason = h[1], h[2] or ''
-if rank == 0 then return {status, reason, {}, -1} end
+if rank == 0 then return {status, reason} end
 -- everything read and checked before anything is written (design rule 7)
 local mark = read_mark(KEYS[3])
 local timed_out = nil
@@ -37,15 +41,16 @@ if not mark and (rank == 1 or rank == 2) then
   if not bootstrap then corrupt(key, F_TIMEOUTS_MS, h[4]) end
   local limit = tonumber((rank == 1) and bootstrap or waiting)
   -- since_ms is written at the first status change; until then it is created_ms
-  local waited = now_ms() - number_of(key, F_SINCE_MS, h[3] or h[9])
+  local waited = now_ms() - number_of(key, F_SINCE_MS, h[3] or h[6])
   if limit > 0 and waited > limit then
     timed_out = string.format('%s timeout: %s for %.1f s (limit %.1f s)',
       (rank == 1) and 'bootstrap' or 'waiting', h[1], waited / 1000, limit / 1000)
-    if rank == 1 and h[6] then
-      local peers = tonumber(h[8]) or 0
+    local b = (rank == 1) and redis.call('HMGET', key, F_PEER_ADDR, F_BOUND, F_PEERS) or {}
+    if b[1] then  -- a receiver: how far its binding got
+      local peers, bound = tonumber(b[3]) or 0, tonumber(b[2]) or 0
       timed_out = timed_out .. string.format('; bound %d of %s senders at %s',
-        tonumber(h[7]) or 0, (peers > 0) and tostring(peers) or '?', h[6])
-      if h[6] and (tonumber(h[7]) or 0) >= peers and peers > 0 then
+        bound, (peers > 0) and tostring(peers) or '?', b[1])
+      if bound >= peers and peers > 0 then
         timed_out = timed_out .. ' (bound, but init() was never called: nothing published)'
       end
     end
@@ -53,17 +58,16 @@ if not mark and (rank == 1 or rank == 2) then
 end
 if mark or timed_out then
   status, reason = 'Failed', mark or timed_out
-  set_status(key, status, now_ms(), ARGV[1], reason)
+  set_status(key, status, now_text(), ARGV[1], reason)
   touch(KEYS[2], ARGV[1])
   if timed_out then mark_room(KEYS[3], reason, ARGV[3]) end
   trace(key, 'Failed', F_REASON, reason)
-  return {status, reason, {}, -1}
+  return {status, reason}
 end
-local infos, version = {}, -1
 if ARGV[4] and rank >= 2 then
   local have = tonumber(h[5]) or 0
   if tostring(have) ~= ARGV[2] then
-    infos, version = infos_in(read_room(KEYS[2], 'HGETALL'), ARGV[4]), have
+    return {status, reason, infos_in(read_room(KEYS[2], 'HGETALL'), ARGV[4]), have}
   end
 end
-return {status, reason, infos, version}
+return {status, reason}

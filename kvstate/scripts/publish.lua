@@ -36,11 +36,12 @@
 --         (`...{<room>}:tx:`), completed by a sender's engine
 -- ARGV[5+2i], ARGV[6+2i] (named) sender i's engine and the incarnation to bind
 -- ARGV[7..] (lookup) the senders the caller knows it is bound to: not published to here
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace,
---         _lib.lua): after the senders, taken off first, so the lists above hold
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
+--         is 0 (take_trace, _lib.lua): after the senders, taken off first, so the lists
+--         above hold
 -- Returns the receiver's {status, reason}; status '' means missing. A lookup that
--- bound or found bound returns {status, reason, {}, -1, {engine, incarnation, ...} of
--- the listed senders the receiver is bound to after it, the senders required}.
+-- bound or found bound returns {status, reason, {engine, incarnation, ...} of the
+-- listed senders the receiver is bound to after it, the senders required}.
 take_trace()
 local rx = KEYS[1]
 local ttl = ARGV[1]
@@ -48,15 +49,15 @@ local lookup = ARGV[6] ~= ''
 local names, incs, txk = {}, {}, {}  -- sender i: engine, incarnation, key
 local most = 0  -- lookup: the largest group size (`ranks`) declared by those listed
 if lookup then
-  local inc_of, score_of = {}, {}
-  local listed = redis.pcall('ZRANGE', KEYS[4], '(' .. now_ms(), '+inf', 'BYSCORE', 'WITHSCORES')
+  local inc_of = {}
+  -- members only, no scores: BYSCORE lists them in deadline order already
+  local listed = redis.pcall('ZRANGE', KEYS[4], '(' .. now_text(), '+inf', 'BYSCORE')
   if listed.err then corrupt(KEYS[4], '*', 'not a sorted set') end
-  for i = 1, #listed, 2 do
+  for i = 1, #listed do
     local e, inc, ranks, role = string.match(listed[i], '^(%S+) (%S+) (%d+) (%S+)$')
-    local score = tonumber(listed[i + 1])
-    if e and role == 'prefill' and (score_of[e] == nil or score > score_of[e]) then
-      if score_of[e] == nil then names[#names + 1] = e end
-      inc_of[e], score_of[e] = inc, score
+    if e and role == 'prefill' then
+      if inc_of[e] == nil then names[#names + 1] = e end
+      inc_of[e] = inc  -- listed by deadline: the last of a name is its latest incarnation
       most = math.max(most, tonumber(ranks))
     end
   end
@@ -130,7 +131,7 @@ for i = 1, n do
 end
 -- the answer: a lookup's carries whom it bound, and the senders required
 local function answer(st)
-  if lookup then return {st[1], st[2], {}, -1, answered, required} end
+  if lookup then return {st[1], st[2], answered, required} end
   return st
 end
 if #writes > 0 then put(F_BOUND, bound) end
@@ -152,19 +153,36 @@ local function finish_rx(status, reason)
   trace_bound()
   if status then
     put(F_STATUS, status)
-    put(F_SINCE_MS, now_ms())
+    put(F_SINCE_MS, now_text())
     if reason then put(F_REASON, reason) end
   end
   if #writes > 0 then redis.call('HSET', rx, unpack(writes)) end
   redis.call('PEXPIRE', rx, ttl)
   touch(KEYS[2], ttl)
 end
--- the senders, read and checked before any write: their status and peers, and the
--- infos each holds in the room hash (a key of the wrong type raises here, nothing
--- written)
+-- the senders, read and checked before any write: their status and peers
 local senders, why = {}, read_mark(KEYS[3])
-local held_infos = {}  -- sender i: how many infos it holds, whether one is this receiver's
-if n > 0 then
+local counting = false  -- a Bootstrapping sender: whether this info makes it ready
+for i = 1, n do
+  local tx = txk[i]
+  local t = redis.call('HMGET', tx, F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
+  if t[1] then
+    rank_of(tx, t[1])
+    if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
+    if t[1] == 'Bootstrapping' then
+      number_of(tx, F_PEERS, t[3])
+      counting = true
+    end
+  end
+  senders[i] = t
+end
+-- the infos each sender holds in the room hash (t[5], and t[6] = 1 if one is this
+-- receiver's), read only when a Bootstrapping sender needs the count. The read also
+-- checks the room hash's type before any write (a key of the wrong type raises here,
+-- nothing written); where it is left out (one command less), the call publishes
+-- untraced, and its first write, the room hash's in the loop below, is that check.
+local first_write_checks = not (counting or why or ARGV[3] == '' or trace_ttl ~= 0)
+if n > 0 and not first_write_checks then
   local fields = read_room(KEYS[2], 'HKEYS')
   for i = 1, n do
     local prefix = F_XFER_PREFIX .. names[i] .. F_SEP
@@ -175,19 +193,8 @@ if n > 0 then
         if f == prefix .. ARGV[2] then mine = 1 end
       end
     end
-    held_infos[i] = {count, mine}
+    senders[i][5], senders[i][6] = count, mine
   end
-end
-for i = 1, n do
-  local tx = txk[i]
-  local t = redis.call('HMGET', tx, F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
-  if t[1] then
-    rank_of(tx, t[1])
-    if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
-    if t[1] == 'Bootstrapping' then number_of(tx, F_PEERS, t[3]) end
-  end
-  t[5], t[6] = held_infos[i][1], held_infos[i][2]
-  senders[i] = t
 end
 if why then
   finish_rx('Failed', why)
@@ -204,7 +211,12 @@ for i = 1, n do
   local tx = txk[i]
   if held[i] == incs[i] then
     -- the room hash's TTL: refreshed by finish_rx() below, after these writes
-    redis.call('HSET', KEYS[2], F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2], ARGV[3])
+    local field = F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2]
+    local done = redis.pcall('HSET', KEYS[2], field, ARGV[3])
+    if type(done) == 'table' and done.err then  -- only the first can fail: nothing written yet
+      if string.find(done.err, 'WRONGTYPE', 1, true) then corrupt(KEYS[2], '*', 'not a hash') end
+      raise(done)
+    end
     trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, names[i])
     local t = senders[i]
     if t[1] then
@@ -212,7 +224,7 @@ for i = 1, n do
       local ready = t[1] == 'Bootstrapping'
         and t[5] + 1 - t[6] >= tonumber(t[3])
       if ready then
-        fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_ms()
+        fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_text()
       end
       redis.call('HSET', tx, unpack(fields))
       if ready then

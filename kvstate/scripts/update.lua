@@ -11,7 +11,8 @@
 -- ARGV[2] reason (recorded when the new status is Failed)
 -- ARGV[3] ttl in ms, refreshed whenever the status changes
 -- ARGV[4] the failure mark's ttl in ms
--- KEYS[#KEYS], ARGV[#ARGV] (last) the room's trace list, the trace TTL (take_trace, _lib.lua)
+-- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL is 0
+--         (take_trace, _lib.lua)
 -- Returns {status, reason} after the update; status '' means missing.
 take_trace()
 local key = KEYS[1]
@@ -23,14 +24,14 @@ local mark = read_mark(KEYS[3])
 if new == 0 or (mark and new > RANK[cur[1]]) then
   local reason = ARGV[2]
   if new ~= 0 then reason = mark end
-  set_status(key, 'Failed', now_ms(), ARGV[3], reason)
+  set_status(key, 'Failed', now_text(), ARGV[3], reason)
   touch(KEYS[2], ARGV[3])
   mark_room(KEYS[3], reason, ARGV[4])
   trace(key, 'Failed', F_REASON, reason)
   return {'Failed', reason}
 end
 if new > RANK[cur[1]] then
-  set_status(key, ARGV[1], now_ms(), ARGV[3], nil)
+  set_status(key, ARGV[1], now_text(), ARGV[3], nil)
   touch(KEYS[2], ARGV[3])
   trace(key, ARGV[1])
   return {ARGV[1], cur[2]}

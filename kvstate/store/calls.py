@@ -9,7 +9,7 @@ Roles batch the calls they build and hand them to ``Store.execute``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstate import schema
@@ -48,13 +48,18 @@ class Status:
             flat = raw[2]
             infos = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
         version = int(raw[3]) if len(raw) > 3 else -1
-        bound, required = None, 0
-        if len(raw) > 5:
-            flat = raw[4]
-            bound = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-            required = int(raw[5])
         status = KVPoll[name] if name else None
-        return cls(status, "" if not name else reason, infos, version, bound, required)
+        return cls(status, "" if not name else reason, infos, version)
+
+    @classmethod
+    def parse_bound(cls, raw: Any) -> Status:
+        """A publish.lua lookup's answer: {status, reason}, or, once it bound or found
+        bound, {status, reason, {engine, incarnation, ...}, senders required}."""
+        if len(raw) < 4:
+            return cls.parse(raw)
+        flat = raw[2]
+        bound = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+        return replace(cls.parse(raw[:2]), bound=bound, required=int(raw[3]))
 
 
 def _identity(raw: Any) -> Any:
@@ -99,16 +104,15 @@ class Calls:
         room: int | None = None,
         follow: bool = False,
     ) -> Call:
-        """A script call; with ``room``, the room's trace key and argument appended at
-        the end of its keys and arguments (``_lib.lua``'s take_trace)."""
+        """A script call; with ``room``, the trace argument appended at the end of its
+        arguments and, unless it is 0 (not traced), the room's trace key at the end of
+        its keys (``_lib.lua``'s take_trace: an untraced call carries no trace key)."""
         if room is None:
             return Call(tuple(keys), tuple(args), script=name, parse=parse)
-        return Call(
-            (*keys, self.keys.trace(room)),
-            (*args, self.trace_arg(room, follow)),
-            script=name,
-            parse=parse,
-        )
+        arg = self.trace_arg(room, follow)
+        if arg:
+            keys = (*keys, self.keys.trace(room))
+        return Call(tuple(keys), (*args, arg), script=name, parse=parse)
 
     def traced(self, room: int) -> bool:
         """Whether this store traces ``room`` (``Options.trace_rate``, by room id)."""
@@ -190,7 +194,7 @@ class Calls:
         if lookup is not None:
             keys.append(k.engines_at(lookup))
             args += [k.participant(room, "tx", ""), *senders]
-            return self._script("publish", keys, args, Status.parse, room)
+            return self._script("publish", keys, args, Status.parse_bound, room)
         args.append("")  # no lookup: the senders follow
         for sender, incarnation in senders.items():
             keys.append(k.participant(room, "tx", sender))

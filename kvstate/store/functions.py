@@ -8,7 +8,7 @@ second copy of any Lua): ``_lib.lua`` once at
 library level, its helpers made once at load instead of per call, and each script's
 body as the callback of ``kvstate_<hash>_<script>``. Functions see no globals, so the
 library declares ``KEYS``, ``ARGV`` and ``_lib.lua``'s per-call state (``clock``,
-``tracing``: the locals a helper assigns) as library locals, and each callback sets
+``trace_key``...: the locals a helper assigns) as library locals, and each callback sets
 them first thing; a script's body and the helpers then read them as they do under
 EVAL. Redis runs one call at a time, so nothing leaks between calls.
 
