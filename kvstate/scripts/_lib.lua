@@ -106,16 +106,22 @@ local function touch(room, ttl)
   redis.call('PEXPIRE', room, ttl)
 end
 
--- The room hash (KEYS: kvstate:<ns>:{<room>}:room), read whole by `cmd` (HGETALL or
--- HKEYS): a small listpack. A key of another type is corrupt, named here, before the
--- calling script wrote anything (design rule 7).
-local function read_room(room, cmd)
-  local all = redis.pcall(cmd, room)
-  if all.err then
-    if string.find(all.err, 'WRONGTYPE', 1, true) then corrupt(room, '*', 'not a hash') end
-    raise(all)  -- anything else (the ACL refusing it...) as it is
+-- A reply of redis.pcall on `key`, returned as it is unless it is an error: WRONGTYPE
+-- means the key is corrupt (`what` it is instead, named before the calling script wrote
+-- anything: design rule 7); any other error (the ACL refusing the command...) is raised
+-- as it is.
+local function checked(key, what, reply)
+  if type(reply) == 'table' and reply.err then
+    if string.find(reply.err, 'WRONGTYPE', 1, true) then corrupt(key, '*', what) end
+    raise(reply)
   end
-  return all
+  return reply
+end
+
+-- `cmd` on the room hash (KEYS: kvstate:<ns>:{<room>}:room, a small listpack), with
+-- its type checked: a key of another type is corrupt (checked()).
+local function room_call(room, cmd, ...)
+  return checked(room, 'not a hash', redis.pcall(cmd, room, ...))
 end
 
 -- The transfer infos addressed to `sender` in a room hash read by HGETALL (`all`):
@@ -137,12 +143,7 @@ end
 -- room's first failure, or nil. A mark that is not a string is corrupt (named here,
 -- before the calling script wrote anything: design rule 7).
 local function read_mark(mark)
-  local v = redis.pcall('GET', mark)
-  if type(v) == 'table' and v.err then
-    if string.find(v.err, 'WRONGTYPE', 1, true) then corrupt(mark, '*', 'not a string') end
-    raise(v)  -- anything else (the ACL refusing GET...) as it is
-  end
-  return v
+  return checked(mark, 'not a string', redis.pcall('GET', mark))
 end
 
 -- Record that the room failed (design rule 3, one outcome per room): the first reason

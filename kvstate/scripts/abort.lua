@@ -22,7 +22,7 @@ local room = KEYS[1]
 local n = #KEYS - 2
 -- the room's participants now: its fields but the transfer infos and acks
 local listed, count = {}, 0
-for _, f in ipairs(read_room(room, 'HKEYS')) do
+for _, f in ipairs(room_call(room, 'HKEYS')) do
   if string.sub(f, 1, #F_XFER_PREFIX) ~= F_XFER_PREFIX
     and string.sub(f, 1, #F_ACK_PREFIX) ~= F_ACK_PREFIX then
     listed[f], count = true, count + 1

@@ -32,7 +32,7 @@ elseif string.sub(ARGV[2], 1, 3) == 'tx:' then
     if ARGV[i] == F_PEERS then peers = ARGV[i + 1] end
   end
   peers = number_of(key, F_PEERS, peers)
-  infos = infos_in(read_room(KEYS[2], 'HGETALL'), string.sub(ARGV[2], 4))
+  infos = infos_in(room_call(KEYS[2], 'HGETALL'), string.sub(ARGV[2], 4))
   if #infos / 2 >= peers then status = 'WaitingForInput' end
 end
 local now = now_text()

@@ -49,11 +49,7 @@ end
 if #waiting > 0 then  -- their acks so far, in one read of the room hash
   local fields = {}
   for i, w in ipairs(waiting) do fields[i] = w[2] end
-  local acks = redis.pcall('HMGET', KEYS[2], unpack(fields))
-  if acks.err then
-    if string.find(acks.err, 'WRONGTYPE', 1, true) then corrupt(KEYS[2], '*', 'not a hash') end
-    raise(acks)  -- anything else (the ACL refusing HMGET...) as it is
-  end
+  local acks = room_call(KEYS[2], 'HMGET', unpack(fields))
   for i, w in ipairs(waiting) do
     local list = acks[i] or ''
     local n, seen = 0, false

@@ -67,7 +67,7 @@ end
 if ARGV[4] and rank >= 2 then
   local have = tonumber(h[5]) or 0
   if tostring(have) ~= ARGV[2] then
-    return {status, reason, infos_in(read_room(KEYS[2], 'HGETALL'), ARGV[4]), have}
+    return {status, reason, infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4]), have}
   end
 end
 return {status, reason}

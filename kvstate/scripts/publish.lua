@@ -183,7 +183,7 @@ end
 -- untraced, and its first write, the room hash's in the loop below, is that check.
 local first_write_checks = not (counting or why or ARGV[3] == '' or trace_ttl ~= 0)
 if n > 0 and not first_write_checks then
-  local fields = read_room(KEYS[2], 'HKEYS')
+  local fields = room_call(KEYS[2], 'HKEYS')
   for i = 1, n do
     local prefix = F_XFER_PREFIX .. names[i] .. F_SEP
     local count, mine = 0, 0
@@ -212,11 +212,7 @@ for i = 1, n do
   if held[i] == incs[i] then
     -- the room hash's TTL: refreshed by finish_rx() below, after these writes
     local field = F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2]
-    local done = redis.pcall('HSET', KEYS[2], field, ARGV[3])
-    if type(done) == 'table' and done.err then  -- only the first can fail: nothing written yet
-      if string.find(done.err, 'WRONGTYPE', 1, true) then corrupt(KEYS[2], '*', 'not a hash') end
-      raise(done)
-    end
+    room_call(KEYS[2], 'HSET', field, ARGV[3])  -- only the first can fail: nothing written yet
     trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, names[i])
     local t = senders[i]
     if t[1] then

@@ -141,12 +141,10 @@ class Calls:
         return [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
 
     def create(self, room: int, side: Side, engine: str, fields: dict[str, Any]) -> Call:
-        k = self.keys
-        keys = self._room_keys(room, side, engine)
         return self._script(
             "create",
-            keys,
-            [self.ttl_ms, k.part_member(side, engine), *pairs(fields)],
+            self._room_keys(room, side, engine),
+            [self.ttl_ms, schema.member(side, engine), *pairs(fields)],
             Status.parse,
             room,
         )
