@@ -174,6 +174,24 @@ class Keys:
         """An engine's transfer counters (kvstate.stats), read by kvstate.ops.metrics."""
         return f"{self.prefix}stats:{engine}"
 
+    def probe(self, tag: int) -> str:
+        """The monitor's expiry probe: a key set with a 1 ms TTL whose expiry event
+        shows that keyspace notifications reach it (no CONFIG GET, which would read
+        every setting, passwords included). ``tag`` picks its hash slot: one per node of
+        a Cluster."""
+        return f"{self.prefix}probe:{{{tag}}}"
+
+    def is_probe(self, key: str) -> bool:
+        return key.startswith(f"{self.prefix}probe:")
+
+    # -- all namespaces ----------------------------------------------------------
+    @staticmethod
+    def every_engine_pattern() -> str:
+        """Engine registrations of every namespace (``functions prune`` asks which
+        library each names); a match is one only if ``namespace_of`` and ``engine``
+        spell it back."""
+        return f"{ROOT}*:engine:*"
+
     # -- patterns and parsing (for SCAN-based tools) ---------------------------
     @property
     def all_pattern(self) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from kvstate import schema
 from kvstate.codec import pack, unpack
 from kvstate.errors import CorruptStateError, EngineNameTakenError
-from kvstate.store import Store
+from kvstate.store import Store, functions
 
 _TEXT_FIELDS = (schema.ROLE, schema.ADDR, schema.INCARNATION, schema.HOST, schema.PID)
 
@@ -36,6 +36,7 @@ class EngineInfo:
     gpus: list[dict[str, Any]] = field(default_factory=list)
     lease_left_ms: int = -1
     ranks: int = 1  # prefill engines serving ``addr`` (TP ranks): how many a receiver needs
+    library: str = functions.NAME  # its kvstate's FUNCTION library ('' if it did not say)
 
     def index_member(self) -> str:
         """This registration's member of its address's index (index.lua): what a
@@ -53,6 +54,7 @@ class EngineInfo:
             schema.PID: self.pid,
             schema.GPUS: pack({"gpus": self.gpus}),
             schema.RANKS: self.ranks,
+            schema.LIBRARY: self.library,
         }
 
     @classmethod
@@ -80,6 +82,7 @@ class EngineInfo:
             gpus,
             pttl,
             ranks,
+            h.get(schema.LIBRARY, b"").decode("utf-8", "replace"),
         )
 
 
@@ -201,7 +204,7 @@ class Registry:
             if engine not in best or score > best[engine][0]:
                 best[engine] = (score, inc, ranks)
         return [
-            EngineInfo(e, role, addr, inc, host="", pid=0, ranks=ranks)
+            EngineInfo(e, role, addr, inc, host="", pid=0, ranks=ranks, library="")
             for e, (_, inc, ranks) in sorted(best.items())
         ]
 

@@ -85,6 +85,9 @@ ENDPOINT: Final = "endpoint"  # the transport's endpoint blob
 LAYOUT: Final = "layout"  # msgpack {"layout": {...}}
 GPUS: Final = "gpus"  # msgpack {"gpus": [...]}
 RANKS: Final = "ranks"  # prefill ranks serving the address
+# the FUNCTION library of the engine's kvstate (kvstate.store.functions.NAME): which
+# libraries on a server a live engine may still use (`kvstate functions prune`)
+LIBRARY: Final = "library"
 
 # -- the room hash: kvstate:<ns>:{<room>}:room (one per room, beside its participants) ----
 # field "<side>:<engine>" (member())       -> '': the room's participants (the field is

@@ -131,29 +131,31 @@ def snapshot(store: Store) -> dict[str, object]:
 # tests/test_security.py's test_engine_acl_is_minimal, which takes each command away
 # in turn and watches the engine paths fail.
 # - ping, client|setname: connection set-up (redis-py) and health checks
-# - function|load at connect, fcall (Redis >= 7: the scripts as one function library,
-#   loaded again after "Function not found"); on Redis 6.2, or for ENGINE_ACL_EVAL,
-#   script|load, evalsha, and eval after NOSCRIPT (server restart, failover, SCRIPT
-#   FLUSH) instead; inside the scripts: exists, hset, hmget, hgetall,
-#   hkeys, pexpire, zadd, zremrangebyscore, time; rpush and rpushx (a
-#   traced room, its clear)
+# - the scripts: on Redis 7, fcall and function|list (FCALL of kvstate's function
+#   library, only once FUNCTION LIST ... WITHCODE showed its exact code: no tenant may
+#   FUNCTION LOAD, which could replace or pre-load the code every namespace runs; an
+#   admin loads it, `kvstate functions load`), and everywhere script|load, evalsha, and
+#   eval after NOSCRIPT (server restart, failover, SCRIPT FLUSH): the EVAL path, taken
+#   where the library is missing or not kvstate's code, and the whole way on 6.2.
+#   Inside the scripts: exists, hset, hmget, hgetall, hkeys, pexpire, zadd,
+#   zremrangebyscore, time; rpush and rpushx (a traced room, its clear)
 # - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
 # - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
 #   hkeys (abort), zrange (dead-peer fan-out)
-# The audit, monitor and doctor also need INFO, CONFIG GET, the ledger stream and
-# keyspace notifications: give them their own user.
+# The audit, monitor and doctor also need INFO, the ledger stream and keyspace
+# notifications: give them their own user.
 ENGINE_ACL = (
     "ACL SETUSER kvstate-engine reset on >{password} ~kvstate:{ns}:* resetchannels -@all "
     "+ping +client|setname +time +scan "
-    "+fcall +function|load "
+    "+fcall +function|list +evalsha +eval +script|load "
     "+multi +exec +del +exists +pexpire +pttl +get +set "
     "+hget +hmget +hgetall +hset +hdel +hkeys "
     "+zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
 )
-# The same for the EVAL path: Redis 6.2 (which knows no FCALL: its ACL SETUSER refuses
-# the line above), or a Redis 7 user kept off FUNCTION (its refused FUNCTION LOAD, in
-# the ACL LOG, is how kvstate learns to take EVAL there).
-ENGINE_ACL_EVAL = ENGINE_ACL.replace("+fcall +function|load ", "+evalsha +eval +script|load ")
+# The FCALL path's two commands: without them (Redis 6.2, whose ACL SETUSER refuses
+# +fcall; or a Redis 7 user kept off FUNCTION) every script runs by EVALSHA.
+FCALL_ACL = ("fcall", "function|list")
+ENGINE_ACL_EVAL = ENGINE_ACL.replace("+fcall +function|list ", "")
 ACL_PASSWORD = "engine-Pw_7"
 
 
@@ -164,6 +166,20 @@ def redis_major(client: redis.Redis) -> int:
 def engine_acl(client: redis.Redis) -> str:
     """The engine line for the server ``client`` talks to: FCALL on 7+, EVAL on 6.2."""
     return ENGINE_ACL if redis_major(client) >= 7 else ENGINE_ACL_EVAL
+
+
+def load_functions(*clients: redis.Redis) -> None:
+    """The admin's step (`kvstate functions load`): this kvstate's FUNCTION library on
+    each server that has FUNCTION (Redis >= 7), so that engine users, who may not load
+    it, run the scripts by FCALL."""
+    from kvstate.store import functions
+
+    for c in clients:
+        if redis_major(c) >= 7:
+            try:
+                c.execute_command("FUNCTION", "LOAD", functions.LIBRARY)
+            except redis.ResponseError as exc:
+                assert "already exists" in str(exc), exc
 
 
 def flush_scripts(*clients: redis.Redis) -> None:

@@ -338,7 +338,11 @@ def test_eviction_policy_is_a_finding(redis_url: str) -> None:
     s.close()
 
 
-def test_config_denied_degrades_with_a_note(redis_url: str, redis_cli: Any) -> None:
+@pytest.mark.parametrize("denied", ["-config", "-config -info"])
+def test_the_audit_needs_no_config(redis_url: str, redis_cli: Any, denied: str) -> None:
+    """CONFIG GET reads every setting, requirepass included: the audit reads the
+    eviction policy from INFO instead. Without CONFIG it checks everything; without
+    INFO too, it notes the policy was not checked and goes on."""
     redis_cli(
         redis_url,
         "ACL",
@@ -349,16 +353,21 @@ def test_config_denied_degrades_with_a_note(redis_url: str, redis_cli: Any) -> N
         "~*",
         "&*",
         "+@all",
-        "-config",
+        *denied.split(),
     )
     url = redis_url.replace("unix://", "unix://auditor:audit-pw-123@")
     store = kvstate.connect(redis_url)
     Ledger(store).append([Entry("test", None, "", "", "", None, "")])  # not empty
+    store.client.config_set("maxmemory-policy", "allkeys-lru")
     store.close()
     result, doc = audit(url)
-    assert result.exit_code == 0, result.output
-    assert any("CONFIG GET is not allowed" in n for n in doc["notes"])
     assert "audit-pw-123" not in result.output
+    if "-info" in denied:
+        assert result.exit_code == 0, result.output
+        assert any("INFO is not allowed" in n for n in doc["notes"]), doc["notes"]
+    else:
+        assert result.exit_code == 1 and kinds(doc) == ["server_setting"], doc
+        assert doc["notes"] == [], doc["notes"]
 
 
 def test_a_key_of_the_wrong_type_is_a_finding_not_a_crash(redis_url: str) -> None:

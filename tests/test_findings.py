@@ -60,7 +60,7 @@ def test_the_metrics_export_exactly_the_table_kinds() -> None:
 def test_an_unknown_kind_is_refused_with_the_place_to_add_it() -> None:
     with pytest.raises(KeyError, match="kvstate.ops.findings.KINDS"):
         Finding("leaky_bucket", "kvstate:default:x", "made up")
-    assert kind("server_setting").left_for(None) == "needs an operator (server configuration)"
+    assert kind("server_setting").left_for(None) == "needs an admin (server configuration)"
 
 
 def test_the_cli_prints_the_table_hint_and_audit_fix_the_table_reason(redis_url: str) -> None:

@@ -1,18 +1,20 @@
 """The ``kvstate`` command (entry point ``kvstate.cli:main``), one module per concept.
 
 ``app``: the click group, its context, exit codes and error plumbing; ``output``: how
-things print; ``rooms`` (show, ls, abort), ``trace``, ``engines``, ``top``, ``audit``, ``monitor``
-and ``doctor``: the commands. Importing a command module registers its command.
+things print; ``rooms`` (show, ls, abort), ``trace``, ``engines``, ``top``, ``audit``, ``monitor``,
+``doctor`` and ``functions`` (the FUNCTION libraries, an admin's): the commands.
+Importing a command module registers its command.
 """
 
 from __future__ import annotations
 
-from kvstate.cli import audit, doctor, engines, monitor, rooms, top, trace
+from kvstate.cli import audit, doctor, engines, functions, monitor, rooms, top, trace
 from kvstate.cli.app import main
-from kvstate.cli.doctor import OPERATOR_ACL, READER_ACL
+from kvstate.cli.doctor import OPERATOR_ACL, OPERATOR_ACL_7, READER_ACL, READER_ACL_7
 
-__all__ = ["OPERATOR_ACL", "READER_ACL", "main"]
-_COMMANDS = (audit, doctor, engines, monitor, rooms, top, trace)  # imported to register them
+__all__ = ["OPERATOR_ACL", "OPERATOR_ACL_7", "READER_ACL", "READER_ACL_7", "main"]
+# imported to register them
+_COMMANDS = (audit, doctor, engines, functions, monitor, rooms, top, trace)
 
 try:  # the demo's own dependencies missing must not take the operator commands down
     from kvstate.demo import demo as _demo

@@ -30,8 +30,9 @@ from kvstate.cli.app import (
 from kvstate.cli.output import console, emit_json, styled
 from kvstate.errors import KVStateError, PermissionDeniedError
 from kvstate.ops.audit import acl_refused
-from kvstate.ops.ledger import Ledger
-from kvstate.store import Store
+from kvstate.ops.ledger import NOTIFY_SETTING, Ledger
+from kvstate.ops.libraries import survey
+from kvstate.store import Store, functions
 from kvstate.store.connection import ENV_URL
 
 
@@ -58,6 +59,7 @@ def _redis_checks(store: Store, checks: list[Check]) -> None:
         name = node if store.cluster else "server"
         checks.append(_version_check(store, node, name))
         checks += _setting_checks(store, node, name)
+    _library_checks(store, checks)
     checks.append(_acl_check(store))
 
 
@@ -76,68 +78,134 @@ def _version_check(store: Store, node: str, name: str) -> Check:
 
 
 def _setting_checks(store: Store, node: str, name: str) -> list[Check]:
-    """The server settings kvstate depends on: eviction policy, expiry events."""
+    """The server settings kvstate depends on: the eviction policy (INFO, a reader's
+    command) and expiry events (CONFIG GET, an admin's: it reads every setting,
+    ``requirepass`` included, so no user of the README may; the monitor finds out
+    with a probe key instead)."""
     checks = []
-    for setting, good, why in (
-        ("maxmemory-policy", "noeviction", "anything else may evict room state"),
-        ("notify-keyspace-events", None, "`monitor` needs Ex (it sets it if allowed)"),
-    ):
-        try:
-            value = store.config_get(setting, node)
-        except PermissionDeniedError:
-            checks.append(
-                Check(
-                    f"{setting} {name}",
-                    "warn",
-                    "CONFIG GET not allowed: audit and monitor degrade",
-                )
+    try:
+        policy = store.eviction_policy(node)
+    except PermissionDeniedError:
+        policy = None
+        checks.append(Check(f"maxmemory-policy {name}", "warn", "INFO not allowed for this user"))
+    if policy is not None:
+        ok = policy == "noeviction"
+        checks.append(
+            Check(
+                f"maxmemory-policy {name}",
+                "ok" if ok else "warn",
+                policy + ("" if ok else ": set noeviction; anything else may evict room state"),
             )
-            continue
-        if good is not None:
-            ok = value == good
-            checks.append(
-                Check(
-                    f"{setting} {name}",
-                    "ok" if ok else "warn",
-                    value + ("" if ok else f": set {good}; {why}"),
-                )
+        )
+    try:
+        flags = store.config_get(NOTIFY_SETTING, node)
+    except KVStateError as exc:
+        if not acl_refused(exc):
+            raise
+        checks.append(
+            Check(
+                f"{NOTIFY_SETTING} {name}",
+                "info",
+                "not read: CONFIG GET is an admin's (it reads every setting, passwords "
+                "included); `kvstate monitor` tests expiry events with a probe key and "
+                "says if they are off",
             )
-        else:
-            has = "E" in value and ("x" in value or "A" in value)
-            checks.append(
-                Check(
-                    f"{setting} {name}",
-                    "ok" if has else "info",
-                    (value or "(off)") + ("" if has else f"; {why}"),
-                )
-            )
+        )
+        return checks
+    has = "E" in flags and ("x" in flags or "A" in flags)
+    checks.append(
+        Check(
+            f"{NOTIFY_SETTING} {name}",
+            "ok" if has else "info",
+            (flags or "(off)")
+            + (
+                ""
+                if has
+                else "; `monitor` needs Ex: an admin runs CONFIG SET " + NOTIFY_SETTING + " Ex"
+            ),
+        )
+    )
     return checks
 
 
+def _library_checks(store: Store, checks: list[Check]) -> None:
+    """kvstate's FUNCTION libraries on the server (Redis 7; issue 31): which kvstate
+    version's each is, whether this one uses it, how many live engines do."""
+    try:
+        s = survey(store)
+    except PermissionDeniedError:
+        checks.append(
+            Check(
+                "functions",
+                "warn",
+                "FUNCTION LIST not allowed for this user: kvstate's libraries not listed "
+                "(add +function|list on Redis 7)",
+            )
+        )
+        return
+    if s.no_function and not s.libraries:
+        checks.append(Check("functions", "info", "no FUNCTION (Redis 6.2): scripts run by EVALSHA"))
+        return
+    if not any(lib.current for lib in s.libraries):
+        checks.append(
+            Check(
+                "functions",
+                "info",
+                f"this kvstate's library {functions.NAME} is not loaded: engines run the "
+                "scripts by EVALSHA (slower); an admin runs `kvstate functions load`",
+            )
+        )
+    for lib in s.libraries:
+        if lib.forged:
+            state, what = (
+                "fail",
+                (
+                    "holds code that is not kvstate's (engines do not run it: EVALSHA); look "
+                    "at it, then `kvstate functions load --replace` as an admin"
+                ),
+            )
+        elif lib.current:
+            state, what = "ok", f"this kvstate's; used by {lib.engines} live engine(s)"
+        elif lib.stale(s.unknown):
+            state, what = "warn", "stale: no live engine uses it; `kvstate functions prune`"
+        else:
+            state, what = (
+                "info",
+                f"used by {lib.engines} live engine(s)"
+                + (" (some engines unknown)" if s.unknown else ""),
+            )
+        where = f" {lib.node}" if store.cluster else ""
+        checks.append(Check(f"function {lib.name}{where}", state, f"kvstate {lib.version}: {what}"))
+
+
 # What `audit`, `monitor` and `doctor` need on top of the engine user's rights (README,
-# Security): INFO and CONFIG (server checks; CONFIG SET only to enable expiry events),
-# the ledger stream, expiry notifications, the room traces (RPUSH, RPUSHX: `abort`;
-# LRANGE: `trace`) and ACL WHOAMI.
+# Security): INFO (server checks), the ledger stream, expiry notifications and the
+# monitor's probe key (SET with a TTL, EXISTS), the room traces (RPUSH, RPUSHX: `abort`;
+# LRANGE: `trace`) and ACL WHOAMI. No CONFIG: CONFIG GET reads every setting,
+# `requirepass` and `masterauth` included, and CONFIG SET changes the server for every
+# tenant; both are an admin's. Redis 6.2's ACL SETUSER knows no FUNCTION: on 7.x add
+# OPERATOR_ACL_7's FCALL and FUNCTION LIST (the library, and doctor's list of them).
 OPERATOR_ACL = (
     "ACL SETUSER kvstate-operator reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "&__keyevent@*__:expired -@all +ping +client|setname +time +scan +evalsha +eval "
     "+script|load +multi +exec +del +exists +pexpire +pttl +get +set +hget +hmget +hgetall "
-    "+hset +hdel +hkeys +zadd +zrange +zrem +zremrangebyscore +info +config|get "
-    "+config|set +xadd +xrevrange +rpush +rpushx +lrange +subscribe +unsubscribe "
-    "+acl|whoami"
+    "+hset +hdel +hkeys +zadd +zrange +zrem +zremrangebyscore +info +xadd +xrevrange "
+    "+rpush +rpushx +lrange +subscribe +unsubscribe +acl|whoami"
 )
+OPERATOR_ACL_7 = OPERATOR_ACL + " +fcall +function|list"
 
 
 # A read-only operator: `ls`, `show`, `top`, `engines`, `trace` and `audit` (without
-# --fix) read with these plain read commands only (no script, no write;
-# tests/test_cli_operator.py runs them as this user). MULTI/EXEC group two reads; INFO,
-# CONFIG GET and XREVRANGE are the audit's server and ledger checks; LRANGE reads a
-# room's trace.
+# --fix) read with these plain read commands only (no script, no write, no CONFIG;
+# tests/test_cli_operator.py runs them as this user). MULTI/EXEC group two reads; INFO
+# and XREVRANGE are the audit's server and ledger checks; LRANGE reads a room's trace;
+# FUNCTION LIST (7.x: READER_ACL_7) the audit's check of kvstate's libraries.
 READER_ACL = (
     "ACL SETUSER kvstate-reader reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "-@all +ping +client|setname +time +scan +multi +exec +exists +pttl +get +hget +hmget "
-    "+hgetall +hkeys +zrange +xrevrange +lrange +info +config|get +acl|whoami"
+    "+hgetall +hkeys +zrange +xrevrange +lrange +info +acl|whoami"
 )
+READER_ACL_7 = READER_ACL + " +function|list"
 
 
 def _acl_check(store: Store) -> Check:
@@ -152,8 +220,8 @@ def _acl_check(store: Store) -> Check:
     ]
     operator_probes: list[tuple[str, Callable[[], object]]] = [
         ("XREVRANGE", lambda: Ledger(s).recent(1)),
-        ("CONFIG GET", lambda: s.config_get("maxmemory-policy")),
         ("INFO", lambda: s.server_info()),
+        ("FUNCTION LIST", lambda: s.libraries()),  # None (no denial) on Redis 6.2
     ]
 
     def denied(probes: list[tuple[str, Callable[[], object]]]) -> list[str]:
@@ -182,9 +250,10 @@ def _acl_check(store: Store) -> Check:
             "warn",
             f"user {user}: enough for engines; denied "
             f"{', '.join(operator_denied)}, so audit and monitor degrade (no ledger, "
-            f"or server checks). For them use an operator user: {OPERATOR_ACL}",
+            f"or server checks). For them use an operator user: {OPERATOR_ACL} (on "
+            "Redis 7 add +fcall +function|list)",
         )
-    return Check("acl", "ok", f"user {user}: SCAN, scripts, stream and CONFIG reads allowed")
+    return Check("acl", "ok", f"user {user}: SCAN, scripts, stream and INFO reads allowed")
 
 
 def _ucx_checks(checks: list[Check]) -> None:

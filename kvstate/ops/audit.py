@@ -30,6 +30,7 @@ from kvstate.ops.durations import fmt_ms
 from kvstate.ops.findings import NAMES as FINDING_KINDS
 from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger
+from kvstate.ops.libraries import survey
 from kvstate.ops.views import BATCH, WRONG_TYPE, Participant, read_participants
 from kvstate.poll import KVPoll
 from kvstate.registry import Registry
@@ -229,19 +230,17 @@ class Auditor:
     def _server_settings(self, report: Report) -> None:
         for name in self.store.primaries():
             try:
-                policy = self.store.config_get("maxmemory-policy", name)
+                policy = self.store.eviction_policy(name)
             except PermissionDeniedError:
                 report.notes.append(
-                    f"{name}: CONFIG GET is not allowed for this user; eviction policy not "
-                    "checked (give the audit a user with +config|get)"
+                    f"{name}: INFO is not allowed for this user; eviction policy not "
+                    "checked (give the audit a user with +info)"
                 )
                 continue
             except StateConnectionError:
                 raise
             except KVStateError as exc:  # refused otherwise (a renamed command...)
-                report.notes.append(
-                    f"{name}: CONFIG GET failed ({exc}); eviction policy not checked"
-                )
+                report.notes.append(f"{name}: INFO failed ({exc}); eviction policy not checked")
                 continue
             if policy and policy != "noeviction":
                 report.findings.append(
@@ -252,6 +251,43 @@ class Auditor:
                         "pressure (volatile-* evicts exactly the keys with a TTL: all of "
                         "kvstate's); "
                         "set it to noeviction",
+                    )
+                )
+        self._libraries(report)
+
+    def _libraries(self, report: Report) -> None:
+        """kvstate's FUNCTION libraries that nobody uses (issue 31): server-wide, left
+        by an older kvstate; removing them is an admin's step."""
+        try:
+            found = survey(self.store)
+        except PermissionDeniedError:
+            report.notes.append(
+                "FUNCTION LIST is not allowed for this user: kvstate's libraries not "
+                "checked (add +function|list on Redis 7)"
+            )
+            return
+        report.notes += found.notes
+        for lib in found.libraries:
+            if lib.forged:
+                report.findings.append(
+                    Finding(
+                        "foreign_library",
+                        lib.node,
+                        f"the library {lib.name}, named as this kvstate's, holds other code "
+                        "(loaded by someone else first, or replaced): engines do not run it "
+                        "(EVALSHA instead); someone could FUNCTION LOAD, which no tenant's "
+                        "user should",
+                        target=(lib.name,),
+                    )
+                )
+            elif lib.stale(found.unknown):
+                report.findings.append(
+                    Finding(
+                        "stale_library",
+                        lib.node,
+                        f"the library {lib.name} (kvstate {lib.version}) is used by no live "
+                        "engine and not by this kvstate",
+                        target=(lib.name,),
                     )
                 )
 

@@ -104,8 +104,22 @@ KINDS: tuple[FindingKind, ...] = (
         "server_setting",
         check="`maxmemory-policy` other than `noeviction`: every kvstate key has a TTL, "
         "so `volatile-*` policies evict live rooms first",
-        hint="CONFIG SET by an operator",
-        left="needs an operator (server configuration)",
+        hint="CONFIG SET by an admin",
+        left="needs an admin (server configuration)",
+    ),
+    FindingKind(
+        "stale_library",
+        check="a kvstate FUNCTION library (Redis 7) that neither this kvstate nor any "
+        "live engine of any namespace uses: left by an older version",
+        hint="`kvstate functions prune`, as an admin",
+        left="needs an admin: `kvstate functions prune` removes it",
+    ),
+    FindingKind(
+        "foreign_library",
+        check="a FUNCTION library named as this kvstate's holds other code (loaded by "
+        "someone else first, or replaced): engines take the EVAL path",
+        hint="look, then `kvstate functions load --replace`, as an admin",
+        left="needs an admin: look at it, then `kvstate functions load --replace`",
     ),
 )
 NAMES: tuple[str, ...] = tuple(k.name for k in KINDS)

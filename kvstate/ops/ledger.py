@@ -11,16 +11,18 @@ disappearance:
 * Every ``interval`` it SCANs the participant keys and remembers, in memory,
   each one's status, side, engine, created_ms and TTL deadline (server clock).
 * It subscribes to ``__keyevent@<db>__:expired`` on every primary (node-local
-  on a Cluster), enabling ``notify-keyspace-events Ex`` with CONFIG SET when
-  the server lacks it and the ACL allows it (existing flags are kept).
+  on a Cluster) and learns whether expiry events flow by a probe key's own event
+  (``_Events``: no CONFIG GET, an admin's); enabling ``notify-keyspace-events Ex``
+  with CONFIG SET when they do not and the user may (an admin; existing flags are
+  kept).
 * With notifications: a participant whose expiry event arrives is *reaped*;
   the ledger gets its last seen status. A participant that vanished without an
   event is held for one more sweep (its event may still be in flight on the
   other connection), then counted as *cleared* and forgotten. An event for a
   key never seen (created and expired between two sweeps) is recorded with
   status ``unknown``.
-* Without notifications (CONFIG denied, the subscription dropped, or the flags
-  turned off since: each sweep reads them back): a participant that vanished at
+* Without notifications (off, and CONFIG SET denied; the subscription dropped; or
+  the flags turned off since: each sweep's probe tells): a participant that vanished at
   or after its last seen TTL deadline (minus ``slack``) is counted as reaped, one
   that vanished earlier as cleared; so is one held for its event when the sweep
   finds notifications gone. Limit:
@@ -138,6 +140,7 @@ class Seen:
 
 
 NOTIFY_SETTING = "notify-keyspace-events"
+PROBE_WAIT = 0.25  # s: how long a probe's expiry event may take to arrive
 
 
 def _has_expiry_flags(flags: str) -> bool:
@@ -148,7 +151,17 @@ def _has_expiry_flags(flags: str) -> bool:
 
 class _Events:
     """Expiry notifications from every primary; ``healthy`` turns False when a
-    subscription breaks, so the monitor knows its attribution has a gap."""
+    subscription breaks or the probe's event stops arriving, so the monitor knows its
+    attribution has a gap.
+
+    Whether a server sends expiry events is learnt without CONFIG GET (which would read
+    every setting, ``requirepass`` included: no user of the README may): the namespace's
+    probe key (``Keys.probe``) is set with a 1 ms TTL on each primary, and read back
+    (EXISTS deletes a key past its TTL, and sends its event, at once) until its event
+    arrives. Each sweep does it again: the probe planted by the last sweep is read back
+    before the sweep drains the events, so its event is among them, or the flags went
+    off. Turning them on needs CONFIG SET, an admin's: tried only with ``enable``,
+    and where the user may."""
 
     def __init__(self, store: Store, enable: bool) -> None:
         self.store = store
@@ -156,15 +169,32 @@ class _Events:
         self.subs: list[Subscription] = []
         self.healthy = False
         self.note = ""
+        self._nodes: list[str] = []  # the primaries subscribed to
+        self._probes: dict[str, str] = {}  # probe key -> node, planted, event awaited
+        self._early: set[str] = set()  # keys drained while waiting for a probe's event
 
     def start(self) -> bool:
         self.close()
         try:
-            for name in self.store.primaries():
-                if not self._ensure_flags(name):
-                    self.close()
-                    return False
-                self.subs.append(self.store.expiry_events(name))
+            self._nodes = nodes = self.store.primaries()
+            self.subs = [self.store.expiry_events(name) for name in nodes]
+            off = self._probe(nodes, PROBE_WAIT)
+            if off and self.enable:
+                for name in off:
+                    if not self._turn_on(name):
+                        self.close()
+                        return False
+                off = self._probe(off, PROBE_WAIT)
+            if off:
+                self.note = (
+                    f"no expiry events from {', '.join(off)}: notify-keyspace-events lacks "
+                    "Ex there"
+                    + ("" if self.enable else " (--no-notify: not changing it)")
+                    + "; an admin turns them on: CONFIG SET notify-keyspace-events Ex"
+                )
+                self.close()
+                return False
+            self._plant(nodes)
         except (OSError, KVStateError) as exc:
             self.note = f"expiry notifications unavailable ({type(exc).__name__}: {exc})"
             self.close()
@@ -173,51 +203,92 @@ class _Events:
         self.note = "expiry notifications on"
         return True
 
-    def still_on(self) -> bool:
-        """Whether every primary still has the flags: an operator (or a restart) may
-        have turned them off since, and a subscription then stays open but silent.
-        Marks the events unhealthy when not, so the next ``start()`` sees to them."""
-        if not self.healthy:
-            return False
-        try:
-            for name in self.store.primaries():
-                if not _has_expiry_flags(self.store.config_get(NOTIFY_SETTING, name)):
-                    log.warning("notify-keyspace-events lost Ex on %s", name)
-                    self.healthy = False
-        except (OSError, KVStateError) as exc:
-            log.warning("cannot read notify-keyspace-events back: %s", exc)
-            self.healthy = False
-        return self.healthy
+    def _plant(self, nodes: Sequence[str]) -> None:
+        for name in nodes:
+            key = self.store.probe_key(name)
+            self.store.plant_probe(key, name)
+            self._probes[key] = name
 
-    def _ensure_flags(self, name: str) -> bool:
+    def _probe(self, nodes: Sequence[str], wait: float) -> list[str]:
+        """Plant a probe on each node and read it back until its event arrives, at
+        most ``wait`` s; the nodes whose event did not."""
+        self._plant(nodes)
+        return self._awaited(wait)
+
+    def touch(self) -> None:
+        """Read every planted probe back: one past its TTL is deleted, and its event
+        sent, now (so that the next drain reads it)."""
+        for key, name in list(self._probes.items()):
+            self.store.touch_probe(key, name)
+
+    def _awaited(self, wait: float, touch: bool = True) -> list[str]:
+        """Drain the events until each planted probe's arrived (read back first with
+        ``touch``), at most ``wait`` s; the nodes whose probe event did not arrive
+        (those probes are forgotten)."""
+        end = time.monotonic() + wait
+        if touch:
+            self.touch()
+        while self._probes:
+            self._early |= self._read()
+            if not self._probes or time.monotonic() >= end:
+                break
+            time.sleep(0.005)
+        off = sorted(set(self._probes.values()))
+        self._probes.clear()
+        return off
+
+    def _turn_on(self, name: str) -> bool:
         try:
             flags = self.store.config_get(NOTIFY_SETTING, name)
-        except KVStateError as exc:
-            self.note = f"cannot read notify-keyspace-events on {name} ({exc})"
-            return False
-        if _has_expiry_flags(flags):
-            return True
-        if not self.enable:
-            self.note = f"notify-keyspace-events lacks Ex on {name} (--no-notify: not changing it)"
-            return False
-        wanted = "".join(sorted(set(flags) | {"E", "x"}))
-        try:
+            wanted = "".join(sorted(set(flags) | {"E", "x"}))
             self.store.config_set(NOTIFY_SETTING, wanted, name)
         except KVStateError as exc:
-            self.note = f"cannot enable notify-keyspace-events Ex on {name} ({exc})"
+            self.note = (
+                f"no expiry events from {name}, and this user may not turn them on "
+                f"({exc}); an admin runs CONFIG SET notify-keyspace-events Ex"
+            )
             return False
         return True
 
-    def drain(self) -> set[str]:
-        """Keys whose expiry event arrived since the last drain."""
+    def still_on(self) -> bool:
+        """Whether every primary still sends expiry events: an operator (or a restart)
+        may have turned them off since, and a subscription then stays open but silent.
+        The probe planted by the last sweep must have sent its event by now (``touch``
+        read it back before the sweep's drains); then a new one is planted. Marks the events
+        unhealthy when one did not, so the next ``start()`` sees to them."""
+        if not self.healthy:
+            return False
+        try:
+            off = self._awaited(PROBE_WAIT, touch=False)
+            for name in off:
+                log.warning("no expiry event from %s: notify-keyspace-events lost Ex?", name)
+                self.healthy = False
+            if self.healthy:
+                self._plant(self._nodes)
+        except (OSError, KVStateError) as exc:
+            log.warning("cannot probe expiry events: %s", exc)
+            self.healthy = False
+        return self.healthy
+
+    def _read(self) -> set[str]:
+        """Keys whose expiry event is waiting on the subscriptions; probe keys awaited
+        are taken off ``_probes`` (not returned: no participant)."""
         out: set[str] = set()
         for sub in self.subs:
             try:
                 while (key := sub.next()) is not None:
-                    out.add(key)
+                    if self.store.keys.is_probe(key):
+                        self._probes.pop(key, None)
+                    else:
+                        out.add(key)
             except (KVStateError, OSError) as exc:
                 log.warning("expiry subscription lost: %s", exc)
                 self.healthy = False
+        return out
+
+    def drain(self) -> set[str]:
+        """Keys whose expiry event arrived since the last drain."""
+        out, self._early = self._early | self._read(), set()
         return out
 
     def close(self) -> None:
@@ -225,6 +296,7 @@ class _Events:
             sub.close()
         self.subs = []
         self.healthy = False
+        self._probes.clear()
 
 
 class Monitor:
@@ -268,11 +340,14 @@ class Monitor:
         if not self.events.healthy:
             self.events.start()
             covered = False
+        else:
+            self.events.touch()  # the last probe's event, into the drains below
         expired = self.events.drain()
         current = {p.key: p for p in scan_participants(self.store)}
         expired |= self.events.drain()
         now = self.store.server_time_ms()
-        covered = covered and self.events.still_on()
+        on = self.events.still_on()  # (and a new probe for the next sweep)
+        covered = covered and on
         entries = self._expired(expired, current, now)
         # Covered: keys held a sweep ago and still without an event were cleared. Not
         # covered (events lost meanwhile), they are judged by their deadline as well.

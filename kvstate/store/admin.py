@@ -15,6 +15,8 @@ from typing import Any
 import redis
 
 from kvstate.errors import InvalidArgumentError, KVStateError, StateConnectionError
+from kvstate.keys import Keys
+from kvstate.store import functions
 from kvstate.store.executor import Executor
 from kvstate.store.translate import Translating
 
@@ -53,6 +55,8 @@ class Subscription:
 class Admin(Executor):
     """Server-level reads and settings of ``Store``, one primary at a time."""
 
+    keys: Keys
+
     def primaries(self) -> list[str]:
         """The name of every primary (the redacted URL of a standalone server)."""
         return [name for name, _ in self.nodes()]
@@ -75,8 +79,40 @@ class Admin(Executor):
             info: dict[str, Any] = self._primary(node).info(section)
         return info
 
+    def eviction_policy(self, node: str | None = None) -> str:
+        """``maxmemory-policy`` of one primary, from INFO memory (a reader's command:
+        CONFIG GET would read every setting, ``requirepass`` included)."""
+        return str(self.server_info(node, "memory").get("maxmemory_policy", ""))
+
+    def probe_key(self, node: str) -> str:
+        """This namespace's expiry probe key (``Keys.probe``) that ``node`` serves: on a
+        Cluster, of a slot of that primary."""
+        if not self.cluster:
+            return self.keys.probe(0)
+        cluster: Any = self.client
+        with self.errors():
+            for tag in range(100_000):
+                key = self.keys.probe(tag)
+                owner = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(key))
+                if owner.name == node:
+                    return key
+        raise InvalidArgumentError(f"{node} serves no slot: no probe key for it")
+
+    def plant_probe(self, key: str, node: str) -> None:
+        """SET the probe key with a 1 ms TTL on ``node`` (an operator's write)."""
+        with self.errors():
+            self._primary(node).set(key, "1", px=1)
+
+    def touch_probe(self, key: str, node: str) -> bool:
+        """EXISTS of the probe key on ``node``: a key past its TTL is deleted by the
+        read, and its expiry event sent, now. True while it is there."""
+        with self.errors():
+            return bool(self._primary(node).exists(key))
+
     def config_get(self, name: str, node: str | None = None) -> str:
-        """CONFIG GET of one setting on one primary, as text ('' when unset)."""
+        """CONFIG GET of one setting on one primary, as text ('' when unset). An
+        admin's: it is refused to every user of the README (a CONFIG GET user may read
+        ``requirepass``); ``kvstate monitor`` tries it only to turn on expiry events."""
         with self.errors():
             raw: dict[Any, Any] = self._primary(node).config_get(name)
         for k, v in raw.items():
@@ -108,6 +144,56 @@ class Admin(Executor):
             return None
         return raw.decode() if isinstance(raw, bytes) else str(raw)
 
+    def libraries(self, node: str | None = None) -> list[functions.Library] | None:
+        """kvstate's FUNCTION libraries on one primary (FUNCTION LIST LIBRARYNAME
+        kvstate_* WITHCODE); None where the server has no FUNCTION (Redis 6.2, or the
+        command renamed away). PermissionDeniedError where the ACL refuses it."""
+        args = ("FUNCTION", "LIST", "LIBRARYNAME", functions.PREFIX + "*", "WITHCODE")
+        try:
+            with self.errors():
+                reply = self._primary(node).execute_command(*args)  # type: ignore[no-untyped-call]
+        except KVStateError as exc:
+            if _unknown_command(exc):
+                return None
+            raise
+        return [lib for lib in functions.libraries(reply) if lib.name.startswith(functions.PREFIX)]
+
+    def load_library(self, node: str | None = None, replace: bool = False) -> str:
+        """FUNCTION LOAD this kvstate's library on one primary (an admin's step: the
+        README's engine and operator users may not). 'loaded', 'present' (there with
+        this exact code already), or, with ``replace``, 'replaced' (a library of that
+        name held other code: someone else loaded it); without ``replace`` such a
+        library raises InvalidArgumentError saying so."""
+        present = [lib for lib in self.libraries(node) or [] if lib.name == functions.NAME]
+        if present and present[0].current:
+            return "present"
+        if present and not replace:
+            raise InvalidArgumentError(
+                f"{node or self.primaries()[0]} holds a library named {functions.NAME} whose "
+                "code is not this kvstate's (loaded by someone else, or changed): engines "
+                "will not run it (they take the EVAL path). Look at it (redis-cli FUNCTION "
+                f"LIST LIBRARYNAME {functions.NAME} WITHCODE), then replace it with "
+                "--replace"
+            )
+        head = ("FUNCTION", "LOAD", "REPLACE") if present else ("FUNCTION", "LOAD")
+        with self.errors():
+            self._primary(node).execute_command(*head, functions.LIBRARY)  # type: ignore[no-untyped-call]
+        return "replaced" if present else "loaded"
+
+    def delete_library(self, name: str, node: str | None = None) -> bool:
+        """FUNCTION DELETE one of kvstate's libraries on one primary; False when it was
+        not there (an admin's step)."""
+        if not name.startswith(functions.PREFIX):
+            raise InvalidArgumentError(f"{name!r} is not a kvstate library ({functions.PREFIX}...)")
+        try:
+            with self.errors():
+                self._primary(node).execute_command("FUNCTION", "DELETE", name)  # type: ignore[no-untyped-call]
+        except KVStateError as exc:
+            if "library not found" in str(exc).lower():
+                return False
+            raise
+        return True
+
     def command_counts(self) -> dict[str, int]:
         """Calls per command since each server started (INFO commandstats), summed over
         every primary: two readings bracket what a run cost Redis."""
@@ -119,3 +205,9 @@ class Admin(Executor):
                     cmd = name.removeprefix("cmdstat_")
                     out[cmd] = out.get(cmd, 0) + int(stat["calls"])
         return out
+
+
+def _unknown_command(exc: BaseException) -> bool:
+    """A reply that the server knows no such command (Redis 6.2's FUNCTION)."""
+    text = str(exc).lower()
+    return "unknown command" in text or "unknown subcommand" in text

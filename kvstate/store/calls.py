@@ -332,6 +332,13 @@ class Calls:
         """One field of an engine's registration, as text (None when it has none)."""
         return self._command("HGET", self.keys.engine(engine), args=[name], parse=_text_or_none)
 
+    @classmethod
+    def fields_of(cls, key: str, *names: str) -> Call:
+        """Some fields of any kvstate hash (HMGET), as text (None for a missing one)."""
+        return cls._command(
+            "HMGET", key, args=names, parse=lambda raw: [_text_or_none(v) for v in raw]
+        )
+
     def claim_engine(
         self,
         engine: str,

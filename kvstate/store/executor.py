@@ -4,10 +4,11 @@ On a standalone server a batch is one round trip; on a Cluster it is one round t
 per node (a transaction: one MULTI/EXEC per slot in it), sent straight to the node
 that owns the keys, the nodes at once. Every round trip takes the lean path of
 ``kvstate.store.wire`` (one packed write, one hiredis read loop). Scripts run by FCALL
-of the library (``kvstate.store.functions``) on a node that has it, else by EVALSHA
-(``kvstate.store.scripts``), decided per node; a batch that met a reply saying the way
-was wrong for its node (NOSCRIPT, "Function not found", FCALL unknown or refused) is
-sent again another way, never surfacing that reply.
+of the library (``kvstate.store.functions``) on a node where it was verified to hold
+kvstate's exact code, else by EVALSHA (``kvstate.store.scripts``), decided per node; a
+batch that met a reply saying the way was wrong for its node (NOSCRIPT, "Function not
+found", FCALL unknown or refused) is sent again another way, never surfacing that
+reply.
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ from kvstate.store.translate import NODE_TROUBLE, Translating
 
 _MULTI = wire.pack(("MULTI",))
 _EXEC = wire.pack(("EXEC",))
-_LOAD = wire.pack(("FUNCTION", "LOAD", functions.LIBRARY))
+# FUNCTION LOAD, then FUNCTION LIST of the library with its code: whether the node may
+# run FCALL from the next batch on (functions.verified), never for the batch they ride
+# with (its FCALLs would run before the check: a library of that name loaded by
+# someone else first could answer anything)
+_PROBE = [
+    wire.pack(("FUNCTION", "LOAD", functions.LIBRARY)),
+    wire.pack(functions.LIST),
+]
 # How a batch runs its scripts (Executor._retry picks the next): FCALL of the library's
-# functions; FUNCTION LOAD then FCALL; EVALSHA; EVAL of the sources; the same after
-# NOSCRIPT, FUNCTION LOAD first (a new server may run FCALL: the probe tells).
-FCALL, LOAD_FCALL, EVALSHA, EVAL, PROBE_EVAL = "fcall", "load+fcall", "evalsha", "eval", "probe"
+# functions; EVALSHA; EVAL of the sources; EVAL of the sources behind the probe (after
+# "Function not found", or NOSCRIPT: a new server may run FCALL, the probe tells).
+FCALL, EVALSHA, EVAL, PROBE_EVAL = "fcall", "evalsha", "eval", "probe"
 
 
 def _way_error(exc: object) -> bool:
@@ -58,7 +66,7 @@ class Executor(Translating):
     _pool: ThreadPoolExecutor | None  # Cluster: one pipeline per node at once
     _pool_pid: int
     _pool_lock: threading.Lock
-    _fcall: dict[object, bool]  # node -> whether it runs the scripts by FCALL (unknown: try)
+    _fcall: dict[object, bool]  # node -> whether it runs the scripts by FCALL (unknown: probe)
     eval_only = False  # the EVAL path on any server (tests, tools/bench_state.py --eval)
 
     def nodes(self) -> list[tuple[str, redis.Redis]]:
@@ -99,7 +107,8 @@ class Executor(Translating):
         """One round trip to one server (kvstate.store.wire): the batch packed into one write,
         the replies read in one loop. ``transaction``: the calls in MULTI/EXEC, one
         block per hash slot on a Cluster (so a node's slots still share the trip).
-        Scripts run by FCALL where the node has the library, else by EVALSHA; a reply
+        Scripts run by FCALL where the node's library was verified, else by EVALSHA
+        (EVAL behind the probe on a node not decided yet: ``_retry``); a reply
         that the way is wrong for the node (``_retry``) sends the batch again another
         way: every batch is safe to send twice.
         Durable mode: a batch holding a DURABLE_SCRIPTS call ends with WAIT, in the
@@ -108,7 +117,10 @@ class Executor(Translating):
         blocks = self._blocks(calls) if transaction else None
         durable = self.options.durable and any(c.script in scripts.DURABLE_SCRIPTS for c in calls)
         node = functions.node_key(conn)
-        how = EVALSHA if self.eval_only or not self._fcall.get(node, True) else FCALL
+        way = self._fcall.get(node)  # None: not decided yet (probe it, by EVAL meanwhile)
+        how = EVALSHA if self.eval_only or way is False else FCALL if way else PROBE_EVAL
+        if how == PROBE_EVAL and not any(c.script for c in calls):
+            how = EVALSHA  # no script in the batch: nothing to decide (nor to run) yet
         for attempt in range(3):
             packed = [self._pack(call, how) for call in calls]
             out: list[bytes] = packed
@@ -118,15 +130,17 @@ class Executor(Translating):
                     out.append(_MULTI)
                     out += [packed[i] for i in block]
                     out.append(_EXEC)
-            load = how in (LOAD_FCALL, PROBE_EVAL)
+            load = how == PROBE_EVAL
             if load:
-                out = [_LOAD, *out]
+                out = [*_PROBE, *out]
             if durable:
                 wait_s = self._wait_budget()
                 out = [*out, wire.pack(("WAIT", 1, int(wait_s * 1000)))]
             raw = wire.roundtrip(conn, b"".join(out), len(out))
             confirmed = raw.pop() if durable else None
-            loaded = raw.pop(0) if load else None
+            listed = raw[1] if load else None
+            if load:
+                del raw[:2]
             if blocks is None:
                 replies = raw
             else:
@@ -136,7 +150,7 @@ class Executor(Translating):
                     retry = attempt < 2
                     self._unblock(calls, block, raw[at : at + len(block) + 2], replies, retry)
                     at += len(block) + 2
-            again = self._retry(node, how, loaded, replies, blocks is None)
+            again = self._retry(node, how, listed, replies, blocks is None)
             if again is not None and attempt < 2:
                 how = again
                 continue
@@ -158,33 +172,32 @@ class Executor(Translating):
         raise AssertionError("unreachable")
 
     def _retry(
-        self, node: object, how: str, loaded: object, replies: list[Any], oom_retry: bool
+        self, node: object, how: str, listed: object, replies: list[Any], oom_retry: bool
     ) -> str | None:
         """How to send the batch again, or None (the replies stand). FCALL: the node
-        lacks the library -> FUNCTION LOAD and FCALL in one write; it cannot run
-        FCALL/FUNCTION (Redis 6.2, renamed, ACL; or FUNCTION LOAD failed) -> the EVAL
-        path from now on; refused up front at maxmemory (outside MULTI, where EVAL
-        would be refused too) -> EVAL, whose reads go through. EVALSHA after NOSCRIPT
-        (a restarted or new server) -> EVAL of the sources, which cannot meet NOSCRIPT,
-        with a FUNCTION LOAD in the same write: if that loads, the node takes FCALL
-        from the next batch on."""
+        lacks the library -> EVAL of the sources behind the probe (FUNCTION LOAD, then
+        FUNCTION LIST WITHCODE), whose answer decides the next batches; it cannot run
+        FCALL (Redis 6.2, renamed, the ACL) -> the EVAL path from now on; refused up
+        front at maxmemory (outside MULTI, where EVAL would be refused too) -> EVAL,
+        whose reads go through. EVALSHA after NOSCRIPT (a restarted or new server) ->
+        the same probe and EVAL, which cannot meet NOSCRIPT. The probe's batch itself
+        always runs by EVAL: FCALL only once the node's library was verified."""
         errors = [r for r in replies if isinstance(r, Exception)]
-        if how == PROBE_EVAL and functions.loaded(loaded):
-            self._fcall[node] = True
+        if how == PROBE_EVAL:
+            self._fcall[node] = not self.eval_only and functions.verified(listed)
+            return None
         if how == EVALSHA:
             if not any(scripts.is_noscript(r) for r in errors):
                 return None
             return EVAL if self.eval_only else PROBE_EVAL
-        if how not in (FCALL, LOAD_FCALL):
+        if how != FCALL:
             return None
-        missing = any(functions.not_found(r) for r in errors)
-        if missing and how == LOAD_FCALL and functions.loaded(loaded):
-            return EVAL  # flushed again between the two: this batch by EVAL, FCALL stays
-        if any(functions.refused(r) for r in errors) or (missing and how == LOAD_FCALL):
+        if any(functions.refused(r) for r in errors):
             self._fcall[node] = False
             return EVAL
-        if missing:
-            return LOAD_FCALL
+        if any(functions.not_found(r) for r in errors):
+            self._fcall[node] = False  # until the probe verifies the library again
+            return PROBE_EVAL
         if oom_retry and any(isinstance(r, OutOfMemoryError) for r in errors):
             return EVAL
         return None
@@ -250,7 +263,7 @@ class Executor(Translating):
             name = call.command or ""
             head = name.split() if " " in name else (name,)
             return wire.pack((*head, *call.keys, *call.args))
-        if how in (FCALL, LOAD_FCALL):
+        if how == FCALL:
             script: tuple[Any, ...] = functions.invocation(call.script)
         else:
             script = scripts.invocation(call.script, how != EVALSHA)
