@@ -96,7 +96,9 @@ def parse_member(member: str) -> tuple[str, str, int, str] | None:
     """(engine, incarnation, ranks, role) of an index member; None for one that is not
     of that shape (a plain engine name written by an older kvstate)."""
     words = member.split(" ")
-    if len(words) != 4 or not words[2].isdigit():
+    if len(words) != 4 or not (words[2].isascii() and words[2].isdigit()):
+        return None
+    if len(words[2]) > 6 or int(words[2]) > schema.MAX_PEERS:  # publish.lua skips it too
         return None
     return words[0], words[1], int(words[2]), words[3]
 

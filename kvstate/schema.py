@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Final, Literal, NamedTuple, TypeVar
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
+from kvstate.errors import InvalidValueError
 
 Side = Literal["tx", "rx"]  # tx: a sender (prefill), rx: a receiver (decode)
 SIDES: Final[tuple[Side, ...]] = ("tx", "rx")
@@ -34,6 +35,16 @@ INFOS_V: Final = "infos_v"  # sender: publishes addressed to it so far
 BOUND: Final = "bound"  # receiver: senders bound so far
 PEER_PREFIX: Final = "peer:"  # receiver: peer:<engine> -> that engine's incarnation
 
+# The bounds of stored numbers, mirrored in _lib.lua (tests/test_schema_lua.py): the
+# scripts refuse a value outside them as corrupt, never read it as a count (design rule
+# 7, issue 30); the builders of what kvstate writes refuse to write one.
+MAX_PEERS: Final = 65536  # peers, bound, an index member's ranks, acks of a receiver
+MAX_COUNT: Final = 2**40  # infos_v
+MAX_TIMEOUT_MS: Final = 2**42  # each of timeouts_ms (139 years; 0 is none)
+MIN_TIME_MS: Final = 10**12  # created_ms, since_ms: not before 2001-09-09...
+MAX_SKEW_MS: Final = 60_000  # ...nor more than a minute past the server clock
+MAX_ACKS_BYTES: Final = 65536  # an ack:<receiver> list
+
 _V = TypeVar("_V")
 
 # The timeout that applies in a status: (its name for people, its place in TIMEOUTS_MS).
@@ -51,8 +62,22 @@ def since(fields: Mapping[str, _V]) -> _V | None:
 
 
 def timeouts_value(bootstrap_ms: int, waiting_ms: int) -> str:
-    """The TIMEOUTS_MS field's value."""
+    """The TIMEOUTS_MS field's value; InvalidValueError for a timeout the scripts would
+    read as corrupt (over MAX_TIMEOUT_MS: 0 means none)."""
+    for ms in (bootstrap_ms, waiting_ms):
+        if not 0 <= int(ms) <= MAX_TIMEOUT_MS:
+            raise InvalidValueError(
+                f"a timeout must be from 0 (none) to {MAX_TIMEOUT_MS // 1000} s, got {ms} ms"
+            )
     return f"{int(bootstrap_ms)} {int(waiting_ms)}"
+
+
+def check_count(value: object, what: str, low: int = 0, high: int = MAX_PEERS) -> int:
+    """A count kvstate writes (peers, senders required): an int from ``low`` to
+    ``high``, as the scripts read it back; InvalidValueError otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidValueError(f"{what} must be an int from {low} to {high}, got {value!r}")
+    return value
 
 
 # what a participant without TIMEOUTS_MS has (mirrored in _lib.lua: poll.lua applies it)

@@ -66,3 +66,15 @@ def test_each_script_carries_only_the_helpers_it_uses() -> None:
         for helper in all_helpers:
             if re.search(rf"\b{helper}\(", source):
                 assert helper in defined, f"{name}.lua calls {helper}() but lacks it"
+
+
+_BOUND = re.compile(r"^local ((?:MAX|MIN)_\w+) = (\d+)\b", re.M)
+
+
+def test_every_lua_bound_equals_the_schema() -> None:
+    """The bounds of stored numbers (a value outside them is corrupt) are the same in
+    the scripts and in the Python that writes and reads them."""
+    lib = (resources.files("kvstate") / "scripts" / "_lib.lua").read_text()
+    lua = {name: int(value) for name, value in _BOUND.findall(lib)}
+    py = {k: v for k, v in vars(schema).items() if k.startswith(("MAX_", "MIN_"))}
+    assert lua and lua == py, (lua, py)

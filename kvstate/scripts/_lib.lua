@@ -42,6 +42,16 @@ local F_EV_CLEARED = 'cleared'
 
 local RANK = {Failed = 0, Bootstrapping = 1, WaitingForInput = 2, Transferring = 3, Success = 4}
 
+-- The bounds of stored numbers (kvstate.schema's MAX_ / MIN_ names, the same values;
+-- tests/test_schema_lua.py holds them together): a value outside them is corrupt, never
+-- read as a count (design rule 7; issue 30).
+local MAX_PEERS = 65536  -- peers, bound, an index member's ranks, acks of a receiver
+local MAX_COUNT = 1099511627776  -- infos_v: 2^40 (written back by HSET, as %.14g digits)
+local MAX_TIMEOUT_MS = 4398046511104  -- each of timeouts_ms: 2^42 ms, 139 years
+local MIN_TIME_MS = 1000000000000  -- created_ms, since_ms: not before 2001-09-09
+local MAX_SKEW_MS = 60000  -- nor more than a minute past the server clock
+local MAX_ACKS_BYTES = 65536  -- an ack:<receiver> list (engine names, SEP-joined)
+
 -- The server clock in ms: TIME at most once per script, and only when a script
 -- needs it (most calls change no status and never ask). now_text() is what a script
 -- writes (created_ms, since_ms...), made from TIME's digits: a Lua number passed to
@@ -64,8 +74,11 @@ local function now_ms()
   return clock
 end
 
+-- (a value is named in the error cut to 64 bytes: a hostile one may be megabytes)
 local function corrupt(key, field, value)
-  error('CORRUPT ' .. key .. ' ' .. field .. ' ' .. tostring(value))
+  local text = tostring(value)
+  if #text > 64 then text = string.sub(text, 1, 64) .. '... (' .. #text .. ' bytes)' end
+  error('CORRUPT ' .. key .. ' ' .. field .. ' ' .. text)
 end
 
 -- Raise an error reply that redis.pcall caught (the ACL refusing a command...) as
@@ -83,10 +96,24 @@ local function rank_of(key, status)
   return r
 end
 
-local function number_of(key, field, value)
+-- A stored count (peers, bound, infos_v, a timeout...): ASCII digits as kvstate writes
+-- them (no leading zero), from `min` to `max`. Anything else is corrupt: a missing
+-- value, a sign, a fraction, an exponent, hex, NaN, inf, spaces, a huge number or
+-- string (tonumber() takes most of those).
+local function count_of(key, field, value, min, max)
+  if type(value) ~= 'string' or #value > 16 or not string.find(value, '^%d+$')
+    or (#value > 1 and string.byte(value) == 48) then  -- 48: '0'
+    corrupt(key, field, value)
+  end
   local n = tonumber(value)
-  if n == nil then corrupt(key, field, value) end
+  if n < min or n > max then corrupt(key, field, value) end
   return n
+end
+
+-- A stored server time in ms (created_ms, since_ms): a count from MIN_TIME_MS to a
+-- minute past the server clock (a failover's new primary may lag the old one's).
+local function time_of(key, field, value)
+  return count_of(key, field, value, MIN_TIME_MS, now_ms() + MAX_SKEW_MS)
 end
 
 -- Move a participant to `status`, stamp it, and refresh its TTL in the same call.

@@ -31,7 +31,7 @@ elseif string.sub(ARGV[2], 1, 3) == 'tx:' then
   for i = 3, #ARGV - 1, 2 do
     if ARGV[i] == F_PEERS then peers = ARGV[i + 1] end
   end
-  peers = number_of(key, F_PEERS, peers)
+  peers = count_of(key, F_PEERS, peers, 1, MAX_PEERS)
   infos = infos_in(room_call(KEYS[2], 'HGETALL'), string.sub(ARGV[2], 4))
   if #infos / 2 >= peers then status = 'WaitingForInput' end
 end

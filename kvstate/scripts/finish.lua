@@ -1,8 +1,10 @@
 -- finish.lua: a sender finished moving its pages. Sender Transferring -> Success; for
 -- each receiver still waiting, add this sender to its acks (the room hash's field
 -- ack:<receiver>, the senders SEP-joined) and flip it to Success when
--- every required sender has acked (a receiver that does not know yet how many it
--- needs, peers 0, cannot be flipped). One outcome per room (design rule 3): in a room
+-- every required sender has acked (its peers: a receiver this sender writes to has
+-- bound it, so knows how many it needs; a peers that is no count from 1 up, or an ack
+-- list naming a sender twice, one it is not bound to, or more than it needs, is
+-- corrupt: never counted towards a Success). One outcome per room (design rule 3): in a room
 -- that failed (its failure mark is set), or with a receiver Failed or gone, the sender
 -- fails with that reason instead, and acks nothing. A sender not yet Transferring
 -- (finish without begin) is answered as it is, nothing written: the caller refuses.
@@ -42,7 +44,10 @@ if cur[1] == 'Transferring' then
     elseif rank == 0 then
       why = why or ('receiver ' .. ARGV[3 + j] .. ' failed before the transfer finished: ' .. (r[3] or ''))
     elseif rank ~= 4 then
-      waiting[#waiting + 1] = {rx, F_ACK_PREFIX .. ARGV[3 + j], number_of(rx, F_PEERS, r[2])}
+      -- a receiver this sender writes to has bound and published: it knows how many
+      -- senders it needs (at least this one)
+      waiting[#waiting + 1] = {rx, F_ACK_PREFIX .. ARGV[3 + j],
+        count_of(rx, F_PEERS, r[2], 1, MAX_PEERS)}
     end
   end
 end
@@ -52,14 +57,25 @@ if #waiting > 0 then  -- their acks so far, in one read of the room hash
   local acks = room_call(KEYS[2], 'HMGET', unpack(fields))
   for i, w in ipairs(waiting) do
     local list = acks[i] or ''
-    local n, seen = 0, false
+    if #list > MAX_ACKS_BYTES then corrupt(KEYS[2], w[2], list) end
+    -- every other sender listed must be one this receiver is bound to, each once, no
+    -- more of them than it needs: a list that is not is corrupt, never a count
+    local n, seen, others, listed = 0, false, {}, {}
     for s in string.gmatch(list, '[^' .. F_SEP .. ']+') do
       n = n + 1
-      if s == ARGV[2] then seen = true end
+      if listed[s] then corrupt(KEYS[2], w[2], list) end
+      listed[s] = true
+      if s == ARGV[2] then seen = true else others[#others + 1] = F_PEER_PREFIX .. s end
     end
     if not seen then
       n = n + 1
       w[4] = (list == '') and ARGV[2] or (list .. F_SEP .. ARGV[2])
+    end
+    if n > w[3] then corrupt(KEYS[2], w[2], list) end
+    if #others > 0 then
+      for _, inc in ipairs(redis.call('HMGET', w[1], unpack(others))) do
+        if not inc then corrupt(KEYS[2], w[2], list) end
+      end
     end
     w[5] = n
   end
@@ -80,7 +96,7 @@ end
 if cur[1] == 'Success' then redis.call('PEXPIRE', tx, ttl) end
 for _, w in ipairs(waiting) do
   if w[4] then redis.call('HSET', KEYS[2], w[2], w[4]) end  -- unless acked before
-  if w[3] >= 1 and w[5] >= w[3] then
+  if w[5] >= w[3] then
     set_status(w[1], 'Success', now_text(), ttl, nil)
     trace(w[1], 'Success')
   end

@@ -37,17 +37,22 @@ if rank == 0 then return {status, reason} end
 local mark = read_mark(KEYS[3])
 local timed_out = nil
 if not mark and (rank == 1 or rank == 2) then
-  local bootstrap, waiting = string.match(h[4] or F_DEFAULT_TIMEOUTS_MS, '^(%d+) (%d+)$')
+  local timeouts = h[4] or F_DEFAULT_TIMEOUTS_MS
+  local bootstrap, waiting = string.match(timeouts, '^(%d+) (%d+)$')
   if not bootstrap then corrupt(key, F_TIMEOUTS_MS, h[4]) end
-  local limit = tonumber((rank == 1) and bootstrap or waiting)
+  bootstrap = count_of(key, F_TIMEOUTS_MS, bootstrap, 0, MAX_TIMEOUT_MS)
+  waiting = count_of(key, F_TIMEOUTS_MS, waiting, 0, MAX_TIMEOUT_MS)
+  local limit = (rank == 1) and bootstrap or waiting
   -- since_ms is written at the first status change; until then it is created_ms
-  local waited = now_ms() - number_of(key, F_SINCE_MS, h[3] or h[6])
+  local waited = now_ms() - time_of(key, h[3] and F_SINCE_MS or F_CREATED_MS, h[3] or h[6])
   if limit > 0 and waited > limit then
     timed_out = string.format('%s timeout: %s for %.1f s (limit %.1f s)',
       (rank == 1) and 'bootstrap' or 'waiting', h[1], waited / 1000, limit / 1000)
     local b = (rank == 1) and redis.call('HMGET', key, F_PEER_ADDR, F_BOUND, F_PEERS) or {}
     if b[1] then  -- a receiver: how far its binding got
-      local peers, bound = tonumber(b[3]) or 0, tonumber(b[2]) or 0
+      local peers = count_of(key, F_PEERS, b[3] or '0', 0, MAX_PEERS)
+      local bound = count_of(key, F_BOUND, b[2] or '0', 0, MAX_PEERS)
+      b[1] = string.sub(b[1], 1, 200)  -- an address, named in the reason
       timed_out = timed_out .. string.format('; bound %d of %s senders at %s',
         bound, (peers > 0) and tostring(peers) or '?', b[1])
       if bound >= peers and peers > 0 then
@@ -65,8 +70,9 @@ if mark or timed_out then
   return {status, reason}
 end
 if ARGV[4] and rank >= 2 then
-  local have = tonumber(h[5]) or 0
-  if tostring(have) ~= ARGV[2] then
+  local have = h[5] or '0'
+  count_of(key, F_INFOS_V, have, 0, MAX_COUNT)
+  if have ~= ARGV[2] then
     return {status, reason, infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4]), have}
   end
 end

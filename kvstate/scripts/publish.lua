@@ -55,7 +55,9 @@ if lookup then
   if listed.err then corrupt(KEYS[4], '*', 'not a sorted set') end
   for i = 1, #listed do
     local e, inc, ranks, role = string.match(listed[i], '^(%S+) (%S+) (%d+) (%S+)$')
-    if e and role == 'prefill' then
+    -- a member of any other shape, or a group larger than MAX_PEERS, is none of
+    -- kvstate's (kvstate.registry.parse_member skips the same ones)
+    if e and role == 'prefill' and #ranks <= 6 and tonumber(ranks) <= MAX_PEERS then
       if inc_of[e] == nil then names[#names + 1] = e end
       inc_of[e] = inc  -- listed by deadline: the last of a name is its latest incarnation
       most = math.max(most, tonumber(ranks))
@@ -83,7 +85,7 @@ local function put(field, value)
   writes[#writes + 1] = field
   writes[#writes + 1] = value
 end
-local bound = tonumber(h[3]) or 0
+local bound = count_of(rx, F_BOUND, h[3] or '0', 0, MAX_PEERS)
 local required = tonumber(ARGV[4])
 local answered = {}  -- lookup: engine, incarnation of each listed sender bound after it
 if lookup then
@@ -135,7 +137,7 @@ local function answer(st)
   return st
 end
 if #writes > 0 then put(F_BOUND, bound) end
-local peers = number_of(rx, F_PEERS, h[4])
+local peers = count_of(rx, F_PEERS, h[4], 0, MAX_PEERS)
 if required > 0 and peers < 1 then
   peers = required
   put(F_PEERS, required)
@@ -170,9 +172,10 @@ for i = 1, n do
     rank_of(tx, t[1])
     if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
     if t[1] == 'Bootstrapping' then
-      number_of(tx, F_PEERS, t[3])
+      t[3] = count_of(tx, F_PEERS, t[3], 1, MAX_PEERS)
       counting = true
     end
+    t[4] = count_of(tx, F_INFOS_V, t[4] or '0', 0, MAX_COUNT)
   end
   senders[i] = t
 end
@@ -216,9 +219,8 @@ for i = 1, n do
     trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, names[i])
     local t = senders[i]
     if t[1] then
-      local fields = {F_INFOS_V, (tonumber(t[4]) or 0) + 1}
-      local ready = t[1] == 'Bootstrapping'
-        and t[5] + 1 - t[6] >= tonumber(t[3])
+      local fields = {F_INFOS_V, t[4] + 1}
+      local ready = t[1] == 'Bootstrapping' and t[5] + 1 - t[6] >= t[3]
       if ready then
         fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_text()
       end

@@ -141,6 +141,8 @@ class Calls:
         return [k.participant(room, side, engine), k.room_hash(room), k.aborted(room)]
 
     def create(self, room: int, side: Side, engine: str, fields: dict[str, Any]) -> Call:
+        if schema.PEERS in fields:  # what create.lua reads back (schema.MAX_PEERS)
+            schema.check_count(fields[schema.PEERS], "the peers of a participant")
         return self._script(
             "create",
             self._room_keys(room, side, engine),
@@ -187,6 +189,7 @@ class Calls:
         is bound to (``Status.bound``); ``senders`` are then those the caller knows
         bound, which it publishes to itself."""
         k = self.keys
+        schema.check_count(required, "the senders a receiver requires")
         keys = self._room_keys(room, "rx", receiver)
         args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
         if lookup is not None:
