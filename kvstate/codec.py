@@ -19,6 +19,11 @@ from kvstate.errors import CorruptStateError, InvalidIndicesError
 
 SCHEMA_VERSION = 1
 MAX_INDEX = 2**31 - 1
+# The most pages one transfer info may list (kv and state indices alike): 16,777,216,
+# a 16M-token request at one token per page, 64 MiB decoded. A receiver is refused
+# more at init(); a stored info listing more is corrupt, refused before anything the
+# size of its pages is allocated (a 30-byte info could list 2^31 pages: issue 30).
+MAX_PAGES = 2**24
 IndexArray = npt.NDArray[np.int32]
 _PAIR = np.dtype("<i4")
 
@@ -43,6 +48,11 @@ def as_indices(value: object, what: str = "kv_indices") -> IndexArray:
         raise InvalidIndicesError(f"{what} holds a negative page index ({lo})")
     if hi > MAX_INDEX:
         raise InvalidIndicesError(f"{what} holds page index {hi}, above the int32 limit")
+    if arr.size > MAX_PAGES:
+        raise InvalidIndicesError(
+            f"{what} lists {arr.size} pages, more than one transfer carries "
+            f"(kvstate.codec.MAX_PAGES, {MAX_PAGES})"
+        )
     return arr.astype(np.int32, copy=False)
 
 
@@ -58,24 +68,61 @@ def encode_runs(indices: IndexArray) -> bytes:
     return pairs.tobytes()
 
 
-def decode_runs(raw: bytes, key: str, field_name: str) -> IndexArray:
+_CHUNK = 2**16  # runs handled at a time: their int64 temporaries stay ~3 MiB
+
+
+def decode_runs(raw: bytes, key: str, field_name: str, max_pages: int = MAX_PAGES) -> IndexArray:
+    """Page indices from ``(start, length)`` int32 pairs, in bounded memory: the runs
+    are checked, ``_CHUNK`` at a time, and their total against ``max_pages`` (at most
+    MAX_PAGES) before anything the size of the pages is allocated; the pages are then
+    made in place as int32 (4 bytes a page, no int64 copy of them). A hostile info costs
+    its own size and at most ``max_pages`` pages."""
+    limit = min(max_pages, MAX_PAGES)
     if len(raw) % 8:
         raise CorruptStateError(key, field_name, f"run list of {len(raw)} bytes is not pairs")
-    pairs = np.frombuffer(raw, dtype=_PAIR).reshape(-1, 2).astype(np.int64)
+    if len(raw) // 8 > limit:
+        raise CorruptStateError(
+            key, field_name, f"{len(raw) // 8} runs: more than the {limit} pages allowed"
+        )
+    pairs = np.frombuffer(raw, dtype=_PAIR).reshape(-1, 2)
     if pairs.size == 0:
         return np.empty(0, dtype=np.int32)
-    starts, lengths = pairs[:, 0], pairs[:, 1]
-    if (starts < 0).any() or (lengths <= 0).any():
-        raise CorruptStateError(key, field_name, "run list has a negative start or length")
-    if int((starts + lengths - 1).max()) > MAX_INDEX:  # a run's last page, not one past it
-        raise CorruptStateError(key, field_name, f"run list goes past page {MAX_INDEX}")
-    if int(lengths.sum()) > MAX_INDEX + 1:  # more pages than there are: repeats, and an
-        raise CorruptStateError(key, field_name, "run list repeats pages")  # 8 GiB+ array
-    offsets = np.cumsum(lengths) - lengths
-    out: IndexArray = (np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)).astype(
-        np.int32
-    )
+    total = 0
+    for at in range(0, len(pairs), _CHUNK):
+        starts, lengths = _run_chunk(pairs, at)
+        if (starts < 0).any() or (lengths <= 0).any():
+            raise CorruptStateError(key, field_name, "run list has a negative start or length")
+        if int((starts + lengths - 1).max()) > MAX_INDEX:  # a run's last page
+            raise CorruptStateError(key, field_name, f"run list goes past page {MAX_INDEX}")
+        total += int(lengths.sum())
+        if total > limit:
+            raise CorruptStateError(
+                key, field_name, f"run list holds over {limit} pages, more than allowed"
+            )
+    # each page is the one before it + 1, but at a run's first page, which jumps from
+    # the last run's last page: ones, the jumps at the runs' first pages, then a
+    # running sum, in place (every partial sum is a page index: int32 holds it)
+    out: IndexArray = np.ones(total, dtype=np.int32)
+    page, last = 0, 0  # where this chunk's first run starts in ``out``; the page before
+    for at in range(0, len(pairs), _CHUNK):
+        starts, lengths = _run_chunk(pairs, at)
+        firsts = page + np.cumsum(lengths) - lengths
+        jumps = starts.copy()
+        jumps[1:] -= starts[:-1] + lengths[:-1] - 1
+        jumps[0] -= last
+        out[firsts] = jumps
+        page = int(firsts[-1] + lengths[-1])
+        last = int(starts[-1] + lengths[-1] - 1)
+    np.cumsum(out, dtype=np.int32, out=out)
     return out
+
+
+def _run_chunk(
+    pairs: npt.NDArray[np.int32], at: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(starts, lengths) of ``_CHUNK`` runs from ``at``, as int64 (sums cannot wrap)."""
+    chunk = pairs[at : at + _CHUNK]
+    return chunk[:, 0].astype(np.int64), chunk[:, 1].astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -116,11 +163,11 @@ class TransferInfo:
         prefix, dummy, inc = doc.get("prefix", 0), doc.get("dummy", False), doc.get("inc")
         if not isinstance(kv, bytes):
             raise CorruptStateError(key, where, "kv runs are not bytes")
-        if aux is not None and (not isinstance(aux, int) or aux < 0):
-            raise CorruptStateError(key, where, f"aux index {aux!r} is not a non-negative int")
+        if aux is not None and (not is_int(aux) or not 0 <= aux <= MAX_INDEX):
+            raise CorruptStateError(key, where, f"aux index {aux!r} is not an int32 >= 0")
         if state is not None and not isinstance(state, bytes):
             raise CorruptStateError(key, where, "state runs are not bytes")
-        if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
+        if not is_int(prefix) or not 0 <= prefix < 2**63:
             raise CorruptStateError(key, where, f"prefix length {prefix!r} is not an int >= 0")
         if not isinstance(dummy, bool):
             raise CorruptStateError(key, where, f"dummy flag {dummy!r} is not a bool")

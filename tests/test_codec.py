@@ -12,8 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kvstate.codec import MAX_INDEX, TransferInfo, as_indices, decode_runs, encode_runs, unpack
-from kvstate.errors import CorruptStateError
+from kvstate import codec
+from kvstate.codec import (
+    MAX_INDEX,
+    MAX_PAGES,
+    TransferInfo,
+    as_indices,
+    decode_runs,
+    encode_runs,
+    pack,
+    unpack,
+)
+from kvstate.errors import CorruptStateError, InvalidIndicesError
 from transports.pages import merge_runs
 
 # Page indices anywhere in [0, 2**31 - 1]; runs come from consecutive stretches, so
@@ -210,6 +220,71 @@ def test_bad_runs_are_corrupt(pairs: list[tuple[int, int]]) -> None:
     raw = np.array(pairs, dtype="<i4").tobytes()
     with pytest.raises(CorruptStateError):
         decode_runs(raw, "k", "f")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(any_indices, runs()))
+def test_runs_round_trip_a_few_runs_at_a_time(indices: np.ndarray) -> None:
+    """decode_runs checks and decodes the runs ``_CHUNK`` at a time (2^16): the same
+    pages whatever the chunk, its edges included."""
+    saved = codec._CHUNK
+    codec._CHUNK = 3
+    try:
+        back = decode_runs(encode_runs(as_indices(indices)), "k", "f")
+    finally:
+        codec._CHUNK = saved
+    np.testing.assert_array_equal(back, indices)
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        [(0, MAX_INDEX), (0, 1)],  # 2^31 pages in a 30-byte info (issue 30)
+        [(0, 2**26)],  # 1 GiB and 3 s per decode before
+        [(0, MAX_PAGES + 1)],
+        [(0, MAX_PAGES), (MAX_PAGES + 5, 1)],
+    ],
+    ids=["2^31", "2^26", "MAX_PAGES+1", "MAX_PAGES+1 in two"],
+)
+def test_too_many_pages_are_corrupt_before_any_allocation(pairs: list[tuple[int, int]]) -> None:
+    """Page counts are bounded (MAX_PAGES, or the caller's smaller bound) before anything
+    the size of the pages is allocated: a hostile info costs no memory."""
+    import tracemalloc
+
+    raw = pack({"kv": np.array(pairs, dtype="<i4").tobytes(), "inc": ""})
+    assert len(raw) < 50
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptStateError, match="more than"):
+            TransferInfo.decode("r", raw, "k", "f")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
+
+
+def test_page_bounds_at_the_edges() -> None:
+    """MAX_PAGES pages decode; a caller's own bound (``max_pages``) is kept; more runs
+    than pages allowed are refused unread; a receiver may not publish more."""
+    back = decode_runs(np.array([(0, MAX_PAGES)], dtype="<i4").tobytes(), "k", "f")
+    assert back.size == MAX_PAGES and back[-1] == MAX_PAGES - 1
+    raw = np.array([(0, 11)], dtype="<i4").tobytes()
+    assert decode_runs(raw, "k", "f", max_pages=11).size == 11
+    with pytest.raises(CorruptStateError, match="over 10 pages"):
+        decode_runs(raw, "k", "f", max_pages=10)
+    with pytest.raises(CorruptStateError, match="runs: more than"):
+        decode_runs(b"\x00" * 8 * 3, "k", "f", max_pages=2)
+    with pytest.raises(InvalidIndicesError, match="MAX_PAGES"):
+        as_indices(np.arange(MAX_PAGES + 1, dtype=np.int32))
+
+
+@pytest.mark.parametrize(
+    "extra", [{"aux": 2**31}, {"aux": True}, {"prefix": 2**63}, {"prefix": -1}, {"aux": -1}]
+)
+def test_out_of_range_info_fields_are_corrupt(extra: dict[str, object]) -> None:
+    raw = pack({"kv": encode_runs(as_indices([1, 2])), "inc": "", **extra})
+    with pytest.raises(CorruptStateError):
+        TransferInfo.decode("r", raw, "k", "f")
 
 
 def test_top_page_index_through_redis(redis_url: str) -> None:
