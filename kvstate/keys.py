@@ -174,12 +174,12 @@ class Keys:
         """An engine's transfer counters (kvstate.stats), read by kvstate.ops.metrics."""
         return f"{self.prefix}stats:{engine}"
 
-    def probe(self, tag: int) -> str:
+    def probe(self, tag: int, seq: int = 0) -> str:
         """The monitor's expiry probe: a key set with a 1 ms TTL whose expiry event
         shows that keyspace notifications reach it (no CONFIG GET, which would read
-        every setting, passwords included). ``tag`` picks its hash slot: one per node of
-        a Cluster."""
-        return f"{self.prefix}probe:{{{tag}}}"
+        every setting, passwords included). ``tag`` picks its hash slot (one per node
+        of a Cluster), ``seq`` tells one probe's event from the last one's."""
+        return f"{self.prefix}probe:{{{tag}}}:{seq}"
 
     def is_probe(self, key: str) -> bool:
         return key.startswith(f"{self.prefix}probe:")

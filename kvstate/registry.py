@@ -9,6 +9,7 @@ each member carrying the incarnation and group size a receiver binds by
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -20,6 +21,7 @@ from kvstate.codec import pack, unpack
 from kvstate.errors import CorruptStateError, EngineNameTakenError
 from kvstate.store import Store, functions
 
+log = logging.getLogger(__name__)
 _TEXT_FIELDS = (schema.ROLE, schema.ADDR, schema.INCARNATION, schema.HOST, schema.PID)
 
 
@@ -150,8 +152,21 @@ class Registry:
             )
 
     def renew(self, info: EngineInfo, lease: float) -> Claim:
-        """Extend the lease (or register again if it lapsed and the name is free)."""
-        return self.claim(info, lease, "renew")
+        """Extend the lease (or register again if it lapsed and the name is free). A
+        registration gone at its renewal is logged at WARNING: a heartbeat renews well
+        within the lease, so unless this process stalled, something deleted it, most
+        often an eviction (a maxmemory-policy other than noeviction: issue 30 saw 49 in
+        one run under allkeys-lru), and its peers may have failed its rooms meanwhile."""
+        claim = self.claim(info, lease, "renew")
+        if claim.answer == "lapsed":
+            log.warning(
+                "registration of engine %s (namespace %s) was gone when its lease was "
+                "renewed: evicted (maxmemory-policy is not noeviction? `kvstate audit` "
+                "says), deleted, or this process stalled past its lease; registered again",
+                info.engine,
+                self.store.namespace,
+            )
+        return claim
 
     def drop(self, engine: str, incarnation: str, addr: str) -> bool:
         """Delete the registration if it is still this incarnation's; True if it was.
@@ -162,11 +177,42 @@ class Registry:
         claim = s.execute([s.claim_engine(engine, incarnation, "drop", 1, {}, Claim.parse)])[0]
         return bool(claim.answer == "dropped")
 
-    def incarnations(self, engines: list[str]) -> dict[str, str | None]:
-        """Engine -> the incarnation holding its name now, None when none does."""
+    def incarnations(self, engines: list[str], partial: bool = False) -> dict[str, str | None]:
+        """Engine -> the incarnation holding its name now, None when none does; with
+        ``partial``, a registration that is no hash is left out (unknown) instead of
+        raising CorruptStateError."""
         s = self.store
-        raw = s.execute([s.engine_field(e, schema.INCARNATION) for e in engines])
-        return dict(zip(engines, raw, strict=True))
+        raw = s.execute([s.engine_field(e, schema.INCARNATION) for e in engines], partial=partial)
+        return {
+            e: inc for e, inc in zip(engines, raw, strict=True) if not isinstance(inc, Exception)
+        }
+
+    def all_read(self) -> tuple[list[EngineInfo], dict[str, str]]:
+        """Every registration, by name, and those that do not read (engine -> why: a
+        key of the wrong type, an incomplete or corrupt registration): the operator
+        views show those as rows and go on, where ``all()`` raises."""
+        prefix = self.keys.engine("")
+        names = sorted(k[len(prefix) :] for k in self.store.scan(self.keys.engine_pattern))
+        s = self.store
+        infos: list[EngineInfo] = []
+        bad: dict[str, str] = {}
+        for start in range(0, len(names), 500):
+            chunk = names[start : start + 500]
+            calls = []
+            for e in chunk:
+                key = self.keys.engine(e)
+                calls += [s.read_hash(key), s.key_ttl(key)]
+            raw = s.execute(calls, partial=True)
+            for i, e in enumerate(chunk):
+                h, pttl = raw[2 * i], raw[2 * i + 1]
+                if isinstance(h, Exception):
+                    bad[e] = str(h)
+                elif h:
+                    try:
+                        infos.append(EngineInfo.decode(self.keys.engine(e), e, h, int(pttl)))
+                    except CorruptStateError as exc:
+                        bad[e] = str(exc)
+        return infos, bad
 
     def get_many(self, engines: list[str]) -> dict[str, EngineInfo | None]:
         s = self.store

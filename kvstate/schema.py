@@ -86,6 +86,33 @@ DEFAULT_TIMEOUTS_MS: Final = timeouts_value(
 )
 
 
+def parse_count(value: object, low: int = 0, high: int = MAX_COUNT) -> int | None:
+    """A stored count or time as the scripts read it (_lib.lua's count_of): ASCII digits
+    as kvstate writes them (no sign, no leading zero, at most 16), from ``low`` to
+    ``high``; None for anything else (the scripts refuse it as corrupt)."""
+    if not isinstance(value, str) or not 0 < len(value) <= 16:
+        return None
+    if not (value.isascii() and value.isdigit()) or (len(value) > 1 and value[0] == "0"):
+        return None
+    n = int(value)
+    return n if low <= n <= high else None
+
+
+def corrupt_fields(fields: Mapping[str, str], now_ms: int) -> list[str]:
+    """The numeric fields of a participant hash the scripts would refuse as corrupt
+    (peers, bound, infos_v, timeouts_ms, the time its status is read from)."""
+    bad = []
+    for name, high in ((PEERS, MAX_PEERS), (BOUND, MAX_PEERS), (INFOS_V, MAX_COUNT)):
+        if name in fields and parse_count(fields[name], 0, high) is None:
+            bad.append(name)
+    if timeouts_of(fields) is None:
+        bad.append(TIMEOUTS_MS)
+    at = SINCE_MS if SINCE_MS in fields else CREATED_MS
+    if parse_count(fields.get(at), MIN_TIME_MS, now_ms + MAX_SKEW_MS) is None:
+        bad.append(at)
+    return bad
+
+
 def timeouts_of(fields: Mapping[str, str]) -> tuple[int, int] | None:
     """(bootstrap ms, waiting ms) of a participant's fields: its TIMEOUTS_MS, else
     (none stored) DEFAULT_TIMEOUTS_MS; None when the stored one does not parse."""
@@ -93,11 +120,15 @@ def timeouts_of(fields: Mapping[str, str]) -> tuple[int, int] | None:
 
 
 def parse_timeouts(value: str | None) -> tuple[int, int] | None:
-    """(bootstrap ms, waiting ms) of a TIMEOUTS_MS value; None when it does not parse."""
+    """(bootstrap ms, waiting ms) of a TIMEOUTS_MS value; None when it does not parse
+    (as poll.lua reads it: two counts up to MAX_TIMEOUT_MS)."""
     parts = (value or "").split(" ")
-    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+    if len(parts) != 2:
         return None
-    return int(parts[0]), int(parts[1])
+    limits = [parse_count(p, 0, MAX_TIMEOUT_MS) for p in parts]
+    if limits[0] is None or limits[1] is None:
+        return None
+    return limits[0], limits[1]
 
 
 # -- engine registration hash: kvstate:<ns>:engine:<engine> ----------------------------

@@ -56,7 +56,7 @@ class TransferTotals:
 
     @classmethod
     def parse(cls, raw: dict[Any, Any]) -> TransferTotals:
-        h = {k.decode(): v.decode() for k, v in raw.items()}
+        h = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
         try:
             t = cls(
                 int(h.get(schema.STATS_BYTES, 0)),
@@ -65,7 +65,9 @@ class TransferTotals:
             )
             for i, bound in enumerate((*LATENCY_BUCKETS, "+Inf")):
                 t.buckets[i] = int(h.get(schema.le_field(bound), 0))
-        except ValueError:  # written by something else: export nothing rather than lie
+        except (ValueError, OverflowError):  # written by something else: export nothing
+            return cls()  # rather than lie
+        if min(t.bytes, t.count, t.seconds, *t.buckets) < 0 or t.seconds != t.seconds:
             return cls()
         return t
 

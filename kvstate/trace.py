@@ -82,8 +82,10 @@ class TraceEntry:
             if not isinstance(doc, dict):
                 raise ValueError(text)
             fields = {str(k): _text(v) for k, v in doc.items()}
-            ms = int(doc.get(schema.TRACE_MS, 0))
-        except ValueError:
+            ms = schema.parse_count(_text(doc.get(schema.TRACE_MS, "0")), 0, 2**53)
+            if ms is None:
+                raise ValueError(text)
+        except (ValueError, RecursionError):  # not kvstate's JSON (an ms that is no count)
             return cls(0, 0, "", "", "unreadable", {"raw": text[:200]})
         fields.pop(schema.TRACE_MS, None)
         side = fields.pop(schema.TRACE_SIDE, "")

@@ -18,9 +18,9 @@ from kvstate.cli.app import (
     main,
     opened,
 )
-from kvstate.cli.output import console, emit_json, styled
+from kvstate.cli.output import ROWS, console, cut, emit_json, more, styled
 from kvstate.defaults import ROOM_TTL
-from kvstate.errors import KVStateError
+from kvstate.errors import CorruptStateError, KVStateError
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor, Report, acl_refused
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.findings import kind as finding_kind
@@ -55,9 +55,24 @@ from kvstate.store import Store
     show_default=True,
     help="Recent ledger entries to show.",
 )
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=ROWS,
+    show_default=True,
+    help="At most this many findings listed (all are counted, and fixed with --fix).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
-def audit(obj: Ctx, fix: bool, grace: float, room_ttl: float, ledger_n: int, as_json: bool) -> None:
+def audit(
+    obj: Ctx,
+    fix: bool,
+    grace: float,
+    room_ttl: float,
+    ledger_n: int,
+    limit: int,
+    as_json: bool,
+) -> None:
     """Find leaked or risky state. Exit status 0 when clean, 1 when anything is left
     unrepaired, or when the namespace holds no kvstate key at all."""
     with opened(obj, room_ttl=room_ttl) as store:
@@ -67,30 +82,36 @@ def audit(obj: Ctx, fix: bool, grace: float, room_ttl: float, ledger_n: int, as_
         extra = empty_json(store, empty) if empty and as_json else {}
     code = EXIT_FINDINGS if report.remaining or empty else EXIT_OK
     if as_json:
-        emit_json({**report.to_json(), "ledger": [e.to_json() for e in recent], **extra})
+        emit_json({**report.to_json(limit), "ledger": [e.to_json() for e in recent], **extra})
         sys.exit(code)
     out = console()
-    for note in report.notes:
-        out.print(styled("note:", "yellow"), note)
+    for note in report.notes[:limit]:
+        out.print(styled("note:", "yellow"), cut(note, 600))
     if report.findings:
-        out.print(_findings_table(report, fix))
+        out.print(_findings_table(report, fix, limit))
     out.print(empty or _summary(report, store.namespace))
     if recent:
         out.print(_ledger_table(recent))
     sys.exit(code)
 
 
-def _findings_table(report: Report, fix: bool) -> Table:
-    """One row per finding: red while left, green once fixed or resolved; without
-    --fix the last column hints at what --fix would do."""
+def _findings_table(report: Report, fix: bool, limit: int) -> Table:
+    """One row per finding (the first ``limit``): red while left, green once fixed or
+    resolved; without --fix the last column hints at what --fix would do."""
     t = Table(box=None, header_style="bold")
     for name in ("kind", "key", "detail", "action" if fix else "fix"):
         t.add_column(name, overflow="fold")
-    for f in report.findings:
+    left = set(map(id, report.remaining))
+    for f in report.findings[:limit]:
         action = f.fixed or f.resolved or f.left or ("" if fix else finding_kind(f.kind).hint)
         t.add_row(
-            styled(f.kind, "red" if f in report.remaining else "green"), f.key, f.detail, action
+            styled(f.kind, "red" if id(f) in left else "green"),
+            cut(f.key),
+            cut(f.detail, 600),
+            cut(action, 600),
         )
+    if len(report.findings) > limit:
+        t.add_row(more(len(report.findings) - limit, "findings (--limit)"))
     return t
 
 
@@ -112,6 +133,9 @@ def _recent_ledger(store: Store, n: int, notes: list[str]) -> list[Entry]:
         return []
     try:
         return Ledger(store).recent(n)
+    except CorruptStateError as exc:  # the ledger is not a stream: the audit names it
+        notes.append(f"the ledger cannot be read ({exc})")
+        return []
     except KVStateError as exc:
         if not acl_refused(exc):
             raise
@@ -129,12 +153,12 @@ def _ledger_table(entries: list[Entry]) -> Table:
     for e in entries:
         t.add_row(
             e.id,
-            e.event,
+            cut(e.event),
             "" if e.room is None else str(e.room),
-            e.side,
-            e.engine,
-            e.status,
+            cut(e.side),
+            cut(e.engine),
+            cut(e.status),
             fmt_ms(e.age_ms),
-            e.detail,
+            cut(e.detail),
         )
     return t

@@ -27,7 +27,7 @@ from kvstate.cli.app import (
     opened,
     scrub,
 )
-from kvstate.cli.output import console, emit_json, styled
+from kvstate.cli.output import console, cut, emit_json, styled
 from kvstate.errors import KVStateError, PermissionDeniedError
 from kvstate.ops.audit import acl_refused
 from kvstate.ops.ledger import NOTIFY_SETTING, Ledger
@@ -181,16 +181,17 @@ def _library_checks(store: Store, checks: list[Check]) -> None:
 # What `audit`, `monitor` and `doctor` need on top of the engine user's rights (README,
 # Security): INFO (server checks), the ledger stream, expiry notifications and the
 # monitor's probe key (SET with a TTL, EXISTS), the room traces (RPUSH, RPUSHX: `abort`;
-# LRANGE: `trace`) and ACL WHOAMI. No CONFIG: CONFIG GET reads every setting,
-# `requirepass` and `masterauth` included, and CONFIG SET changes the server for every
-# tenant; both are an admin's. Redis 6.2's ACL SETUSER knows no FUNCTION: on 7.x add
-# OPERATOR_ACL_7's FCALL and FUNCTION LIST (the library, and doctor's list of them).
+# LRANGE and LLEN: `trace`), TYPE (the audit's check of each key's type) and ACL WHOAMI. No
+# CONFIG: CONFIG GET reads every setting, `requirepass` and `masterauth` included, and
+# CONFIG SET changes the server for every tenant; both are an admin's. Redis 6.2's ACL
+# SETUSER knows no FUNCTION: on 7.x add OPERATOR_ACL_7's FCALL and FUNCTION LIST (the
+# library, and doctor's list of them).
 OPERATOR_ACL = (
     "ACL SETUSER kvstate-operator reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "&__keyevent@*__:expired -@all +ping +client|setname +time +scan +evalsha +eval "
     "+script|load +multi +exec +del +exists +pexpire +pttl +get +set +hget +hmget +hgetall "
     "+hset +hdel +hkeys +zadd +zrange +zrem +zremrangebyscore +info +xadd +xrevrange "
-    "+rpush +rpushx +lrange +subscribe +unsubscribe +acl|whoami"
+    "+rpush +rpushx +lrange +llen +type +subscribe +unsubscribe +acl|whoami"
 )
 OPERATOR_ACL_7 = OPERATOR_ACL + " +fcall +function|list"
 
@@ -198,12 +199,13 @@ OPERATOR_ACL_7 = OPERATOR_ACL + " +fcall +function|list"
 # A read-only operator: `ls`, `show`, `top`, `engines`, `trace` and `audit` (without
 # --fix) read with these plain read commands only (no script, no write, no CONFIG;
 # tests/test_cli_operator.py runs them as this user). MULTI/EXEC group two reads; INFO
-# and XREVRANGE are the audit's server and ledger checks; LRANGE reads a room's trace;
+# and XREVRANGE are the audit's server and ledger checks, TYPE its check of each key's
+# type; LRANGE and LLEN read a room's trace (its length: a long one is cut);
 # FUNCTION LIST (7.x: READER_ACL_7) the audit's check of kvstate's libraries.
 READER_ACL = (
     "ACL SETUSER kvstate-reader reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "-@all +ping +client|setname +time +scan +multi +exec +exists +pttl +get +hget +hmget "
-    "+hgetall +hkeys +zrange +xrevrange +lrange +info +acl|whoami"
+    "+hgetall +hkeys +zrange +xrevrange +lrange +llen +type +info +acl|whoami"
 )
 READER_ACL_7 = READER_ACL + " +function|list"
 
@@ -364,6 +366,6 @@ def doctor(obj: Ctx, as_json: bool, no_ucx: bool) -> None:
             t.add_column(name)
         style = {"ok": "green", "warn": "yellow", "fail": "red", "info": "blue"}
         for c in checks:
-            t.add_row(c.name, styled(c.state, style[c.state]), c.detail)
+            t.add_row(cut(c.name), styled(c.state, style[c.state]), cut(c.detail, 1200))
         out.print(t)
     sys.exit(EXIT_ERROR if unreachable else EXIT_FINDINGS if failed else EXIT_OK)

@@ -34,12 +34,47 @@ def console() -> Console:
     return _Console(width=width, highlight=False, soft_wrap=False, markup=False)
 
 
+# Output is bounded whatever Redis holds (issue 30: a 1 MB reason, a 20k-field hash, a
+# 200k-entry trace): a stored value shows at most this much, cut with what is left.
+TEXT_CELL = 200  # characters of one stored value in a table cell or a line
+JSON_TEXT = 4096  # characters of one string in --json
+JSON_ENTRIES = 200  # entries of one object (a stored hash's fields...) in --json
+ROWS = 1000  # rows of a table or --json list, by default (each command's --limit)
+
+
+def cut(value: object, n: int = TEXT_CELL) -> str:
+    """``value`` as text, at most ``n`` characters and a note of what was cut."""
+    text = "" if value is None else str(value)
+    return text if len(text) <= n else f"{text[:n]}... ({len(text) - n} more chars)"
+
+
+def more(n: int, what: str = "") -> str:
+    """The line that ends a cut list: ``... 12 more`` (rows, steps, findings...)."""
+    return f"... {n} more{' ' + what if what else ''}"
+
+
+def bounded(doc: Any) -> Any:
+    """``doc`` with every string cut to JSON_TEXT and every object to JSON_ENTRIES
+    entries (the last one "...": "N more"); lists are each command's to bound."""
+    if isinstance(doc, str):
+        return cut(doc, JSON_TEXT)
+    if isinstance(doc, dict):
+        items = list(doc.items())
+        out = {cut(k, JSON_TEXT): bounded(v) for k, v in items[:JSON_ENTRIES]}
+        if len(items) > JSON_ENTRIES:
+            out["..."] = more(len(items) - JSON_ENTRIES)
+        return out
+    if isinstance(doc, list | tuple):
+        return [bounded(v) for v in doc]
+    return doc
+
+
 def styled(text: str, style: str) -> Text:
-    return Text(text, style=style)
+    return Text(cut(text, max(TEXT_CELL, 600)), style=style)
 
 
 def emit_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
+    click.echo(json.dumps(bounded(doc), indent=2, sort_keys=False, default=str))
 
 
 def status_style(status: str) -> str:

@@ -22,7 +22,7 @@ from kvstate.cli.app import (
     main,
     opened,
 )
-from kvstate.cli.output import console, emit_json, name_width, status_style, styled
+from kvstate.cli.output import ROWS, console, cut, emit_json, more, name_width, status_style, styled
 from kvstate.codec import TransferInfo
 from kvstate.keys import parse_room_text
 from kvstate.ops.durations import fmt_ms
@@ -52,18 +52,20 @@ def _participants_table(parts: list[Participant], with_room: bool) -> Table:
     for p in parts:
         extra = p.reason or ""
         if not extra and p.side == "rx":
-            extra = f"peer {p.fields.get('peer_addr', '?')}: " + ", ".join(
-                f"{e}@{inc}" for e, inc in sorted(p.bindings.items())
+            extra = (
+                f"peer {cut(p.fields.get('peer_addr', '?'))}: "
+                + ", ".join(f"{cut(e)}@{cut(inc)}" for e, inc in sorted(p.bindings.items())[:8])
+                + (f" {more(len(p.bindings) - 8)}" if len(p.bindings) > 8 else "")
             )
         status = styled(p.status or "?", status_style(p.status))
         row: list[str | Text] = [
             p.side,
-            p.engine,
+            cut(p.engine),
             status,
             fmt_ms(p.age_ms),
             fmt_ms(p.in_status_ms),
             fmt_ms(p.pttl_ms),
-            extra,
+            cut(extra),
         ]
         t.add_row(*([str(p.room)] if with_room else []), *row)
     return t
@@ -84,39 +86,48 @@ def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
         "incarnation",
     ):
         t.add_column(name, overflow="fold" if name in ("sender", "receiver") else "ellipsis")
-    for sender, per in sorted(infos.items()):
-        for receiver, info in sorted(per.items()):
-            if isinstance(info, str):
-                t.add_row(sender, receiver, styled(info, "red"))
-                continue
-            j = info_json(info)
-            t.add_row(
-                sender,
-                receiver,
-                str(j["pages"]),
-                str(j["runs"]),
-                fmt_ranges(j["ranges"]),
-                str(j["aux_index"]),
-                str(j["prefix_len"]),
-                str(j["dummy"]),
-                j["incarnation"] or "-",
-            )
+    rows = [(s, r, i) for s, per in sorted(infos.items()) for r, i in sorted(per.items())]
+    for sender, receiver, info in rows[:ROWS]:
+        if isinstance(info, str):
+            t.add_row(cut(sender), cut(receiver), styled(info, "red"))
+            continue
+        j = info_json(info)
+        t.add_row(
+            cut(sender),
+            cut(receiver),
+            str(j["pages"]),
+            str(j["runs"]),
+            fmt_ranges(j["ranges"], total=j["runs"]),
+            str(j["aux_index"]),
+            str(j["prefix_len"]),
+            str(j["dummy"]),
+            cut(j["incarnation"]) or "-",
+        )
+    if len(rows) > ROWS:
+        t.add_row(more(len(rows) - ROWS, "transfer infos"))
     return t
 
 
 @main.command()
 @common
 @click.argument("room")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=ROWS,
+    show_default=True,
+    help="At most this many participants (and members, transfer infos, acks) shown.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
-def show(obj: Ctx, room: str, as_json: bool) -> None:
+def show(obj: Ctx, room: str, limit: int, as_json: bool) -> None:
     """Every participant of ROOM, its status, age, TTL, decoded transfer infos and abort
     mark. Exit status 1 when nothing is stored for the room."""
     r = parse_room_text(room)
     with opened(obj) as store:
         view = room_view(store, r)
     if as_json:
-        emit_json(view.to_json())
+        emit_json(view.to_json(limit))
         sys.exit(EXIT_FINDINGS if view.empty else EXIT_OK)
     out = console()
     if view.empty:
@@ -131,30 +142,40 @@ def show(obj: Ctx, room: str, as_json: bool) -> None:
     if view.aborted is not None:
         out.print(
             styled(
-                f"aborted: {view.aborted} (mark expires in "
+                f"aborted: {cut(view.aborted)} (mark expires in "
                 f"{fmt_ms(view.aborted_ttl_ms)}; a participant joining before "
                 "then starts Failed)",
                 "red",
             )
         )
+    for what in view.corrupt:
+        out.print(styled(f"corrupt: {what}", "red"))
     if view.participants:
-        out.print(_participants_table(view.participants, with_room=False))
+        out.print(_participants_table(view.participants[:limit], with_room=False))
+        if len(view.participants) > limit:
+            out.print(more(len(view.participants) - limit, "participants (--limit)"))
     elif view.aborted is not None:
         out.print("no participants")
-    for member in view.missing_members:
-        out.print(styled(f"the room hash lists {member} but its participant hash is gone", "red"))
-    for member in view.unindexed:
+    for member in view.missing_members[:limit]:
+        out.print(
+            styled(f"the room hash lists {cut(member)} but its participant hash is gone", "red")
+        )
+    for member in view.unindexed[:limit]:
         out.print(
             styled(
-                f"{member} is missing from the room hash: `kvstate abort` "
+                f"{cut(member)} is missing from the room hash: `kvstate abort` "
                 "cannot reach it; `kvstate audit --fix` re-indexes it",
                 "red",
             )
         )
     if view.infos:
         out.print(_infos_table(view.infos))
-    for receiver, senders in sorted(view.acks.items()):
-        out.print(f"acks for {receiver}: {', '.join(senders)}")
+    for receiver, senders in sorted(view.acks.items())[:limit]:
+        shown = ", ".join(cut(s) for s in senders[:8])
+        out.print(
+            f"acks for {cut(receiver)}: {shown}"
+            + (f" {more(len(senders) - 8)}" if len(senders) > 8 else "")
+        )
     if view.traced:
         out.print(f"trace: kvstate trace {r} (every step so far, on the server clock)")
 
@@ -255,8 +276,9 @@ def ls(
         out.print(note or "no participants match")
         sys.exit(EXIT_FINDINGS if note else EXIT_OK)
     out.print(_participants_table(shown, with_room=True))
-    more = f" (showing {limit})" if len(found) > limit else ""
-    out.print(f"{len(found)} participant(s){more}")
+    if len(found) > limit:
+        out.print(more(len(found) - limit, "(--limit)"))
+    out.print(f"{len(found)} participant(s)")
 
 
 # --------------------------------------------------------------------------- abort
@@ -340,6 +362,11 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) ->
 
 def _refuse_what_abort_cannot_reach(room: int, view: RoomView) -> None:
     """Say, before anything is written, what an abort of this room cannot get past."""
+    if view.corrupt:
+        raise Failure(
+            f"room {room}: {view.corrupt[0]}, so abort cannot read the room; nothing "
+            "written. Look at it, delete it (redis-cli DEL KEY), then abort again"
+        )
     if not view.members and view.participants:
         raise Failure(
             f"room {room} has participants its room hash does not list; "

@@ -36,8 +36,12 @@ from kvstate.store import Store
 def _census(store: Store) -> tuple[Census, dict[str, int], str | None]:
     census = Census.of(scan_participants(store))
     roles: dict[str, int] = {}
-    for info in Registry(store).all():
-        roles[info.role] = roles.get(info.role, 0) + 1
+    infos, corrupt = Registry(store).all_read()
+    for info in infos:
+        role = info.role if info.role in ("prefill", "decode") else "other"
+        roles[role] = roles.get(role, 0) + 1
+    if corrupt:  # counted, not fatal: `kvstate engines` and `audit` name them
+        roles["corrupt"] = len(corrupt)
     note = empty_namespace_note(store) if not census.total and not roles else None
     return census, roles, note
 

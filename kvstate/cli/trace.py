@@ -16,7 +16,7 @@ from rich.text import Text
 
 from kvstate import schema
 from kvstate.cli.app import EXIT_FINDINGS, EXIT_OK, Ctx, common, main, opened
-from kvstate.cli.output import console, emit_json, status_style, styled
+from kvstate.cli.output import ROWS, console, cut, emit_json, more, status_style, styled
 from kvstate.keys import parse_room_text
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.timeline import Timeline, read_timeline
@@ -55,32 +55,42 @@ def _event_style(e: TraceEntry) -> str:
     return status_style(e.event)
 
 
-def _table(t: Timeline) -> Table:
+def _table(t: Timeline, limit: int) -> Table:
     tab = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     for name in ("server time (UTC)", "+ms", "at ms", "side", "engine", "event", "detail"):
         if name in ("+ms", "at ms"):
             tab.add_column(name, justify="right")
         else:  # names are never cut (tp0 and tp1 must not look the same)
             tab.add_column(name, overflow="fold")
-    for e, delta in zip(t.entries, t.deltas(), strict=True):
+    for e, delta in list(zip(t.entries, t.deltas(), strict=True))[:limit]:
         tab.add_row(
             _clock(e.ms),
             "" if delta is None else f"+{delta}",
             str(e.ms - t.start_ms),
-            e.side or "room",
-            e.engine,
+            cut(e.side) or "room",
+            cut(e.engine),
             styled(e.event, _event_style(e)),
-            _detail(e),
+            cut(_detail(e)),
         )
+    left = max(t.stored, len(t.entries)) - min(limit, len(t.entries))
+    if left > 0:
+        tab.add_row(more(left, "steps (--limit)"))
     return tab
 
 
 @main.command()
 @common
 @click.argument("room")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=ROWS,
+    show_default=True,
+    help="At most this many steps shown (a room of kvstate's takes a few dozen).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
-def trace(obj: Ctx, room: str, as_json: bool) -> None:
+def trace(obj: Ctx, room: str, limit: int, as_json: bool) -> None:
     """Where ROOM's time went: every transition of every participant (created, bound,
     published, each status, abort, cleared) on the Redis server's clock, the gap
     since the step before, and the room's phases. Kept for the trace TTL after the
@@ -92,7 +102,7 @@ def trace(obj: Ctx, room: str, as_json: bool) -> None:
         rate = store.options.trace_rate
         ns = store.namespace
     if as_json:
-        emit_json({"namespace": ns, "trace_rate": rate, **t.to_json()})
+        emit_json({"namespace": ns, "trace_rate": rate, **t.to_json(limit)})
         sys.exit(EXIT_FINDINGS if t.empty else EXIT_OK)
     out = console()
     if t.empty:
@@ -107,6 +117,6 @@ def trace(obj: Ctx, room: str, as_json: bool) -> None:
         Text(f"room {r}", style="bold"),
         f" namespace {ns}  trace expires in {fmt_ms(t.ttl_ms)}",
     )
-    out.print(_table(t))
+    out.print(_table(t, limit))
     out.print(t.summary())
     sys.exit(EXIT_OK)

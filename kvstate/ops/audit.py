@@ -24,7 +24,12 @@ from typing import Any
 
 from kvstate import schema
 from kvstate.defaults import AUDIT_GRACE
-from kvstate.errors import KVStateError, PermissionDeniedError, StateConnectionError
+from kvstate.errors import (
+    CorruptStateError,
+    KVStateError,
+    PermissionDeniedError,
+    StateConnectionError,
+)
 from kvstate.keys import RoomKey
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.findings import NAMES as FINDING_KINDS
@@ -38,6 +43,19 @@ from kvstate.schema import Side
 from kvstate.store import Status, Store
 
 DEFAULT_GRACE = AUDIT_GRACE
+# The Redis type of each kind of kvstate key (docs/design.md, Data model), and its name
+_TYPES = {
+    "participant": ("hash", "participant"),
+    "room": ("hash", "room hash"),
+    "aborted": ("string", "failure mark"),
+    "trace": ("list", "room trace"),
+    "addr": ("zset", "address tracker"),
+    "engine": ("hash", "engine registration"),
+    "engines_at": ("zset", "address index"),
+    "stats": ("hash", "transfer counters"),
+    "ledger": ("stream", "ledger"),
+    "probe": ("string", "expiry probe"),
+}
 
 
 @dataclass
@@ -115,10 +133,19 @@ def _owners(name: str) -> list[tuple[Side, str]]:
     return [("rx", f.engine)]
 
 
-def _delete_then_abort(key: str, room: int) -> str:
+def _cut(value: object, n: int = 60) -> str:
+    """A stored value named in a finding: a hostile one may be megabytes."""
+    text = "" if value is None else str(value)
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} chars)"
+
+
+def _delete_then_abort(key: str, room: int | RoomKey | None) -> str:
+    if isinstance(room, RoomKey):
+        room = room.room
+    then = "" if room is None else f", then kvstate abort {room}"
     return (
         f"no kvstate code wrote it, so nothing repairs it: look at it (redis-cli TYPE "
-        f"{key}), delete it (redis-cli DEL {key}), then kvstate abort {room}"
+        f"{key}), delete it (redis-cli DEL {key}){then}"
     )
 
 
@@ -152,11 +179,14 @@ class Report:
             out[f.kind] = out.get(f.kind, 0) + 1
         return out
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, limit: int | None = None) -> dict[str, Any]:
+        """The report; at most ``limit`` findings, ``findings_more`` saying how many
+        more there are (the counts cover them all)."""
         return {
             "clean": not self.remaining,
             "scanned_keys": self.scanned,
-            "findings": [f.to_json() for f in self.findings],
+            "findings": [f.to_json() for f in self.findings[:limit]],
+            "findings_more": len(self.findings) - len(self.findings[:limit]),
             "fixed": sum(1 for f in self.findings if f.fixed),
             "resolved": sum(1 for f in self.findings if f.resolved),
             "left": len(self.remaining),
@@ -189,11 +219,14 @@ class Auditor:
         return report
 
     def _detect(self, keys: Sequence[str], notes: list[str]) -> list[Finding]:
-        """Every check but the server settings, on ``keys`` as they are now."""
+        """Every check but the server settings, on ``keys`` as they are now. A key of
+        the wrong Redis type is a finding of its own and left out of the checks that
+        read it (one hostile key must not blind the audit to the rest)."""
         scratch = Report(notes=notes)
         now = self.store.server_time_ms()
         groups = self._classify(keys)
         self._no_ttl(keys, scratch)
+        self._wrong_types(groups, scratch)
         parts = read_participants(self.store, groups["participant"], now)
         self._participants(parts, now, scratch)
         self._dead_engines(parts, scratch)
@@ -204,27 +237,60 @@ class Auditor:
 
     def _classify(self, all_keys: Sequence[str]) -> dict[str, list[str]]:
         k = self.keys
-        addr_prefix, engine_prefix = k.addr(""), k.engine("")
-        groups: dict[str, list[str]] = {
-            "participant": [],
-            "room": [],
-            "addr": [],
-            "engine": [],
-            "other": [],
+        prefixes = {
+            "addr": k.addr(""),
+            "engine": k.engine(""),
+            "engines_at": k.engines_at(""),
+            "stats": k.transfer_stats(""),
         }
+        groups: dict[str, list[str]] = {name: [] for name in (*_TYPES, "other")}
         for key in all_keys:
             parsed = k.parse_room_key(key)
             if parsed is not None and parsed.side is not None:
                 groups["participant"].append(key)
-            elif parsed is not None and parsed.kind == "room" and not parsed.rest:
-                groups["room"].append(key)
-            elif key.startswith(addr_prefix):
-                groups["addr"].append(key)
-            elif key.startswith(engine_prefix):
-                groups["engine"].append(key)
+            elif parsed is not None and parsed.kind in ("room", "aborted", "trace"):
+                groups[parsed.kind if not parsed.rest else "other"].append(key)
+            elif key == k.ledger:
+                groups["ledger"].append(key)
+            elif k.is_probe(key):
+                groups["probe"].append(key)
             else:
-                groups["other"].append(key)
+                kind = next((n for n, pre in prefixes.items() if key.startswith(pre)), "other")
+                groups[kind].append(key)
         return groups
+
+    def _wrong_types(self, groups: dict[str, list[str]], report: Report) -> None:
+        """Each kvstate key whose Redis type is not its kind's (_TYPES): a finding
+        (``corrupt``, left: no kvstate code wrote it), taken out of ``groups``."""
+        s = self.store
+        for kind, (want, name) in _TYPES.items():
+            keys = groups[kind]
+            wrong: set[str] = set()
+            for start in range(0, len(keys), BATCH):
+                chunk = keys[start : start + BATCH]
+                try:
+                    types = s.execute([s.key_type(k) for k in chunk])
+                except PermissionDeniedError:
+                    if not any("TYPE is not allowed" in n for n in report.notes):
+                        report.notes.append(
+                            "TYPE is not allowed for this user: keys of the wrong type "
+                            "are not named (give the audit the README's operator user)"
+                        )
+                    return
+                for key, got in zip(chunk, types, strict=True):
+                    if got not in (want, "none"):
+                        wrong.add(key)
+                        f = Finding(
+                            "corrupt",
+                            key,
+                            f"this {name} is a {got}, not a {want}: "
+                            + _delete_then_abort(key, self.keys.parse_room_key(key)),
+                            status=WRONG_TYPE,
+                            left="left: no kvstate code wrote it; delete it after a look",
+                        )
+                        _locate(f, self.keys.parse_room_key(key))
+                        report.findings.append(f)
+            groups[kind] = [k for k in keys if k not in wrong]
 
     # -- checks ------------------------------------------------------------------
     def _server_settings(self, report: Report) -> None:
@@ -309,18 +375,27 @@ class Auditor:
                     _about("corrupt", p, f"not a hash: {_delete_then_abort(p.key, p.room)}")
                 )
                 continue
-            if not p.valid or p.since_ms is None:
+            bad = [] if not p.valid or p.terminal else p.corrupt_fields
+            if not p.valid or bad:
+                what = (
+                    f"status {_cut(p.status)!r}"
+                    if not p.valid
+                    else ", ".join(f"{name} {_cut(p.fields.get(name))!r}" for name in bad)
+                )
                 report.findings.append(
                     _about(
                         "corrupt",
                         p,
-                        f"status {p.status!r} / since_ms {schema.since(p.fields)!r} do "
-                        f"not parse: no poll of it can succeed; kvstate abort {p.room} (or "
-                        "--fix) fails it with the rest of its room",
+                        f"{what}: the scripts refuse it as corrupt, so no call on it can "
+                        f"succeed; kvstate abort {p.room} (or --fix) fails it with the rest "
+                        "of its room",
                     )
                 )
                 continue
-            waited = now - p.since_ms
+            since = p.since_ms
+            if since is None:  # a terminal one's: nothing reads it
+                continue
+            waited = now - since
             if p.terminal:
                 if waited > self.grace_ms:
                     report.findings.append(
@@ -355,12 +430,13 @@ class Auditor:
         engines = sorted({e for p in live for e in p.bindings} | {p.engine for p in live})
         if not engines:
             return
-        alive = Registry(self.store).incarnations(engines)
+        alive = Registry(self.store).incarnations(engines, partial=True)
+        unread = set(engines) - set(alive)  # a registration that is no hash: its finding
         for p in live:
             f = None
             for engine, inc in sorted(p.bindings.items()) if p.side == "rx" else []:
                 now_inc = alive.get(engine)
-                if now_inc == inc:
+                if now_inc == inc or engine in unread:
                     continue
                 why = (
                     "has no lease (engine key gone)"
@@ -372,7 +448,7 @@ class Auditor:
                 )
                 f.target = (engine, inc, p.fields.get(schema.PEER_ADDR, ""))
                 break
-            if f is None and alive.get(p.engine) is None:
+            if f is None and alive.get(p.engine) is None and p.engine not in unread:
                 f = _about(
                     "dead_owner",
                     p,
@@ -394,8 +470,10 @@ class Auditor:
             calls = []
             for p in chunk:
                 calls += [s.key_exists(p.key), s.is_member(p.room, p.side, p.engine)]
-            raw = s.execute(calls, transaction=True)
+            raw = s.execute(calls, transaction=True, partial=True)
             for i, p in enumerate(chunk):
+                if isinstance(raw[2 * i + 1], KVStateError):
+                    continue  # the room hash is not a hash: a finding of its own
                 if int(raw[2 * i]) and not int(raw[2 * i + 1]):
                     f = _about(
                         "unindexed",
@@ -410,8 +488,13 @@ class Auditor:
         s = self.store
         if not trackers:
             return
-        members_raw = s.execute([s.tracked(t) for t in trackers])
-        pairs = [(t, m.decode()) for t, ms in zip(trackers, members_raw, strict=True) for m in ms]
+        members_raw = s.execute([s.tracked(t) for t in trackers], partial=True)
+        pairs = [
+            (t, m.decode("utf-8", "replace"))
+            for t, ms in zip(trackers, members_raw, strict=True)
+            if not isinstance(ms, KVStateError)  # not a sorted set: a finding of its own
+            for m in ms
+        ]
         for start in range(0, len(pairs), BATCH):
             chunk = pairs[start : start + BATCH]
             keys = [self.keys.tracked_key(m) for _, m in chunk]
@@ -497,6 +580,8 @@ class Auditor:
         ]
         try:
             Ledger(self.store).append(entries)
+        except CorruptStateError as exc:  # the ledger is not a stream: its own finding
+            report.notes.append(f"the repairs above are not recorded in the ledger ({exc})")
         except KVStateError as exc:
             if not acl_refused(exc):
                 raise
@@ -610,12 +695,12 @@ class Auditor:
 
     def _fix_corrupt(self, f: Finding) -> None:
         """Abort the room: abort.lua fails a garbage status like any other (no poll of it
-        could ever succeed, so its room cannot finish). A key that is not a hash was not
+        could ever succeed, so its room cannot finish). A key of the wrong type was not
         written by kvstate: that one needs an operator's look first."""
-        assert f.room is not None
         if f.status == WRONG_TYPE:
             f.left = _delete_then_abort(f.key, f.room)
             return
+        assert f.room is not None
         n = self._store_for(f.room).abort(
             f.room, f"{f.side}:{f.engine} held a corrupt status; failed by kvstate audit"
         )

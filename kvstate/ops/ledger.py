@@ -81,11 +81,11 @@ class Entry:
 
     @classmethod
     def parse(cls, entry_id: bytes, raw: dict[bytes, bytes]) -> Entry:
-        h = {k.decode(): v.decode("utf-8", "replace") for k, v in raw.items()}
+        h = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
         room, age = h.get("room", ""), h.get("age_ms", "")
         return cls(
             event=h.get("event", ""),
-            room=int(room) if room.isascii() and room.isdigit() else None,
+            room=int(room) if room.isascii() and room.isdigit() and len(room) < 20 else None,
             side=h.get("side", ""),
             engine=h.get("engine", ""),
             status=h.get("status", ""),
@@ -171,6 +171,8 @@ class _Events:
         self.note = ""
         self._nodes: list[str] = []  # the primaries subscribed to
         self._probes: dict[str, str] = {}  # probe key -> node, planted, event awaited
+        self._tags: dict[str, int] = {}  # node -> the hash tag of its probes
+        self._seq = 0  # each probe's own name: an event is that probe's alone
         self._early: set[str] = set()  # keys drained while waiting for a probe's event
 
     def start(self) -> bool:
@@ -194,7 +196,6 @@ class _Events:
                 )
                 self.close()
                 return False
-            self._plant(nodes)
         except (OSError, KVStateError) as exc:
             self.note = f"expiry notifications unavailable ({type(exc).__name__}: {exc})"
             self.close()
@@ -205,7 +206,10 @@ class _Events:
 
     def _plant(self, nodes: Sequence[str]) -> None:
         for name in nodes:
-            key = self.store.probe_key(name)
+            if name not in self._tags:
+                self._tags[name] = self.store.probe_tag(name)
+            self._seq += 1
+            key = self.store.keys.probe(self._tags[name], self._seq)
             self.store.plant_probe(key, name)
             self._probes[key] = name
 
@@ -223,7 +227,8 @@ class _Events:
 
     def _awaited(self, wait: float, touch: bool = True) -> list[str]:
         """Drain the events until each planted probe's arrived (read back first with
-        ``touch``), at most ``wait`` s; the nodes whose probe event did not arrive
+        ``touch``, and again every few ms: a probe read back within its 1 ms is not
+        gone yet), at most ``wait`` s; the nodes whose probe event did not arrive
         (those probes are forgotten)."""
         end = time.monotonic() + wait
         if touch:
@@ -233,6 +238,7 @@ class _Events:
             if not self._probes or time.monotonic() >= end:
                 break
             time.sleep(0.005)
+            self.touch()
         off = sorted(set(self._probes.values()))
         self._probes.clear()
         return off
@@ -253,8 +259,9 @@ class _Events:
     def still_on(self) -> bool:
         """Whether every primary still sends expiry events: an operator (or a restart)
         may have turned them off since, and a subscription then stays open but silent.
-        The probe planted by the last sweep must have sent its event by now (``touch``
-        read it back before the sweep's drains); then a new one is planted. Marks the events
+        The probe planted by the last sweep (none right after ``start()``) must have
+        sent its event by now (``touch`` read it back before the sweep's drains); then
+        a new one is planted. Marks the events
         unhealthy when one did not, so the next ``start()`` sees to them."""
         if not self.healthy:
             return False
@@ -402,8 +409,9 @@ class Monitor:
         prefix = s.keys.engine("")
         engines = [k[len(prefix) :] for k in s.scan(s.keys.engine_pattern)]
         if engines:
-            for role in s.execute([s.engine_field(e, schema.ROLE) for e in engines]):
-                if role is not None:
+            for role in s.execute([s.engine_field(e, schema.ROLE) for e in engines], partial=True):
+                if isinstance(role, str):  # not a registration that is no hash, nor gone
+                    role = role if role in ("prefill", "decode") else "other"
                     roles[role] = roles.get(role, 0) + 1
         m.set_engines(roles)
         m.sweep_succeeded()

@@ -61,8 +61,12 @@ def read_transfer_totals(store: Store) -> dict[str, TransferTotals]:
     keys = sorted(store.scan(store.keys.transfer_stats_pattern))
     if not keys:
         return {}
-    raw = store.execute([store.read_hash(k) for k in keys])
-    return {k[len(prefix) :]: TransferTotals.parse(h) for k, h in zip(keys, raw, strict=True) if h}
+    raw = store.execute([store.read_hash(k) for k in keys], partial=True)
+    return {  # a key of the wrong type exports nothing (the audit names it)
+        k[len(prefix) :]: TransferTotals.parse(h)
+        for k, h in zip(keys, raw, strict=True)
+        if h and not isinstance(h, Exception)
+    }
 
 
 class _TransferCollector:

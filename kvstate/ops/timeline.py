@@ -41,6 +41,7 @@ class Timeline:
     room: int
     entries: list[TraceEntry]
     ttl_ms: int | None  # PTTL of the trace list
+    stored: int = 0  # entries the list holds: more than ``entries`` when it was cut
 
     @property
     def empty(self) -> bool:
@@ -122,6 +123,11 @@ class Timeline:
             out.append(Phase("until clear", at.ms, cleared.ms))
         return out
 
+    @property
+    def unread(self) -> int:
+        """Entries the list holds past those read (a trace no room of kvstate's makes)."""
+        return max(0, self.stored - len(self.entries))
+
     def summary(self) -> str:
         """One line: outcome, total, each phase's time."""
         if not self.entries:
@@ -131,11 +137,15 @@ class Timeline:
             f"room {self.room}: {self.outcome}; {self.total_ms} ms from first to last step"
             + (f": {parts}" if parts else "")
             + f"; {len(self.entries)} steps"
+            + (f" read, {self.unread} more not read" if self.unread else "")
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, limit: int | None = None) -> dict[str, Any]:
+        """The timeline; at most ``limit`` steps, ``steps_more`` saying how many more
+        the trace holds."""
         steps = []
-        for e, delta in zip(self.entries, self.deltas(), strict=True):
+        pairs = list(zip(self.entries, self.deltas(), strict=True))[:limit]
+        for e, delta in pairs:
             steps.append({**e.to_json(), "delta_ms": delta, "since_start_ms": e.ms - self.start_ms})
         return {
             "room": self.room,
@@ -143,6 +153,7 @@ class Timeline:
             "total_ms": self.total_ms,
             "phases": [p.to_json() for p in self.phases()],
             "steps": steps,
+            "steps_more": max(self.stored, len(self.entries)) - len(steps),
             "ttl_ms": self.ttl_ms,
         }
 
@@ -156,9 +167,18 @@ def _after(a: TraceEntry, b: TraceEntry) -> bool:
     return (a.ms, a.seq) > (b.ms, b.seq)
 
 
-def read_timeline(store: Store, room: int) -> Timeline:
-    """The room's trace and its TTL, in one round trip (one slot)."""
+READ_MAX = 10_000  # entries of a trace read at most (a room of kvstate's makes dozens)
+
+
+def read_timeline(store: Store, room: int, most: int = READ_MAX) -> Timeline:
+    """The room's trace (its first ``most`` entries), its length and TTL, in one round
+    trip (one slot). A trace key of the wrong type reads as one ``unreadable`` step
+    saying so (the command goes on)."""
     key = store.keys.trace(room)
-    raw, ttl = store.execute([store.trace_entries(room), store.key_ttl(key)])
+    calls = [store.trace_entries(room, most), store.list_length(key), store.key_ttl(key)]
+    raw, stored, ttl = store.execute(calls, partial=True)
+    if isinstance(raw, Exception):
+        bad = TraceEntry(0, 0, "", "", "unreadable", {"raw": f"{key} is not a list: {raw}"})
+        return Timeline(room, [bad], int(ttl))
     entries = TraceEntry.parse_all(raw or [])
-    return Timeline(room, entries, int(ttl) if entries else None)
+    return Timeline(room, entries, int(ttl) if entries else None, int(stored))

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvstate import schema
 from kvstate.codec import TransferInfo
 from kvstate.errors import CorruptStateError
@@ -39,10 +41,8 @@ def age_bucket(age_ms: int) -> str:
 
 
 def _int(value: str | None) -> int | None:
-    try:
-        return None if value is None else int(value)
-    except ValueError:
-        return None
+    """A stored count as the scripts read it; None when they would refuse it."""
+    return schema.parse_count(value, 0, schema.MAX_COUNT)
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,20 @@ class Participant:
 
     @property
     def created_ms(self) -> int | None:
-        return _int(self.fields.get(schema.CREATED_MS))
+        return self._time(self.fields.get(schema.CREATED_MS))
 
     @property
     def since_ms(self) -> int | None:
-        return _int(schema.since(self.fields))
+        return self._time(schema.since(self.fields))
+
+    def _time(self, value: str | None) -> int | None:
+        """A stored server time, None where the scripts would refuse it (design rule 7)."""
+        return schema.parse_count(value, schema.MIN_TIME_MS, self.now_ms + schema.MAX_SKEW_MS)
+
+    @property
+    def corrupt_fields(self) -> list[str]:
+        """The numeric fields the scripts would refuse as corrupt (kvstate.schema)."""
+        return schema.corrupt_fields(self.fields, self.now_ms) if self.valid else []
 
     @property
     def age_ms(self) -> int | None:
@@ -238,13 +247,14 @@ class RoomView:
     aborted: str | None = None  # the abort mark's reason, if the room was aborted
     aborted_ttl_ms: int | None = None
     traced: bool = False  # the room has a trace (kvstate trace ROOM), even once cleared
+    corrupt: list[str] = field(default_factory=list)  # what does not read: key, why
 
     @property
     def empty(self) -> bool:
         """Nothing at all is stored for the room (not even an abort mark)."""
-        return not (self.members or self.participants or self.infos or self.acks) and (
-            self.aborted is None
-        )
+        return not (
+            self.members or self.participants or self.infos or self.acks or self.corrupt
+        ) and (self.aborted is None)
 
     @property
     def unindexed(self) -> list[str]:
@@ -257,7 +267,9 @@ class RoomView:
         present = {p.member for p in self.participants}
         return [m for m in self.members if m not in present]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, limit: int = 1000) -> dict[str, Any]:
+        """The view; each list at most ``limit`` long, with ``<name>_more`` saying how
+        many were left out (a hostile room hash may hold thousands)."""
         infos: dict[str, dict[str, Any]] = {}
         for sender, per in self.infos.items():
             infos[sender] = {}
@@ -265,30 +277,44 @@ class RoomView:
                 infos[sender][receiver] = (
                     {"error": info} if isinstance(info, str) else info_json(info)
                 )
-        return {
-            "room": self.room,
+        lists: dict[str, list[Any]] = {
             "members": self.members,
             "missing_members": self.missing_members,
             "unindexed": self.unindexed,
-            "participants": [p.to_json() for p in self.participants],
+            "participants": [p.to_json() for p in self.participants[:limit]],
+        }
+        cut: dict[str, Any] = {}
+        for name, items in lists.items():
+            cut[name] = items[:limit]
+            whole = len(self.participants) if name == "participants" else len(items)
+            if whole > limit:
+                cut[f"{name}_more"] = whole - limit
+        return {
+            "room": self.room,
+            **cut,
             "transfer_infos": infos,
-            "acks": self.acks,
+            "acks": {r: senders[:limit] for r, senders in self.acks.items()},
             "aborted": None
             if self.aborted is None
             else {"reason": self.aborted, "ttl_ms": self.aborted_ttl_ms},
             "traced": self.traced,
+            "corrupt": self.corrupt,
         }
+
+
+RANGES_SHOWN = 100  # page runs of one transfer info in `show --json` (a scattered one: 16M)
 
 
 def info_json(info: TransferInfo) -> dict[str, Any]:
     kv = info.kv_indices
-    ranges = page_ranges(kv)
+    runs = run_count(kv)
     return {
         "pages": int(kv.size),
         "first_page": int(kv[0]) if kv.size else None,
         "last_page": int(kv[-1]) if kv.size else None,
-        "runs": len(ranges),
-        "ranges": ranges,
+        "runs": runs,
+        "ranges": page_ranges(kv, RANGES_SHOWN),
+        "ranges_more": max(0, runs - RANGES_SHOWN),
         "aux_index": info.aux_index,
         "state_pages": None if info.state_indices is None else int(info.state_indices.size),
         "prefix_len": info.prefix_len,
@@ -297,19 +323,27 @@ def info_json(info: TransferInfo) -> dict[str, Any]:
     }
 
 
-def page_ranges(kv: Any) -> list[list[int]]:
-    """The page indices as runs of consecutive pages, in order: [[first, last], ...]."""
+def run_count(kv: Any) -> int:
+    """How many runs of consecutive pages the page indices make."""
+    return 0 if not kv.size else int(np.count_nonzero(np.diff(kv) != 1)) + 1
+
+
+def page_ranges(kv: Any, most: int | None = None) -> list[list[int]]:
+    """The page indices as runs of consecutive pages, in order: [[first, last], ...];
+    the first ``most`` of them (all when None)."""
     if not kv.size:
         return []
-    breaks = [int(i) + 1 for i in (kv[1:] - kv[:-1] != 1).nonzero()[0]]
-    starts, ends = [0, *breaks], [*breaks, int(kv.size)]
-    return [[int(kv[a]), int(kv[b - 1])] for a, b in zip(starts, ends, strict=True)]
+    breaks = np.flatnonzero(np.diff(kv) != 1)[: None if most is None else most] + 1
+    starts, ends = [0, *breaks.tolist()], [*breaks.tolist(), int(kv.size)]
+    pairs = list(zip(starts, ends, strict=True))[: None if most is None else most]
+    return [[int(kv[a]), int(kv[b - 1])] for a, b in pairs]
 
 
-def fmt_ranges(ranges: list[list[int]], shown: int = 3) -> str:
-    """``128..4223``; scattered pages as their first runs: ``928..929, 12, 5 +1 run``."""
+def fmt_ranges(ranges: list[list[int]], shown: int = 3, total: int | None = None) -> str:
+    """``128..4223``; scattered pages as their first runs: ``928..929, 12, 5 +1 run``
+    (``total``: how many runs there are, when ``ranges`` holds only the first)."""
     text = ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in ranges[:shown])
-    more = len(ranges) - shown
+    more = (len(ranges) if total is None else total) - shown
     return (text or "-") + (f" +{more} run{'s' if more > 1 else ''}" if more > 0 else "")
 
 
@@ -317,7 +351,11 @@ def room_view(store: Store, room: int) -> RoomView:
     """Read a room through its room hash and the keys its participants name (no SCAN)."""
     k = store.keys
     now = store.server_time_ms()
-    fields: dict[str, Any] = store.execute([store.room_fields(room)])[0]
+    corrupt: list[str] = []
+    fields: Any = store.execute([store.room_fields(room)], partial=True)[0]
+    if isinstance(fields, CorruptStateError):  # not a hash: said, and the rest read
+        corrupt.append(f"{k.room_hash(room)}: not a hash (no kvstate code wrote it)")
+        fields = {}
     members: list[str] = []
     infos: dict[str, dict[str, TransferInfo | str]] = {}
     acks: dict[str, list[str]] = {}
@@ -331,8 +369,11 @@ def room_view(store: Store, room: int) -> RoomView:
         else:
             acks[f.engine] = sorted(schema.ack_list(value or ""))
     parts = read_participants(store, _participant_keys(store, room, members), now)
-    raw = store.execute([*store.abort_mark(room), store.key_exists(k.trace(room))])
+    raw = store.execute([*store.abort_mark(room), store.key_exists(k.trace(room))], partial=True)
     mark, mark_ttl, traced = raw
+    if isinstance(mark, CorruptStateError):
+        corrupt.append(f"{k.aborted(room)}: not a string (no kvstate code wrote it)")
+        mark = None
     parts.sort(key=lambda p: (p.side != "tx", p.engine))
     aborted = None if mark is None else mark.decode("utf-8", "replace")
     return RoomView(
@@ -345,6 +386,7 @@ def room_view(store: Store, room: int) -> RoomView:
         aborted,
         None if mark is None else int(mark_ttl),
         bool(traced),
+        corrupt,
     )
 
 

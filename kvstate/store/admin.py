@@ -84,18 +84,17 @@ class Admin(Executor):
         CONFIG GET would read every setting, ``requirepass`` included)."""
         return str(self.server_info(node, "memory").get("maxmemory_policy", ""))
 
-    def probe_key(self, node: str) -> str:
-        """This namespace's expiry probe key (``Keys.probe``) that ``node`` serves: on a
-        Cluster, of a slot of that primary."""
+    def probe_tag(self, node: str) -> int:
+        """The hash tag of this namespace's expiry probe keys (``Keys.probe``) that
+        ``node`` serves: on a Cluster, one of a slot of that primary."""
         if not self.cluster:
-            return self.keys.probe(0)
+            return 0
         cluster: Any = self.client
         with self.errors():
             for tag in range(100_000):
-                key = self.keys.probe(tag)
-                owner = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(key))
-                if owner.name == node:
-                    return key
+                slot = cluster.keyslot(self.keys.probe(tag))
+                if cluster.nodes_manager.get_node_from_slot(slot).name == node:
+                    return tag
         raise InvalidArgumentError(f"{node} serves no slot: no probe key for it")
 
     def plant_probe(self, key: str, node: str) -> None:

@@ -289,6 +289,10 @@ class Calls:
     def key_exists(self, key: str) -> Call:
         return self._command("EXISTS", key)
 
+    def key_type(self, key: str) -> Call:
+        """The key's Redis type as text (TYPE): 'none' when it is gone."""
+        return self._command("TYPE", key, parse=lambda raw: _text_or_none(raw) or "none")
+
     def set_ttl(self, key: str, ttl_ms: int) -> Call:
         return self._command("PEXPIRE", key, args=[ttl_ms])
 
@@ -369,9 +373,14 @@ class Calls:
             "index", [self.keys.engines_at(addr)], [engine, "" if lease_ms is None else lease_ms]
         )
 
-    def trace_entries(self, room: int) -> Call:
-        """The room's trace, oldest first: one JSON object per entry (LRANGE)."""
-        return self._command("LRANGE", self.keys.trace(room), args=[0, -1])
+    def trace_entries(self, room: int, count: int | None = None) -> Call:
+        """The room's trace, oldest first: one JSON object per entry (LRANGE); the first
+        ``count`` entries only, when given."""
+        return self._command("LRANGE", self.keys.trace(room), args=[0, (count or 0) - 1])
+
+    def list_length(self, key: str) -> Call:
+        """LLEN: how many entries a list (a room's trace) holds."""
+        return self._command("LLEN", key)
 
     def ledger_recent(self, count: int) -> Call:
         """The newest ``count`` ledger entries, newest first: [(id, {field: value})]."""
