@@ -93,12 +93,15 @@ KINDS: tuple[FindingKind, ...] = (
     ),
     FindingKind(
         "corrupt",
-        check="a participant whose `status` or `since_ms` does not parse (no poll of it "
-        "can succeed), or whose key is not a hash",
+        check="a participant whose `status`, or a number the scripts read (`peers`, "
+        "`bound`, `infos_v`, `timeouts_ms`, `since_ms`/`created_ms`), does not parse (no "
+        "call on it can succeed); or any kvstate key of the wrong Redis type (a "
+        "participant, room hash, mark, trace, registration, index, tracker, counters, "
+        "the ledger)",
         hint="--fix aborts its room",
-        fix="aborts its room, as `kvstate abort ROOM` does (a garbage status is failed "
-        "like any other); a key that is not a hash is left: no kvstate code wrote it, "
-        "delete it after a look, then `kvstate abort ROOM`",
+        fix="aborts its room, as `kvstate abort ROOM` does (a garbage value is failed "
+        "like any other); a key of the wrong type is left: no kvstate code wrote it, "
+        "delete it after a look, then `kvstate abort ROOM` for a room's",
     ),
     FindingKind(
         "server_setting",
