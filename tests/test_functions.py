@@ -152,8 +152,9 @@ def test_library_lost_mid_run_is_reloaded(
     redis_server_factory: Callable[..., RedisProcess],
 ) -> None:
     """FUNCTION FLUSH, then a restart without persistence, between calls: the next call
-    answers as if nothing happened (FUNCTION LOAD and FCALL in one write), and the node
-    keeps FCALL."""
+    answers as if nothing happened (FUNCTION LOAD, FUNCTION LIST WITHCODE and the batch
+    by EVAL, in one write), and the node takes FCALL again once the list verified the
+    library."""
     proc = redis_server_factory(port="auto")
     admin = proc.client()
     needs_7(admin)
@@ -185,7 +186,8 @@ def test_cluster_fcall_and_a_lost_library(
     redis_cluster_url: str, redis_cluster: RedisCluster
 ) -> None:
     """A Cluster: FCALL on every primary; a primary that lost the library (as one that
-    took over a slot without it would) gets it again within the call."""
+    took over a slot without it would) gets it again within the call (that batch by
+    EVAL, behind the check of the library's code)."""
     nodes = [redis_cluster._node_client(n) for n in redis_cluster.primaries()]
     needs_7(nodes[0])
     store = kvstate.connect(redis_cluster_url, namespace="fn")
@@ -240,7 +242,8 @@ def test_cluster_slot_moved_to_a_node_without_the_library(
     redis_cluster_url: str, redis_cluster: RedisCluster
 ) -> None:
     """A room's slot migrates mid-lifecycle to a primary that lacks the library: the
-    store follows the slot (MOVED) and loads the library there within the call."""
+    store follows the slot (MOVED) and loads and checks the library there within the
+    call."""
     store = kvstate.connect(redis_cluster_url, namespace="fn")
     p, d = managers(store, lease=60.0)
     room = 5
