@@ -24,9 +24,8 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
-from kvstate.manager import KVManager
 from kvstate.poll import KVPoll, PollResults
-from kvstate.roles import KVReceiver, KVSender
+from kvstate.roles import KVManager, KVReceiver, KVSender
 from kvstate.store import Options, Store, connect
 
 __version__ = "0.1.0"

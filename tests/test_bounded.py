@@ -116,8 +116,7 @@ def test_every_call_bounded_with_default_options(proxy: Proxy, fault: str) -> No
     snd.finish_transfer()
     assert rcv.poll() == KVPoll.Success
     for m in (p, d):
-        for part in list(m._live.values()):
-            part.clear()
+        m.clear_many(m.live_rooms)
         m.close()
     store.close()
     longest = max(took, key=took.__getitem__)

@@ -108,7 +108,7 @@ def engine_paths(url: str, *admins: redis.Redis, ns: str = "acl") -> None:
         for m in (p, d):
             info = m.registry.get(m.engine)
             assert info is not None and info.incarnation == m.incarnation
-            assert m._thread.is_alive()
+            assert m.heartbeat.running
         # the heartbeat's peer check (HGET), in the foreground: a heartbeat only logs
         assert p.registry.incarnations([d.engine]) == {d.engine: d.incarnation}
         p.close()  # drops the lease: HGET, then DEL
@@ -450,7 +450,7 @@ def test_password_never_shown(
     with proc.client() as admin:
         setuser(admin, engine_acl(admin), "sec", password=SECRET)  # ACL users live in memory
     assert wait_for(lambda: p.registry.get("p0") is not None, 5.0)
-    assert snd.poll() == KVPoll.Failed and "state lost" in snd._reason
+    assert snd.poll() == KVPoll.Failed and "state lost" in snd.reason
 
     # Metrics from the monitor, over the same password URL.
     from kvstate.ops.ledger import Monitor

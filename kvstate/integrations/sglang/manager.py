@@ -25,9 +25,8 @@ from kvstate.integrations.sglang.spaces import (
     default_memory,
 )
 from kvstate.integrations.sglang_release import check_version
-from kvstate.manager import KVManager
 from kvstate.poll import KVPoll
-from kvstate.roles import KVReceiver, KVSender
+from kvstate.roles import KVManager, KVReceiver, KVSender
 from kvstate.store import Store, connect
 from transports.base import Transport, TransportError
 
