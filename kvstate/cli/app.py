@@ -28,12 +28,11 @@ from urllib.parse import unquote, urlsplit
 import click
 
 from kvstate.defaults import ROOM_TTL
-from kvstate.errors import KVStateError
-from kvstate.ops.durations import DurationSyntaxError, fmt_ms, parse_seconds
+from kvstate.errors import DurationSyntaxError, KVStateError, RedisServerError
+from kvstate.ops.durations import fmt_ms, parse_seconds
 from kvstate.ops.views import holds_keys, namespaces
 from kvstate.store import EMBEDDED, URL_SOURCE, Store, connect
 from kvstate.store.connection import ENV_NAMESPACE, ENV_PASSWORD, ENV_URL, Options, redact
-from kvstate.store.redis_server import RedisServerError
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1

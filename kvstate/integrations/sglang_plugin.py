@@ -9,12 +9,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kvstate.integrations.sglang_release import (
-    BACKEND,
-    SUPPORTED_SGLANG,
-    UnsupportedSGLangError,
-    check_version,
-)
+from kvstate.errors import UnsupportedSGLangError
+from kvstate.integrations.sglang_release import BACKEND, SUPPORTED_SGLANG, check_version
 
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from kvstate.errors import RedisServerError
 from kvstate.store.plain import (
     PLAIN_ERRORS,
     PlainClient,
@@ -22,7 +23,7 @@ from kvstate.store.plain import (
     no_retry,
     plain_cluster_client,
 )
-from kvstate.store.redis_server import RedisServerError, find_redis_server, log_tail
+from kvstate.store.redis_server import find_redis_server, log_tail
 from kvstate.testing.process import (
     RedisProcess,
     binary_version,

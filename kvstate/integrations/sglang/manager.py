@@ -15,15 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
-from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.errors import KVStateError, StateConnectionError, UnsupportedLayoutError
 from kvstate.integrations.sglang.base import BaseManager
 from kvstate.integrations.sglang.predecessor import clear_predecessor
-from kvstate.integrations.sglang.spaces import (
-    Settings,
-    Spaces,
-    UnsupportedLayoutError,
-    default_memory,
-)
+from kvstate.integrations.sglang.spaces import Settings, Spaces, default_memory
 from kvstate.integrations.sglang_release import check_version
 from kvstate.poll import KVPoll
 from kvstate.roles import KVManager, KVReceiver, KVSender

@@ -12,13 +12,8 @@ from typing import Any
 import numpy as np
 
 from kvstate.defaults import LEASE
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, UnsupportedLayoutError
 from transports.base import Target, Transport, TransportError, TransportStats
-
-
-class UnsupportedLayoutError(KVStateError):
-    """A parallel layout the backend refuses (pipeline parallel prefill)."""
-
 
 # -- settings and buffers ----------------------------------------------------------------
 

@@ -18,15 +18,10 @@ may be left out). Tested with vLLM 0.34.0. The package, by concept:
 
 from __future__ import annotations
 
+from kvstate.errors import LayoutRefusedError, VLLMConfigError
 from kvstate.integrations.vllm.connector import KVStateConnector
-from kvstate.integrations.vllm.layout import LayoutRefusedError
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata
-from kvstate.integrations.vllm.settings import (
-    CONNECTOR,
-    Settings,
-    VLLMConfigError,
-    room_of,
-)
+from kvstate.integrations.vllm.settings import CONNECTOR, Settings, room_of
 
 
 def plugin() -> None:

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.errors import KVStateError, StateConnectionError, VLLMConfigError
 from kvstate.integrations.vllm.layout import buffers, layout_name
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata
-from kvstate.integrations.vllm.settings import Settings, VLLMConfigError, rank_name
+from kvstate.integrations.vllm.settings import Settings, rank_name
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Registry
 from kvstate.roles import KVManager, KVReceiver, KVSender
