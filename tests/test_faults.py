@@ -6,7 +6,7 @@
 - a server that is down, or frozen (SIGSTOP), must turn into a StateConnectionError
   within a bounded time, naming the redacted URL and what to do.
 
-The figures each test measured are printed (``pytest -s`` shows them) so the README
+The figures each test measured are printed (``pytest -s`` shows them) so docs/faults.md
 can quote them.
 """
 

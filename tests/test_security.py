@@ -173,12 +173,12 @@ def test_engine_acl_is_minimal(acl_server) -> None:
     assert kept == [], f"the engine paths work without {kept}: drop them from ENGINE_ACL"
 
 
-def test_readme_gives_both_engine_lines() -> None:
-    """The README's engine line is ENGINE_ACL; ENGINE_ACL_EVAL is the swap it states."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert ENGINE_ACL.format(password="PASSWORD", ns="NAMESPACE") in readme
+def test_security_doc_gives_both_engine_lines() -> None:
+    """docs/security.md's engine line is ENGINE_ACL; ENGINE_ACL_EVAL is the swap it states."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    assert ENGINE_ACL.format(password="PASSWORD", ns="NAMESPACE") in doc
     swap = "`+evalsha +eval +script|load` in place of `+fcall +function|load`"
-    assert swap in " ".join(readme.split())
+    assert swap in " ".join(doc.split())
 
 
 def test_engine_acl_without_function_takes_the_eval_path(acl_server) -> None:

@@ -5,7 +5,7 @@ name, a receiver made before its prefill exists, a heartbeat whose workload hold
 connection, send()'s failure boundary, and fork.
 
 Leases are short (0.5-1 s); waits poll a condition with generous bounds. Figures are
-printed (``pytest -s``) for the README's fault table.
+printed (``pytest -s``) for docs/faults.md's table.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class Config:
         return self.layers * self.pages * self.page_bytes
 
 
-# How to install each optional peer (the README's Development lines). No pip extra does:
+# How to install each optional peer (docs/development.md's lines). No pip extra does:
 # NIXL's requirements pull a torch built for CUDA 13, which breaks kvstate[ucx]'s CUDA 12
 # build (ucxx-cu12); --no-deps leaves the [test] environment as it is.
 INSTALL = {
@@ -907,7 +907,7 @@ def run_mode(
             if system.module and not available(system.module):
                 notes.append(
                     f"{mode}: {system.label}: not installed ({INSTALL[system.module]}; "
-                    "README, Development)"
+                    "docs/development.md)"
                 )
                 continue
             say(f"[{mode}] starting {system.label} ...")

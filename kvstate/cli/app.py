@@ -5,7 +5,7 @@ Every subcommand that reads or writes room state needs ``--url`` (or
 embedded Redis to "inspect" it would show an empty, fresh server. ``--url`` and
 ``--namespace`` are taken before or after the subcommand.
 
-Exit status, kept by every command (the README has the table): 0 ok; 1 findings or
+Exit status, kept by every command (docs/cli.md has the table): 0 ok; 1 findings or
 nothing found (audit findings left, a failed doctor check, no such room, nothing
 matched, a namespace without any kvstate key); 2 an error, printed as one line saying
 what to do next. A password in the URL is never printed (design rule 8).

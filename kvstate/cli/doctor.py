@@ -114,8 +114,8 @@ def _setting_checks(store: Store, node: str, name: str) -> list[Check]:
     return checks
 
 
-# What `audit`, `monitor` and `doctor` need on top of the engine user's rights (README,
-# Security): INFO and CONFIG (server checks; CONFIG SET only to enable expiry events),
+# What `audit`, `monitor` and `doctor` need on top of the engine user's rights
+# (docs/security.md): INFO and CONFIG (server checks; CONFIG SET only to enable expiry events),
 # the ledger stream, expiry notifications, the room traces (RPUSH, RPUSHX: `abort`;
 # LRANGE: `trace`) and ACL WHOAMI.
 OPERATOR_ACL = (
@@ -174,7 +174,7 @@ def _acl_check(store: Store) -> Check:
             "acl",
             "fail",
             f"user {user}: denied {', '.join(engine_denied)}, which "
-            "engines need; see the README's engine ACL line",
+            "engines need; see the engine ACL line in kvstate's docs/security.md",
         )
     if operator_denied:
         return Check(

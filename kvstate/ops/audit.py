@@ -3,7 +3,7 @@
 One SCAN of ``kvstate:<ns>:*`` on every primary, then batched reads. Ages use the
 server clock. ``fix=True`` repairs only what cannot hurt a live request. The kinds
 of finding, what each means and what ``fix`` does about it are one table,
-:mod:`kvstate.ops.findings`, which the metrics, the CLI and the README use too.
+:mod:`kvstate.ops.findings`, which the metrics, the CLI and docs/cli.md use too.
 
 A live participant is never deleted. Every repair is appended to the ledger.
 

@@ -69,8 +69,8 @@ else
   end
 end
 -- Everything read of the receiver, in one HMGET; everything written to it, in one HSET
--- at the end. (HSET of read values rather than HSETNX/HINCRBY: the engine ACL in the
--- README lists the commands kvstate needs, and the script is atomic anyway.)
+-- at the end. (HSET of read values rather than HSETNX/HINCRBY: the engine ACL in
+-- docs/security.md lists the commands kvstate needs, and the script is atomic anyway.)
 local want = {F_STATUS, F_REASON, F_BOUND, F_PEERS}
 for i = 1, #names do want[4 + i] = F_PEER_PREFIX .. names[i] end
 local h = redis.call('HMGET', rx, unpack(want))

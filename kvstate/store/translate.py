@@ -218,7 +218,7 @@ def refused(exc: BaseException, url: str) -> PermissionDeniedError:
     """A command refused under the ACL (``exc`` names it); ``url`` redacted."""
     return PermissionDeniedError(
         f"Redis at {url} refused a command under its ACL ({exc}); "
-        "see the README for the ACL SETUSER line kvstate needs"
+        "see kvstate's docs/security.md for the ACL SETUSER line kvstate needs"
     )
 
 
@@ -230,7 +230,7 @@ def connect_error(url: str, exc: BaseException, call_timeout: float) -> StateCon
     if refusal is not None:  # redis-py words it "Cluster mode is not enabled"
         return PermissionDeniedError(
             f"Redis Cluster at {shown} refused a command under its ACL "
-            f"({refusal}); see the README for the ACL SETUSER line kvstate needs"
+            f"({refusal}); see kvstate's docs/security.md for the ACL SETUSER line kvstate needs"
         )
     if is_tls_refusal(exc):
         return StateConnectionError(_unreachable(shown, exc, call_timeout))
