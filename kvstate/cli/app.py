@@ -31,8 +31,17 @@ from kvstate.defaults import ROOM_TTL
 from kvstate.errors import DurationSyntaxError, KVStateError, RedisServerError
 from kvstate.ops.durations import fmt_ms, parse_seconds
 from kvstate.ops.views import holds_keys, namespaces
-from kvstate.store import EMBEDDED, URL_SOURCE, Store, connect
-from kvstate.store.connection import ENV_NAMESPACE, ENV_PASSWORD, ENV_URL, Options, redact
+from kvstate.store import (
+    EMBEDDED,
+    ENV_NAMESPACE,
+    ENV_PASSWORD,
+    ENV_URL,
+    URL_SOURCE,
+    Options,
+    Store,
+    connect,
+    redact,
+)
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1

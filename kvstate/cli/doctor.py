@@ -31,8 +31,7 @@ from kvstate.cli.output import console, emit_json, styled
 from kvstate.errors import KVStateError, PermissionDeniedError
 from kvstate.ops.audit import acl_refused
 from kvstate.ops.ledger import Ledger
-from kvstate.store import Store
-from kvstate.store.connection import ENV_URL
+from kvstate.store import ENV_URL, Store
 
 
 @dataclass

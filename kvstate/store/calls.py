@@ -77,8 +77,28 @@ class Call:
     parse: Callable[[Any], Any] = _identity
 
 
+def command_call(
+    name: str, *keys: str, args: Iterable[Any] = (), parse: Callable[[Any], Any] = _identity
+) -> Call:
+    """One Redis command as a Call: what every feature module builds its reads and
+    writes with (the registry, the ledger, the stats, the operator views), to run in
+    ``Store.execute`` beside others in one round trip."""
+    return Call(tuple(keys), tuple(args), command=name, parse=parse)
+
+
+def script_call(
+    name: str,
+    keys: Iterable[str],
+    args: Iterable[Any],
+    parse: Callable[[Any], Any] = _identity,
+) -> Call:
+    """One of kvstate's Lua scripts (``kvstate/scripts/<name>.lua``) as a Call, without
+    a room trace (the room scripts' calls, which carry one, are ``Calls``')."""
+    return Call(tuple(keys), tuple(args), script=name, parse=parse)
+
+
 class Calls:
-    """The call builders of ``Store``: pure functions of the namespace and options."""
+    """The room calls of ``Store``: pure functions of the namespace and options."""
 
     keys: Keys
     room_ttl: float
@@ -108,7 +128,7 @@ class Calls:
         arguments and, unless it is 0 (not traced), the room's trace key at the end of
         its keys (``_lib.lua``'s take_trace: an untraced call carries no trace key)."""
         if room is None:
-            return Call(tuple(keys), tuple(args), script=name, parse=parse)
+            return script_call(name, keys, args, parse)
         arg = self.trace_arg(room, follow)
         if arg:
             keys = (*keys, self.keys.trace(room))
@@ -127,11 +147,7 @@ class Calls:
             return ttl
         return -ttl if follow else 0
 
-    @staticmethod
-    def _command(
-        name: str, *keys: str, args: Iterable[Any] = (), parse: Callable[[Any], Any] = _identity
-    ) -> Call:
-        return Call(tuple(keys), tuple(args), command=name, parse=parse)
+    _command = staticmethod(command_call)
 
     # -- participant calls ----------------------------------------------------------
     def _room_keys(self, room: int, side: Side, engine: str) -> list[str]:
@@ -270,10 +286,9 @@ class Calls:
             room=parsed.room,
         )
 
-    # -- named operations for ops/, the registry and the integrations ---------------
-    # Named reads and writes, so that no module outside kvstate.store spells a Redis
-    # command. Each returns a Call to batch with others in one execute() (the writes that
-    # run at once, publish_transfer_stats and ledger_append, are Store's, in core.py).
+    # -- named operations for ops/ -----------------------------------------------------
+    # Named reads and repairs of the operator views and the audit. Each returns a Call
+    # to batch with others in one execute().
 
     def read_hash(self, key: str) -> Call:
         """HGETALL of any kvstate hash (a participant, a room hash, a registration...)."""
@@ -328,56 +343,12 @@ class Calls:
     def untrack(self, tracker: str, member: str) -> Call:
         return self._command("ZREM", tracker, args=[member])
 
-    def engine_field(self, engine: str, name: str) -> Call:
-        """One field of an engine's registration, as text (None when it has none)."""
-        return self._command("HGET", self.keys.engine(engine), args=[name], parse=_text_or_none)
-
-    def claim_engine(
-        self,
-        engine: str,
-        incarnation: str,
-        mode: str,
-        lease_ms: int,
-        fields: dict[str, Any],
-        parse: Callable[[Any], Any] = _identity,
-    ) -> Call:
-        """register.lua: register, renew (``fields`` written when the name is free) or
-        drop an engine's registration; never displaces a live holder."""
-        return self._script(
-            "register",
-            [self.keys.engine(engine)],
-            [lease_ms, incarnation, mode, *pairs(fields)],
-            parse,
-        )
-
-    def index_engine(self, addr: str, engine: str, lease_ms: int | None) -> Call:
-        """index.lua: list ``engine`` (an index member, ``registry.index_member``) under
-        its bootstrap address until ``lease_ms`` from now; with ``lease_ms`` None take
-        ``engine`` ("<engine> <incarnation>") off the index; with ``engine`` '' read the
-        live members and their deadlines."""
-        return self._script(
-            "index", [self.keys.engines_at(addr)], [engine, "" if lease_ms is None else lease_ms]
-        )
-
-    def trace_entries(self, room: int) -> Call:
-        """The room's trace, oldest first: one JSON object per entry (LRANGE)."""
-        return self._command("LRANGE", self.keys.trace(room), args=[0, -1])
-
-    def ledger_recent(self, count: int) -> Call:
-        """The newest ``count`` ledger entries, newest first: [(id, {field: value})]."""
-        return self._command("XREVRANGE", self.keys.ledger, args=["+", "-", "COUNT", count])
-
     # -- the demo's bookkeeping --------------------------------------------------------
     def unmark_aborted(self, room: int) -> Call:
         """Delete a room's abort mark. For an abort that failed nobody because both sides
         had already finished: no side of that room will be created again, so the mark
         would only be a key left behind."""
         return self._command("DEL", self.keys.aborted(room))
-
-    def drop_transfer_stats(self, engine: str) -> Call:
-        """Delete the transfer counters an engine published, once they have been read:
-        a run that reports them itself leaves no key behind."""
-        return self._command("DEL", self.keys.transfer_stats(engine))
 
 
 def pairs(fields: dict[str, Any]) -> list[Any]:
@@ -389,15 +360,15 @@ def _room_fields(raw: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in dict(raw or {}).items():
         text = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
-        out[text] = value if text.startswith(schema.XFER_PREFIX) else _text_or_none(value)
+        out[text] = value if text.startswith(schema.XFER_PREFIX) else text_or_none(value)
     return out
 
 
 def _ack_list(raw: Any) -> list[str]:
-    return sorted(schema.ack_list(_text_or_none(raw) or ""))
+    return sorted(schema.ack_list(text_or_none(raw) or ""))
 
 
-def _text_or_none(raw: Any) -> str | None:
+def text_or_none(raw: Any) -> str | None:
     if raw is None:
         return None
     return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)

@@ -31,7 +31,7 @@ from kvstate.errors import (
 from kvstate.keys import Keys, Side
 from kvstate.store import embedded, functions, scripts
 from kvstate.store.admin import Admin
-from kvstate.store.calls import Call, Calls, check_reason, pairs
+from kvstate.store.calls import Call, Calls, check_reason
 from kvstate.store.connection import (
     ENV_NAMESPACE,
     ENV_URL,
@@ -255,22 +255,6 @@ class Store(Calls, Admin):
             else:
                 secs, micros = client.time()
         return int(secs) * 1000 + int(micros) // 1000
-
-    def publish_transfer_stats(self, engine: str, fields: dict[str, Any], ttl_ms: int) -> None:
-        """Runs: write an engine's transfer counters (absolute values) and their TTL."""
-        key = self.keys.transfer_stats(engine)
-        self.execute(
-            [self._command("HSET", key, args=pairs(fields)), self.set_ttl(key, ttl_ms)],
-            transaction=True,
-        )
-
-    def ledger_append(self, entries: Iterable[list[Any]], maxlen: int, ttl_ms: int) -> None:
-        """Runs: XADD each entry (field, value list) to the ledger stream, capped near
-        ``maxlen``, and refresh its TTL, in one transaction."""
-        key = self.keys.ledger
-        calls = [self._command("XADD", key, args=["MAXLEN", "~", maxlen, "*", *e]) for e in entries]
-        if calls:
-            self.execute([*calls, self.set_ttl(key, ttl_ms)], transaction=True)
 
 
 class _HasStore(Protocol):

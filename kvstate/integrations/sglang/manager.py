@@ -17,7 +17,6 @@ from typing import Any
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
 from kvstate.errors import KVStateError, StateConnectionError, UnsupportedLayoutError
 from kvstate.integrations.sglang.base import BaseManager
-from kvstate.integrations.sglang.predecessor import clear_predecessor
 from kvstate.integrations.sglang.spaces import Settings, Spaces, default_memory
 from kvstate.integrations.sglang_release import check_version
 from kvstate.poll import KVPoll
@@ -222,9 +221,7 @@ class KVStateKVManager(BaseManager):
         self.engine = engine
         # restarted under the same name: fail and clear the rooms the killed process
         # left, so that their other side need not wait for the rooms' timeouts
-        self.predecessor_rooms = clear_predecessor(
-            self.store, "tx" if self.role == "prefill" else "rx", engine
-        )
+        self.predecessor_rooms = self.kv.clear_predecessor()
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lock = threading.Lock()
         self._rooms: dict[int, Adapter] = {}
