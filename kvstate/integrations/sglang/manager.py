@@ -70,6 +70,12 @@ class Adapter:
         else:
             self._admitted = True
 
+    @property
+    def failed_in_kvstate(self) -> bool:
+        """kvstate failed the room (here, or in Redis as of the last poll)."""
+        part = self._part
+        return bool(self._local_reason) or (part is not None and part.status == KVPoll.Failed)
+
     def _fail_local(self, reason: str) -> None:
         self._local_reason = reason
         self._status = KVPoll.Failed

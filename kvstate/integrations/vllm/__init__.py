@@ -23,13 +23,17 @@ from kvstate.integrations.vllm.connector import KVStateConnector
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata
 from kvstate.integrations.vllm.settings import CONNECTOR, Settings, room_of
 
+_registered = False
+
 
 def plugin() -> None:
     """``vllm.general_plugins`` entry point: register the connector by name."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if CONNECTOR not in KVConnectorFactory._registry:
+    global _registered
+    if not _registered:  # the entry point may run more than once in a process
         KVConnectorFactory.register_connector(CONNECTOR, __name__, CONNECTOR)
+        _registered = True
 
 
 __all__ = [
