@@ -89,6 +89,10 @@ class TransferInfo:
     prefix_len: int = 0
     dummy: bool = False
     incarnation: str = ""  # the receiver engine's, so a sender never writes to a restarted one
+    # the heads this sender writes, (its first, the receiver's first, how many): None is
+    # whole pages (kvstate.tp, tensor parallelism of different sizes)
+    heads: tuple[int, int, int] | None = None
+    want: int = 0  # receivers the sender waits for, declared by them; 0: the sender's own
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {"kv": encode_runs(self.kv_indices), "inc": self.incarnation}
@@ -102,6 +106,10 @@ class TransferInfo:
             doc["aux"] = self.aux_index
         if self.state_indices is not None:
             doc["state"] = encode_runs(self.state_indices)
+        if self.heads is not None:
+            doc["heads"] = list(self.heads)
+        if self.want:
+            doc["want"] = self.want
         return pack(doc)
 
     @classmethod
@@ -126,6 +134,16 @@ class TransferInfo:
             raise CorruptStateError(key, where, f"dummy flag {dummy!r} is not a bool")
         if not isinstance(inc, str):
             raise CorruptStateError(key, where, f"incarnation {inc!r} is not text")
+        heads, want = doc.get("heads"), doc.get("want", 0)
+        if heads is not None and not (
+            isinstance(heads, list)
+            and len(heads) == 3
+            and all(is_int(h) and 0 <= h <= MAX_INDEX for h in heads)
+            and heads[2] > 0
+        ):
+            raise CorruptStateError(key, where, f"heads {heads!r} are not [src, dst, count > 0]")
+        if not is_int(want) or not 0 <= want <= MAX_INDEX:
+            raise CorruptStateError(key, where, f"receivers declared {want!r} are not an int >= 0")
         return cls(
             receiver=receiver,
             kv_indices=decode_runs(kv, key, where),
@@ -134,6 +152,8 @@ class TransferInfo:
             prefix_len=prefix,
             dummy=dummy,
             incarnation=inc,
+            heads=None if heads is None else (heads[0], heads[1], heads[2]),
+            want=want,
         )
 
 

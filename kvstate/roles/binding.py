@@ -35,12 +35,14 @@ class Phase(enum.Enum):
 class Binding:
     """Who a receiver is bound to, how many it needs, and the binding in flight."""
 
-    def __init__(self, addr: str, named: list[str] | None, required: int) -> None:
+    def __init__(self, addr: str, named: list[str] | None, required: int, want: int = 0) -> None:
         self.addr = addr
         self.named = named
         self.required = required  # 0: not known until the first binding
+        self.want = want  # receivers each sender waits for, as declared here (0: none)
         self.bound: dict[str, str] = {}  # sender engine -> incarnation, confirmed
         self.payload = b""  # the transfer info, once init() made it
+        self.payloads: dict[str, bytes] = {}  # a sender's own info (its heads), by name
         self.phase = Phase.IDLE
         self.covered = False  # the binding in this batch publishes the payload to all
         self._naming: tuple[dict[str, str], int] = ({}, 0)  # NAMING: new senders, required
@@ -77,7 +79,7 @@ class Binding:
         if found is None:
             self.phase = Phase.LOOKING
             publish = store.publish(
-                room, receiver, dict(self.bound), self.payload, self.required, self.addr
+                room, receiver, dict(self.bound), self.payload, self.required, self.addr, self.want
             )
             return replace(publish, parse=self._answered)
         required = self.required
@@ -90,7 +92,16 @@ class Binding:
             self.covered = False
             return None
         self.phase, self._naming = Phase.NAMING, (new, required)
-        return store.publish(room, receiver, new, self.payload, required)
+        return self.publish(store, room, receiver, new, required)
+
+    def publish(
+        self, store: Store, room: int, receiver: str, senders: dict[str, str], required: int
+    ) -> Call:
+        """publish.lua to ``senders``: each its own info where it has one."""
+        own = {s: self.payloads[s] for s in senders if s in self.payloads}
+        return store.publish(
+            room, receiver, senders, self.payload, required, want=self.want, payloads=own
+        )
 
     def _answered(self, raw: Any) -> Status:
         """A lookup's reply, parsed as it comes back: whom it bound is known now."""

@@ -36,6 +36,7 @@ from kvstate.roles.receiver import KVReceiver
 from kvstate.roles.sender import KVSender
 from kvstate.stats import TransferRecorder
 from kvstate.store import Store, one_call
+from kvstate.tp import Route
 from transports.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,10 @@ class KVManager:
             )
 
     # -- participants --------------------------------------------------------------
-    def sender(self, room: object, required_receivers: int = 1) -> KVSender:
+    def sender(self, room: object, required_receivers: int | None = 1) -> KVSender:
+        """A sender waiting for ``required_receivers`` receivers to publish their pages;
+        None: as many as they declare (``receivers_per_sender`` on their side: a decode
+        of another tensor-parallel size, ``kvstate.tp``)."""
         return self._keep(KVSender(self, room, required_receivers))
 
     def receiver(
@@ -186,16 +190,34 @@ class KVManager:
         room: object,
         bootstrap_addr: str,
         required_senders: int | None = None,
-        senders: Iterable[str] | None = None,
+        senders: Iterable[str] | Mapping[str, Route] | None = None,
+        receivers_per_sender: int = 0,
     ) -> KVReceiver:
         """A receiver bound to the prefill engines at ``bootstrap_addr`` as they register
         (or to those named in ``senders``). It needs an ack from ``required_senders`` of
         them; by default from as many as the prefill group declares (its ``ranks``), or
         as are registered there at its first binding, whichever is more. Never raises for
-        a prefill that is not up yet (it stays Bootstrapping); touches no Redis here."""
+        a prefill that is not up yet (it stays Bootstrapping); touches no Redis here.
+
+        Tensor parallelism of another size on the prefill side: ``senders`` maps each
+        sender to its ``Route`` (the heads it writes here, or a dummy), and
+        ``receivers_per_sender`` declares how many receivers each of them waits for
+        (``kvstate.tp.routes`` and ``receivers_per_sender`` compute both)."""
         check_room(room)
+        routes = None
+        if isinstance(senders, Mapping):
+            routes = {check_name(s, "sender engine"): r for s, r in senders.items()}
+            for r in routes.values():
+                if not isinstance(r, Route):
+                    raise InvalidValueError(
+                        f"a sender's route must be a kvstate.tp.Route, got {r!r}"
+                    )
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
-        return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
+        return self._keep(
+            KVReceiver(
+                self, room, bootstrap_addr, names, required_senders, routes, receivers_per_sender
+            )
+        )
 
     def clear_predecessor(self) -> list[int]:
         """Fail and clear the rooms a previous process under this engine name left

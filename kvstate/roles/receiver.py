@@ -5,6 +5,7 @@ every sender it needs acked."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from kvstate import schema
@@ -16,6 +17,7 @@ from kvstate.roles.binding import Binding
 from kvstate.roles.contract import Bound, LookupKey, Lookups, Rank, StepInput
 from kvstate.roles.participant import Participant, participant_call
 from kvstate.store import Call, Status
+from kvstate.tp import Route
 from transports.base import TransportError
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ class KVReceiver(Participant):
         bootstrap_addr: str,
         senders: list[str] | None,
         required_senders: int | None,
+        routes: dict[str, Route] | None = None,
+        receivers_per_sender: int = 0,
     ) -> None:
         if required_senders is not None and (not is_int(required_senders) or required_senders < 1):
             raise InvalidValueError(
@@ -45,15 +49,25 @@ class KVReceiver(Participant):
             )
         if senders is not None and not senders:
             raise InvalidValueError("senders, when given, must name at least one prefill engine")
+        if not is_int(receivers_per_sender) or receivers_per_sender < 0:
+            raise InvalidValueError(
+                f"receivers_per_sender must be an int >= 0, got {receivers_per_sender!r}"
+            )
         self.bootstrap_addr = check_name(bootstrap_addr, "bootstrap_addr")
         required = required_senders or (len(senders) if senders else 0)  # 0: not known
-        self._binding = Binding(self.bootstrap_addr, senders, required)
+        self._binding = Binding(self.bootstrap_addr, senders, required, receivers_per_sender)
+        self._routes = routes or {}
         super().__init__(mgr, room, required, {schema.PEER_ADDR: bootstrap_addr})
 
     @property
     def senders(self) -> list[str]:
         """The sender engines bound so far."""
         return sorted(self._binding.bound)
+
+    @property
+    def routes(self) -> dict[str, Route]:
+        """What each named sender writes for this receiver (heterogeneous TP), by name."""
+        return dict(self._routes)
 
     @property
     def bound(self) -> dict[str, str]:
@@ -113,7 +127,7 @@ class KVReceiver(Participant):
 
     def _publish_call(self) -> Call:
         b = self._binding
-        return self.store.publish(self.room, self.engine, dict(b.bound), b.payload, b.required)
+        return b.publish(self.store, self.room, self.engine, dict(b.bound), b.required)
 
     def _step_call(self, step: StepInput) -> Call:
         """The publish of ``init`` for a batch (KVManager.init_many): its pages first."""
@@ -185,9 +199,24 @@ class KVReceiver(Participant):
             except TransportError as exc:
                 raise InvalidIndicesError(f"room {self.room}: {exc}") from None
         info = TransferInfo(
-            self.engine, idx, aux_index, state, prefix_len, dummy, self.mgr.incarnation
+            self.engine,
+            idx,
+            aux_index,
+            state,
+            prefix_len,
+            dummy,
+            self.mgr.incarnation,
+            want=self._binding.want,
         )
         self._binding.payload = info.encode()
+        self._binding.payloads = {
+            sender: replace(
+                info,
+                heads=None if r.heads is None else (r.heads.src, r.heads.dst, r.heads.count),
+                dummy=dummy or r.dummy,
+            ).encode()
+            for sender, r in self._routes.items()
+        }
 
     @participant_call
     def init(
@@ -207,10 +236,11 @@ class KVReceiver(Participant):
         except KVStateError as exc:
             err = exc
             self._binding.lost()  # that batch did not run (or not whole): bind again later
-            size = len(self._binding.payload)
+            size = max(len(p) for p in (self._binding.payload, *self._binding.payloads.values()))
             oversize = size >= _MIN_BULK_LIMIT  # Redis hangs up on it: reads as "down"
             if oversize:
                 self._binding.payload = b""  # never to be sent again by a later binding
+                self._binding.payloads = {}
                 err = KVStateError(
                     f"room {self.room}: init() failed ({exc}); its transfer info is {size} "
                     "bytes, and Redis drops a connection sent a value above its "

@@ -21,7 +21,7 @@ from kvstate.poll import KVPoll
 from kvstate.roles.contract import Bound, Lookups, Rank, StepInput
 from kvstate.roles.participant import Participant, participant_call
 from kvstate.store import Call, Status, paused
-from transports.base import Target, TransportError
+from transports.base import Heads, Target, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,19 @@ class KVSender(Participant):
 
     side: Side = "tx"
 
-    def __init__(self, mgr: Rank, room: object, required_receivers: int = 1) -> None:
-        if not is_int(required_receivers) or required_receivers < 1:
+    def __init__(self, mgr: Rank, room: object, required_receivers: int | None = 1) -> None:
+        if required_receivers is not None and (
+            not is_int(required_receivers) or required_receivers < 1
+        ):
             raise InvalidValueError(
-                f"required_receivers must be an int >= 1, got {required_receivers!r}"
+                f"required_receivers must be an int >= 1 or None (as many as the "
+                f"receivers declare), got {required_receivers!r}"
             )
-        super().__init__(mgr, room, required_receivers, {})
+        super().__init__(mgr, room, required_receivers or 0, {})
+        # None: the receivers declare how many they are (kvstate.tp: a decode of another
+        # TP size); learned from their infos when they published before this existed
+        self._counted = required_receivers is not None
+        self._declared = 0
         self._infos: dict[str, bytes] = {}
         self._infos_version = -1  # poll.lua returns the infos only when this is stale
         self._decoded: dict[str, TransferInfo] | None = None
@@ -46,8 +53,14 @@ class KVSender(Participant):
         self._peer_failed = False  # the heartbeat failed it: a receiver's engine died
 
     def _poll_call(self) -> Call:
+        declared = 0 if self._counted else self._declared
         return self.store.poll(
-            self.room, "tx", self.engine, with_infos=True, infos_version=self._infos_version
+            self.room,
+            "tx",
+            self.engine,
+            with_infos=True,
+            infos_version=self._infos_version,
+            declared=declared,
         )
 
     def _absorb(self, st: Status) -> Bound | None:
@@ -55,7 +68,29 @@ class KVSender(Participant):
             self._infos_version = st.version
             if st.infos != self._infos:
                 self._infos, self._decoded = st.infos, None
-        return super()._absorb(st)
+        bound = super()._absorb(st)
+        if not self._counted:
+            if self._status != KVPoll.Bootstrapping:
+                self._counted = True  # Redis holds the count now
+            elif self._infos:
+                self._declared = self._count_declared()
+        return bound
+
+    def _count_declared(self) -> int:
+        """The receivers this sender waits for, as its infos declare it (0: none do)."""
+        key = self.store.keys.room_hash(self.room)
+        wants = set()
+        for receiver, raw in self._infos.items():
+            want = unpack(raw, key, schema.xfer_field(self.engine, receiver)).get("want", 0)
+            wants.add(want if is_int(want) and want > 0 else 0)
+        if len(wants) > 1:
+            log.warning(
+                "room %s: receivers of %s declare different counts %s; waiting for the largest",
+                self.room,
+                self.engine,
+                sorted(wants),
+            )
+        return max(wants)
 
     @property
     def published(self) -> list[str]:
@@ -253,7 +288,8 @@ class KVSender(Participant):
                     f"pages, fewer than the {self._sent + n} being sent"
                 )
             peer = self.mgr.peer(info.receiver, info.incarnation)
-            targets.append(Target(peer.endpoint, peer.layout, dst))
+            heads = None if info.heads is None else Heads(*info.heads)
+            targets.append(Target(peer.endpoint, peer.layout, dst, heads))
         return targets
 
 

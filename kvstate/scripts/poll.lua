@@ -17,6 +17,10 @@
 -- ARGV[4] (optional) the sender's engine, whose transfer infos (the room hash's
 --         xfer:<engine>,<receiver> fields) to return with the status once it is past
 --         Bootstrapping (saves the sender a round trip)
+-- ARGV[5] (optional, with ARGV[4]) the receivers a Bootstrapping sender without a
+--         count of its own (peers 0) learned from infos published before it existed
+--         (their declared count, kvstate.tp): written into it, and it moves to
+--         WaitingForInput when that many infos are there
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
 --         is 0 (take_trace, _lib.lua): after the mark's key and TTL, so ARGV[4] stays
 --         optional
@@ -63,6 +67,21 @@ if mark or timed_out then
   if timed_out then mark_room(KEYS[3], reason, ARGV[3]) end
   trace(key, 'Failed', F_REASON, reason)
   return {status, reason}
+end
+if ARGV[5] and rank == 1 then
+  local declared = tonumber(ARGV[5]) or 0
+  local own = number_of(key, F_PEERS, redis.call('HGET', key, F_PEERS))
+  if own == 0 and declared > 0 then
+    local infos = infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4])
+    if #infos / 2 >= declared then
+      redis.call('HSET', key, F_PEERS, declared)
+      set_status(key, 'WaitingForInput', now_text(), ARGV[1])
+      touch(KEYS[2], ARGV[1])
+      trace(key, 'WaitingForInput')
+      return {'WaitingForInput', reason, infos, tonumber(h[5]) or 0}
+    end
+    redis.call('HSET', key, F_PEERS, declared)
+  end
 end
 if ARGV[4] and rank >= 2 then
   local have = tonumber(h[5]) or 0

@@ -166,14 +166,24 @@ class Calls:
         )
 
     def poll(
-        self, room: int, side: Side, engine: str, with_infos: bool = False, infos_version: int = -1
+        self,
+        room: int,
+        side: Side,
+        engine: str,
+        with_infos: bool = False,
+        infos_version: int = -1,
+        declared: int = 0,
     ) -> Call:
         """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
-        they are still at ``infos_version`` (the version the caller holds)."""
+        they are still at ``infos_version`` (the version the caller holds).
+        ``declared``: the receivers a sender without a count of its own learned from
+        its infos (poll.lua writes it and may move the sender to WaitingForInput)."""
         keys = self._room_keys(room, side, engine)
         args: list[Any] = [self.ttl_ms, infos_version, self.mark_ttl_ms]
         if with_infos:
             args.append(engine)
+            if declared:
+                args.append(declared)
         return self._script("poll", keys, args, Status.parse, room)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
@@ -195,9 +205,13 @@ class Calls:
         payload: bytes = b"",
         required: int = 0,
         lookup: str | None = None,
+        want: int = 0,
+        payloads: dict[str, bytes] | None = None,
     ) -> Call:
         """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
-        publish it to them; see publish.lua. ``lookup`` (a bootstrap address; a
+        publish it to them (``payloads``: a sender's own, else ``payload``); ``want``:
+        the receivers each of them waits for, as the receivers declare it (0: none
+        declared); see publish.lua. ``lookup`` (a bootstrap address; a
         standalone server only, where the index shares the script): the script finds
         the senders to bind in that address's engine index itself and answers whom it
         is bound to (``Status.bound``); ``senders`` are then those the caller knows
@@ -207,12 +221,13 @@ class Calls:
         args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
         if lookup is not None:
             keys.append(k.engines_at(lookup))
-            args += [k.participant(room, "tx", ""), *senders]
+            args += [k.participant(room, "tx", ""), want, *senders]
             return self._script("publish", keys, args, Status.parse_bound, room)
-        args.append("")  # no lookup: the senders follow
+        args += ["", want]  # no lookup: the senders follow
+        own = payloads or {}
         for sender, incarnation in senders.items():
             keys.append(k.participant(room, "tx", sender))
-            args += [sender, incarnation]
+            args += [sender, incarnation, own.get(sender, b"")]
         return self._script("publish", keys, args, Status.parse, room)
 
     def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
