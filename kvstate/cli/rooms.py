@@ -80,7 +80,7 @@ def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
         "pages at",
         "aux",
         "prefix",
-        "dummy",
+        "moves",
         "incarnation",
     ):
         t.add_column(name, overflow="fold" if name in ("sender", "receiver") else "ellipsis")
@@ -98,7 +98,7 @@ def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
                 fmt_ranges(j["ranges"]),
                 str(j["aux_index"]),
                 str(j["prefix_len"]),
-                str(j["dummy"]),
+                j["moves"],
                 j["incarnation"] or "-",
             )
     return t
@@ -155,6 +155,9 @@ def show(obj: Ctx, room: str, as_json: bool) -> None:
         out.print(_infos_table(view.infos))
     for receiver, senders in sorted(view.acks.items()):
         out.print(f"acks for {receiver}: {', '.join(senders)}")
+    if view.held_until_ms is not None and view.held_until_ms > view.now_ms:
+        left = fmt_ms(view.held_until_ms - view.now_ms)
+        out.print(f"held by a decode engine's queue for {left} more (its senders wait)")
     if view.traced:
         out.print(f"trace: kvstate trace {r} (every step so far, on the server clock)")
 

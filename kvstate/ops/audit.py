@@ -107,7 +107,7 @@ def _owners(name: str) -> list[tuple[Side, str]]:
     """The participants whose clear takes a room-hash field of transfer infos (its
     sender and its receiver) or acks (its receiver); [] for a participant field."""
     f = schema.parse_room_field(name)
-    if f is None or f.kind in schema.SIDES:
+    if f is None or f.kind in (*schema.SIDES, "hold"):  # a hold: every clear takes it
         return []
     if f.kind == "xfer":
         return [("tx", f.engine), ("rx", f.peer)]

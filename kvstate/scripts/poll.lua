@@ -17,6 +17,8 @@
 -- ARGV[4] (optional) the sender's engine, whose transfer infos (the room hash's
 --         xfer:<engine>,<receiver> fields) to return with the status once it is past
 --         Bootstrapping (saves the sender a round trip)
+-- A sender's bootstrap timeout waits while a decode engine holds the room in its queue
+-- (the room hash's F_HOLD, a server time, hold.lua), read only at that timeout.
 -- ARGV[5] (optional, with ARGV[4]) the receivers a Bootstrapping sender without a
 --         count of its own (peers 0) learned from infos published before it existed
 --         (their declared count, kvstate.tp): written into it, and it moves to
@@ -46,6 +48,11 @@ if not mark and (rank == 1 or rank == 2) then
   local limit = tonumber((rank == 1) and bootstrap or waiting)
   -- since_ms is written at the first status change; until then it is created_ms
   local waited = now_ms() - number_of(key, F_SINCE_MS, h[3] or h[6])
+  if limit > 0 and waited > limit and rank == 1 and string.find(key, '}:tx:', 1, true) then
+    -- a decode holding the room in its queue (hold.lua): the sender waits for it
+    local held = tonumber(room_call(KEYS[2], 'HGET', F_HOLD))
+    if held and held > now_ms() then limit = 0 end
+  end
   if limit > 0 and waited > limit then
     timed_out = string.format('%s timeout: %s for %.1f s (limit %.1f s)',
       (rank == 1) and 'bootstrap' or 'waiting', h[1], waited / 1000, limit / 1000)

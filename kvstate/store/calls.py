@@ -264,7 +264,7 @@ class Calls:
         or published (a receiver: to ``senders``), a receiver's acks."""
         k = self.keys
         me = k.participant(room, side, engine)
-        fields = [schema.member(side, engine)]
+        fields = [schema.member(side, engine), schema.HOLD]  # a hold goes with the room
         if side == "tx":
             fields += [schema.xfer_field(engine, r) for r in receivers]
         else:
@@ -288,6 +288,11 @@ class Calls:
         not deleted with the room: it outlives it by ``Options.trace_ttl``."""
         ttl = int(self.options.trace_ttl * 1000)
         return Call((participant, self.keys.trace(room)), (-ttl,), script="trace")
+
+    def hold(self, room: int, ms: int) -> Call:
+        """hold.lua: a decode engine holds ``room`` queued for ``ms`` more (answers 1;
+        0 when the room does not exist): its senders' bootstrap timeout waits."""
+        return self._script("hold", [self.keys.room_hash(room)], [ms])
 
     def fail_receiver(self, key: str, peer_engine: str, incarnation: str, reason: str) -> Call:
         """Fail one receiver (by key) if it is bound to that peer (and incarnation)."""

@@ -28,7 +28,7 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
-from kvstate.keys import Keys, Side
+from kvstate.keys import Keys, Side, check_room
 from kvstate.store import embedded, functions, scripts
 from kvstate.store.admin import Admin
 from kvstate.store.calls import Call, Calls, check_reason
@@ -199,6 +199,21 @@ class Store(Calls, Admin):
             if n >= 0:
                 return int(n)
         raise KVStateError(f"room {room} kept changing while aborting it; try again")
+
+    def hold_many(self, rooms: Iterable[int], seconds: float) -> int:
+        """A decode engine holds these rooms, whose requests wait in its queue, for
+        ``seconds`` more (hold.lua, on the server clock): their senders' bootstrap
+        timeout waits, so a long queue does not fail good requests, and a decode that
+        stops holding (it died, or dropped the request) frees their pages one timeout
+        later. Rooms that do not exist are skipped. One round trip per node; returns
+        how many rooms were held."""
+        ms = int(seconds * 1000)
+        if ms <= 0:
+            raise InvalidOptionError(f"a hold must be > 0 s, got {seconds!r}")
+        calls = [self.hold(check_room(room), ms) for room in rooms]
+        if not calls:
+            return 0
+        return sum(int(n) for n in self.execute(calls, partial=True) if isinstance(n, int))
 
     def fail_bound(
         self, bootstrap_addr: str, peer_engine: str, incarnation: str, reason: str
