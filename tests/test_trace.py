@@ -35,7 +35,7 @@ def run(*args: str) -> Result:
 
 
 def entries(store: Store, room: int) -> list[TraceEntry]:
-    return TraceEntry.parse_all(store.execute([store.trace_entries(room)])[0] or [])
+    return read_timeline(store, room).entries
 
 
 def steps(store: Store, room: int) -> list[tuple[str, str, str]]:

@@ -402,6 +402,9 @@ class KVManager:
         out, bound = batch.answer(plan, replies)
         for b in bound:
             self._peers.watch(b)
+        for _, p in parts:
+            if p is not None and p.cleared:  # its own clear had run, its reply was lost
+                self.forget(p)
         return out
 
     # -- peers and leases ------------------------------------------------------------

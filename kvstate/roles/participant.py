@@ -83,6 +83,7 @@ class Participant:
         self._fields.update(fields)
         self._created = False
         self._create_sent = False  # a create went out; it may have run even if the call failed
+        self._clear_sent = False  # a clear went out; it may have run even if the call failed
         self._cleared = False
         self._status = KVPoll.Bootstrapping
         self._reason = ""
@@ -192,11 +193,17 @@ class Participant:
         bound = self._absorb(st)
         if bound is not None:
             self.mgr.watch(bound)
+        if self._cleared:  # its own clear had run: the rank forgets it now
+            self.mgr.forget(self)
         return st
 
     def _absorb(self, st: Status) -> Bound | None:
         """Take in a status reply; answers the senders bound by the call (receivers)."""
-        if st.status is None:
+        if st.status is None and self._clear_sent:
+            # gone because its own clear ran (the reply was lost): cleared, its last
+            # status stands; a finished request must not turn Failed
+            self.after_clear()
+        elif st.status is None:
             self._status, self._reason = KVPoll.Failed, STATE_LOST
         else:
             self._status, self._reason = st.status, st.reason
@@ -242,7 +249,10 @@ class Participant:
         binding is made again by its next operation)."""
 
     def clear_calls(self, lookups: Lookups | None = None) -> list[Call]:
-        """What deletes this participant's keys (``clear``, ``KVManager.clear_many``)."""
+        """What deletes this participant's keys (``clear``, ``KVManager.clear_many``):
+        from now on, finding its keys gone means they were cleared (the call may have run
+        even if its reply was lost), not that its state was lost."""
+        self._clear_sent = True
         return self.store.clear_calls(
             self.room, self.side, self.engine, **self._clear_args(lookups)
         )

@@ -22,6 +22,7 @@ from redis.exceptions import (
     AuthenticationError,
     ClusterDownError,
     ExecAbortError,
+    MaxConnectionsError,
     MovedError,
     NoPermissionError,
     OutOfMemoryError,
@@ -263,6 +264,13 @@ def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
         )
     if refused_for_maxclients(exc):
         return _maxclients(url)
+    if isinstance(exc, MaxConnectionsError):
+        return (
+            f"every connection of this store's pool to {url} stayed in use for "
+            f"{call_timeout:g} s ({exc}): the process makes more calls at once than the "
+            "pool holds; make fewer at once (batch rooms with poll_many and the like), or "
+            "give a busy part of the process a store of its own (Store.dedicated())"
+        )
     left = time_left()
     if isinstance(exc, DeadlineExceeded) or (left is not None and left <= 0):
         return (
