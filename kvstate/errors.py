@@ -63,7 +63,11 @@ class NotReadyError(KVStateError):
 
 
 class StateConnectionError(KVStateError, ConnectionError):
-    """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted."""
+    """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted.
+    ``may_have_run``: the request was written before the connection failed, so Redis
+    may have run it and only its reply was lost (every kvstate call can be made again)."""
+
+    may_have_run: bool = False
 
 
 class PermissionDeniedError(StateConnectionError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvstate.errors import KVStateError
 from kvstate.keys import Side
 from kvstate.poll import KVPoll
 from kvstate.registry import EngineInfo
@@ -99,6 +100,10 @@ class Step(Protocol):
 
     def clear_calls(self, lookups: Lookups | None = None) -> list[Call]:
         """What deletes this participant's keys (``clear``, ``clear_many``)."""
+        ...
+
+    def clear_failed(self, exc: KVStateError) -> None:
+        """Its clear raised ``exc`` (a clear that may have run reads as cleared later)."""
         ...
 
     def after_clear(self) -> None:

@@ -330,8 +330,16 @@ class KVManager:
                 todo.append(p)
         sent = [p for p in todo if p.create_sent]
         lookups = self._lookups(sent, clearing=True)
-        errors = self.store.clear_many([p.clear_calls(lookups) for p in sent])
+        try:
+            errors = self.store.clear_many([p.clear_calls(lookups) for p in sent])
+        except KVStateError as exc:
+            for p in sent:
+                p.clear_failed(exc)
+            raise
         failed = {p.room: e for p, e in zip(sent, errors, strict=True) if e is not None}
+        for p in sent:
+            if p.room in failed:
+                p.clear_failed(failed[p.room])
         for p in todo:
             if p.room not in failed:
                 p.after_clear()

@@ -15,7 +15,12 @@ from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstate import schema
-from kvstate.errors import InvalidArgumentError, KVStateError, KVTransferError
+from kvstate.errors import (
+    InvalidArgumentError,
+    KVStateError,
+    KVTransferError,
+    StateConnectionError,
+)
 from kvstate.keys import Side, check_room
 from kvstate.poll import KVPoll
 from kvstate.roles.contract import Bound, LookupKey, Lookups, Rank, StepInput
@@ -149,7 +154,11 @@ class Participant:
         if self._cleared:
             return
         if self._create_sent:
-            self.store.clear_many([self.clear_calls()], partial=False)
+            try:
+                self.store.clear_many([self.clear_calls()], partial=False)
+            except StateConnectionError as exc:
+                self.clear_failed(exc)
+                raise
         self.after_clear()
         self.mgr.forget(self)
 
@@ -249,13 +258,16 @@ class Participant:
         binding is made again by its next operation)."""
 
     def clear_calls(self, lookups: Lookups | None = None) -> list[Call]:
-        """What deletes this participant's keys (``clear``, ``KVManager.clear_many``):
-        from now on, finding its keys gone means they were cleared (the call may have run
-        even if its reply was lost), not that its state was lost."""
-        self._clear_sent = True
+        """What deletes this participant's keys (``clear``, ``KVManager.clear_many``)."""
         return self.store.clear_calls(
             self.room, self.side, self.engine, **self._clear_args(lookups)
         )
+
+    def clear_failed(self, exc: KVStateError) -> None:
+        """Its clear raised ``exc``: if the clear may have run (only its reply was lost),
+        its keys found gone from now on were cleared, not lost."""
+        if isinstance(exc, StateConnectionError) and exc.may_have_run:
+            self._clear_sent = True
 
     def after_clear(self) -> None:
         """Its keys are deleted: release its pages."""

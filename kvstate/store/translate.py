@@ -41,6 +41,7 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
+from kvstate.store import wire
 from kvstate.store.calls import Call
 from kvstate.store.connection import ENV_PASSWORD, ENV_URL, Options, redact
 from kvstate.store.deadline import (
@@ -145,7 +146,9 @@ class Translating:
             # EXEC refused by the ACL discards the transaction: same message
             return refused(exc, self.url)
         if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            return StateConnectionError(self._unreachable(exc))
+            err = StateConnectionError(self._unreachable(exc))
+            err.may_have_run = bool(getattr(exc, wire.MAY_HAVE_RUN, False))
+            return err
         if isinstance(exc, ReadOnlyError):
             return StateConnectionError(
                 f"Redis at {self.url} is a read-only replica: give the URL of its primary "
