@@ -3,8 +3,10 @@
 from kvstate.codec import TransferInfo
 from kvstate.errors import (
     ClosedError,
+    CMAError,
     CorruptStateError,
     DurabilityError,
+    DurationSyntaxError,
     EngineNameTakenError,
     ForkedManagerError,
     InvalidArgumentError,
@@ -17,24 +19,35 @@ from kvstate.errors import (
     InvalidValueError,
     KVStateError,
     KVTransferError,
+    LayoutError,
+    LayoutRefusedError,
     ManagerClosedError,
+    MetricsPortError,
     NotReadyError,
     PeerNotFoundError,
     PermissionDeniedError,
+    PtracerError,
+    RedisServerError,
     StateConnectionError,
     StateOutOfMemoryError,
+    TransportError,
+    UnsupportedConfigError,
+    UnsupportedLayoutError,
+    UnsupportedSGLangError,
+    VLLMConfigError,
 )
-from kvstate.manager import KVManager
 from kvstate.poll import KVPoll, PollResults
-from kvstate.roles import KVReceiver, KVSender
+from kvstate.roles import KVManager, KVReceiver, KVSender
 from kvstate.store import Options, Store, connect
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CMAError",
     "ClosedError",
     "CorruptStateError",
     "DurabilityError",
+    "DurationSyntaxError",
     "EngineNameTakenError",
     "ForkedManagerError",
     "InvalidArgumentError",
@@ -51,15 +64,25 @@ __all__ = [
     "KVSender",
     "KVStateError",
     "KVTransferError",
+    "LayoutError",
+    "LayoutRefusedError",
     "ManagerClosedError",
+    "MetricsPortError",
     "NotReadyError",
     "Options",
     "PeerNotFoundError",
     "PermissionDeniedError",
     "PollResults",
+    "PtracerError",
+    "RedisServerError",
     "StateConnectionError",
     "StateOutOfMemoryError",
     "Store",
     "TransferInfo",
+    "TransportError",
+    "UnsupportedConfigError",
+    "UnsupportedLayoutError",
+    "UnsupportedSGLangError",
+    "VLLMConfigError",
     "connect",
 ]

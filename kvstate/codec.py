@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstate.errors import CorruptStateError, InvalidIndicesError
+from kvstate.schema import MAX_PEERS
 
 SCHEMA_VERSION = 1
 MAX_INDEX = 2**31 - 1
@@ -136,6 +137,10 @@ class TransferInfo:
     prefix_len: int = 0
     dummy: bool = False
     incarnation: str = ""  # the receiver engine's, so a sender never writes to a restarted one
+    # the heads this sender writes, (its first, the receiver's first, how many): None is
+    # whole pages (kvstate.tp, tensor parallelism of different sizes)
+    heads: tuple[int, int, int] | None = None
+    want: int = 0  # receivers the sender waits for, declared by them; 0: the sender's own
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {"kv": encode_runs(self.kv_indices), "inc": self.incarnation}
@@ -149,6 +154,10 @@ class TransferInfo:
             doc["aux"] = self.aux_index
         if self.state_indices is not None:
             doc["state"] = encode_runs(self.state_indices)
+        if self.heads is not None:
+            doc["heads"] = list(self.heads)
+        if self.want:
+            doc["want"] = self.want
         return pack(doc)
 
     @classmethod
@@ -173,6 +182,18 @@ class TransferInfo:
             raise CorruptStateError(key, where, f"dummy flag {dummy!r} is not a bool")
         if not isinstance(inc, str):
             raise CorruptStateError(key, where, f"incarnation {inc!r} is not text")
+        heads, want = doc.get("heads"), doc.get("want", 0)
+        if heads is not None and not (
+            isinstance(heads, list)
+            and len(heads) == 3
+            and all(is_int(h) and 0 <= h <= MAX_INDEX for h in heads)
+            and heads[2] > 0
+        ):
+            raise CorruptStateError(key, where, f"heads {heads!r} are not [src, dst, count > 0]")
+        if not is_int(want) or not 0 <= want <= MAX_PEERS:  # as the scripts read peers
+            raise CorruptStateError(
+                key, where, f"receivers declared {want!r} are not an int from 0 to {MAX_PEERS}"
+            )
         return cls(
             receiver=receiver,
             kv_indices=decode_runs(kv, key, where),
@@ -181,6 +202,8 @@ class TransferInfo:
             prefix_len=prefix,
             dummy=dummy,
             incarnation=inc,
+            heads=None if heads is None else (heads[0], heads[1], heads[2]),
+            want=want,
         )
 
 

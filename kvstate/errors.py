@@ -1,9 +1,19 @@
-"""Every exception kvstate raises shares one base, so callers can catch it all.
+"""Every exception kvstate raises, in one tree with one base, so callers can catch it
+all (``KVStateError``), and every class is importable from ``kvstate``.
+
+The one family outside the base, on purpose: the transports' (``TransportError`` and
+its ``LayoutError``, ``CMAError``, ``PtracerError``), because ``transports/`` never
+imports ``kvstate``; they are re-exported here. (``kvstate.store.deadline`` has a
+redis-py ``TimeoutError`` of its own for redis-py's retry loop; the store translates
+it, so it never reaches a caller.)
 
 Messages name what was wrong and what to do next; none ever carries a password.
 """
 
 from __future__ import annotations
+
+from transports.base import LayoutError, TransportError
+from transports.cma import CMAError, PtracerError
 
 
 class KVStateError(Exception):
@@ -53,7 +63,11 @@ class NotReadyError(KVStateError):
 
 
 class StateConnectionError(KVStateError, ConnectionError):
-    """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted."""
+    """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted.
+    ``may_have_run``: the request was written before the connection failed, so Redis
+    may have run it and only its reply was lost (every kvstate call can be made again)."""
+
+    may_have_run: bool = False
 
 
 class PermissionDeniedError(StateConnectionError):
@@ -116,3 +130,74 @@ class KVTransferError(KVStateError):
         self.room = room
         self.reason = reason
         super().__init__(f"room {room} failed: {reason}")
+
+
+class DurationSyntaxError(KVStateError, ValueError):
+    """Text that is not a duration; the message says what to write instead."""
+
+
+class RedisServerError(KVStateError, RuntimeError):
+    """A redis-server could not be found, started, or brought to the wanted state
+    (``connect("embedded")`` raises it)."""
+
+
+class MetricsPortError(KVStateError):
+    """The metrics port cannot be bound (taken, or not allowed)."""
+
+
+class UnsupportedConfigError(KVStateError, ValueError):
+    """A serving stack's setting or shape that kvstate's backend for it refuses at
+    start-up, named in the message with what to use instead."""
+
+
+class UnsupportedSGLangError(UnsupportedConfigError):
+    """The installed SGLang is not a release the SGLang backend was tested with."""
+
+
+class UnsupportedLayoutError(UnsupportedConfigError):
+    """A parallel layout or buffer set the SGLang backend refuses."""
+
+
+class VLLMConfigError(UnsupportedConfigError):
+    """A vLLM setting kvstate's connector cannot work with."""
+
+
+class LayoutRefusedError(VLLMConfigError):
+    """vLLM handed the connector KV caches kvstate cannot move byte for byte."""
+
+
+__all__ = [
+    "CMAError",
+    "ClosedError",
+    "CorruptStateError",
+    "DurabilityError",
+    "DurationSyntaxError",
+    "EngineNameTakenError",
+    "ForkedManagerError",
+    "InvalidArgumentError",
+    "InvalidIndicesError",
+    "InvalidNameError",
+    "InvalidOptionError",
+    "InvalidRoomError",
+    "InvalidStatusError",
+    "InvalidURLError",
+    "InvalidValueError",
+    "KVStateError",
+    "KVTransferError",
+    "LayoutError",
+    "LayoutRefusedError",
+    "ManagerClosedError",
+    "MetricsPortError",
+    "NotReadyError",
+    "PeerNotFoundError",
+    "PermissionDeniedError",
+    "PtracerError",
+    "RedisServerError",
+    "StateConnectionError",
+    "StateOutOfMemoryError",
+    "TransportError",
+    "UnsupportedConfigError",
+    "UnsupportedLayoutError",
+    "UnsupportedSGLangError",
+    "VLLMConfigError",
+]

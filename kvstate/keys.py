@@ -201,6 +201,12 @@ class Keys:
     def participant_pattern(self) -> str:
         return f"{self.prefix}{{*}}:[tr]x:*"
 
+    def participants_of(self, side: Side, engine: str) -> str:
+        """Every room's participant of one engine on one side, as a SCAN pattern (the
+        engine name's ``[``/``]``, which names may hold, escaped: taken literally)."""
+        literal = re.sub(r"([*?\[\]\\])", r"\\\1", engine)
+        return f"{self.prefix}{{*}}:{side}:{literal}"
+
     @property
     def engine_pattern(self) -> str:
         return f"{self.prefix}engine:*"

@@ -19,7 +19,15 @@ from typing import Any
 from kvstate import schema
 from kvstate.codec import pack, unpack
 from kvstate.errors import CorruptStateError, EngineNameTakenError
-from kvstate.store import Store, functions
+from kvstate.store import (
+    LIBRARY_NAME,
+    Call,
+    Store,
+    command_call,
+    pairs,
+    script_call,
+    text_or_none,
+)
 
 log = logging.getLogger(__name__)
 _TEXT_FIELDS = (schema.ROLE, schema.ADDR, schema.INCARNATION, schema.HOST, schema.PID)
@@ -38,7 +46,7 @@ class EngineInfo:
     gpus: list[dict[str, Any]] = field(default_factory=list)
     lease_left_ms: int = -1
     ranks: int = 1  # prefill engines serving ``addr`` (TP ranks): how many a receiver needs
-    library: str = functions.NAME  # its kvstate's FUNCTION library ('' if it did not say)
+    library: str = LIBRARY_NAME  # its kvstate's FUNCTION library ('' if it did not say)
 
     def index_member(self) -> str:
         """This registration's member of its address's index (index.lua): what a
@@ -120,11 +128,34 @@ class Claim:
 
 
 class Registry:
-    """Reads and writes engine registrations of one namespace."""
+    """Reads and writes engine registrations of one namespace: it builds its own calls
+    (``register.lua``, ``index.lua``, the reads of a registration) and the store runs
+    them."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.keys = store.keys
+
+    # -- calls ---------------------------------------------------------------------
+    def claim_call(
+        self, engine: str, incarnation: str, mode: str, lease_ms: int, fields: dict[str, Any]
+    ) -> Call:
+        """register.lua: register, renew (``fields`` written when the name is free) or
+        drop an engine's registration; never displaces a live holder."""
+        args = [lease_ms, incarnation, mode, *pairs(fields)]
+        return script_call("register", [self.keys.engine(engine)], args, Claim.parse)
+
+    def index_call(self, addr: str, member: str, lease_ms: int | None) -> Call:
+        """index.lua: list ``member`` (``index_member``) under its bootstrap address
+        until ``lease_ms`` from now; with ``lease_ms`` None take ``member`` ("<engine>
+        <incarnation>") off the index; with ``member`` '' read the live members and their
+        deadlines."""
+        args = [member, "" if lease_ms is None else lease_ms]
+        return script_call("index", [self.keys.engines_at(addr)], args)
+
+    def field_call(self, engine: str, name: str) -> Call:
+        """One field of an engine's registration, as text (None when it has none)."""
+        return command_call("HGET", self.keys.engine(engine), args=[name], parse=text_or_none)
 
     def claim(self, info: EngineInfo, lease: float, mode: str) -> Claim:
         """Register (``mode`` 'register') or renew ('renew') ``info`` if the name is free
@@ -133,13 +164,13 @@ class Registry:
         s, ms = self.store, int(lease * 1000)
         started = time.monotonic()
         claim: Claim = s.execute(
-            [s.claim_engine(info.engine, info.incarnation, mode, ms, info.fields(), Claim.parse)]
+            [self.claim_call(info.engine, info.incarnation, mode, ms, info.fields())]
         )[0]
         if claim.answer != "taken":  # a refused or taken claim must not index anything
             # the lease left, not a whole one: receivers bind by the index alone, so its
             # deadline must not outlive the registration's TTL set by the claim
             left = ms - int((time.monotonic() - started) * 1000)
-            s.execute([s.index_engine(info.addr, info.index_member(), max(left, 1))])
+            s.execute([self.index_call(info.addr, info.index_member(), max(left, 1))])
         return claim
 
     def register(self, info: EngineInfo, lease: float) -> None:
@@ -173,8 +204,8 @@ class Registry:
         Its index member goes first: receivers bind by the index alone, and the
         member names this incarnation only, so a new holder's stays."""
         s = self.store
-        s.execute([s.index_engine(addr, f"{engine} {incarnation}", None)])
-        claim = s.execute([s.claim_engine(engine, incarnation, "drop", 1, {}, Claim.parse)])[0]
+        s.execute([self.index_call(addr, f"{engine} {incarnation}", None)])
+        claim = s.execute([self.claim_call(engine, incarnation, "drop", 1, {})])[0]
         return bool(claim.answer == "dropped")
 
     def incarnations(self, engines: list[str], partial: bool = False) -> dict[str, str | None]:
@@ -182,7 +213,7 @@ class Registry:
         ``partial``, a registration that is no hash is left out (unknown) instead of
         raising CorruptStateError."""
         s = self.store
-        raw = s.execute([s.engine_field(e, schema.INCARNATION) for e in engines], partial=partial)
+        raw = s.execute([self.field_call(e, schema.INCARNATION) for e in engines], partial=partial)
         return {
             e: inc for e, inc in zip(engines, raw, strict=True) if not isinstance(inc, Exception)
         }
@@ -193,7 +224,6 @@ class Registry:
         views show those as rows and go on, where ``all()`` raises."""
         prefix = self.keys.engine("")
         names = sorted(k[len(prefix) :] for k in self.store.scan(self.keys.engine_pattern))
-        s = self.store
         infos: list[EngineInfo] = []
         bad: dict[str, str] = {}
         for start in range(0, len(names), 500):
@@ -201,8 +231,8 @@ class Registry:
             calls = []
             for e in chunk:
                 key = self.keys.engine(e)
-                calls += [s.read_hash(key), s.key_ttl(key)]
-            raw = s.execute(calls, partial=True)
+                calls += [command_call("HGETALL", key), command_call("PTTL", key)]
+            raw = self.store.execute(calls, partial=True)
             for i, e in enumerate(chunk):
                 h, pttl = raw[2 * i], raw[2 * i + 1]
                 if isinstance(h, Exception):
@@ -219,7 +249,7 @@ class Registry:
         calls = []
         for e in engines:
             key = self.keys.engine(e)
-            calls += [s.read_hash(key), s.key_ttl(key)]
+            calls += [command_call("HGETALL", key), command_call("PTTL", key)]
         raw = s.execute(calls)
         out: dict[str, EngineInfo | None] = {}
         for i, e in enumerate(engines):
@@ -241,7 +271,7 @@ class Registry:
         one read (index.lua), the way publish.lua's lookup reads it, without the
         registrations (only engine, role, addr, incarnation and ranks are filled in)."""
         s = self.store
-        raw = s.execute([s.index_engine(addr, "", 0)])[0]
+        raw = s.execute([self.index_call(addr, "", 0)])[0]
         best: dict[str, tuple[float, str, int]] = {}
         for i in range(0, len(raw), 2):
             parsed = parse_member(raw[i].decode())
@@ -260,7 +290,7 @@ class Registry:
         """Live engines registered at a bootstrap address, by name: the index names
         candidates, each one's own registration decides (no SCAN)."""
         s = self.store
-        raw = s.execute([s.tracked(self.keys.engines_at(addr))])[0]
+        raw = s.execute([command_call("ZRANGE", self.keys.engines_at(addr), args=[0, -1])])[0]
         names = sorted({n.decode().split(" ")[0] for n in raw})
         if not names:
             return []

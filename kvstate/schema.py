@@ -150,11 +150,15 @@ LIBRARY: Final = "library"
 #                                          the entry; its created_ms is the participant's)
 # field "xfer:<sender>,<receiver>"         -> packed TransferInfo (xfer_field())
 # field "ack:<receiver>"                   -> the senders that finished for it, SEP-joined
+# field "hold"                             -> a decode engine holds the room queued until
+#                                          this server time (ms; hold.lua): its senders'
+#                                          bootstrap timeout waits for it (poll.lua)
 # Engine names never hold SEP (keys.check_name), so a field splits back one way only.
 XFER_PREFIX: Final = "xfer:"
 ACK_PREFIX: Final = "ack:"
+HOLD: Final = "hold"
 SEP: Final = ","
-ROOM_DATA: Final = (XFER_PREFIX, ACK_PREFIX)  # the room hash's fields that are no member
+ROOM_DATA: Final = (XFER_PREFIX, ACK_PREFIX, HOLD)  # the room hash's fields that are no member
 
 # -- other keys' members ---------------------------------------------------------------
 # tracker     addr:<addr> zset      members "<room> <receiver engine>" (keys.Keys.tracker_member)
@@ -232,7 +236,8 @@ def ack_field(receiver: str) -> str:
 
 class RoomField(NamedTuple):
     """A room-hash field read back: ``kind`` is tx / rx (a participant: ``engine``), xfer
-    (``engine`` the sender, ``peer`` the receiver) or ack (``engine`` the receiver)."""
+    (``engine`` the sender, ``peer`` the receiver), ack (``engine`` the receiver) or
+    hold (the decode's queue holds the room)."""
 
     kind: str
     engine: str
@@ -246,6 +251,8 @@ def parse_room_field(text: str) -> RoomField | None:
         return RoomField("xfer", sender, receiver) if sep else None
     if text.startswith(ACK_PREFIX):
         return RoomField("ack", text[len(ACK_PREFIX) :])
+    if text == HOLD:
+        return RoomField("hold", "")
     part = parse_member(text)
     return None if part is None else RoomField(part.side, part.engine)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvstate import schema
 from kvstate.errors import KVStateError
-from kvstate.store import Store
+from kvstate.store import Call, Store, command_call, pairs
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,20 @@ class TransferTotals:
         return t
 
 
+def publish_calls(key: str, fields: dict[str, Any], ttl_ms: int) -> list[Call]:
+    """An engine's counters (absolute values) and their TTL, for one transaction."""
+    return [
+        command_call("HSET", key, args=pairs(fields)),
+        command_call("PEXPIRE", key, args=[ttl_ms]),
+    ]
+
+
+def drop_call(store: Store, engine: str) -> Call:
+    """Delete the counters an engine published, once they were read: a run that
+    reports them itself (the demo) leaves no key behind."""
+    return command_call("DEL", store.keys.transfer_stats(engine))
+
+
 class TransferRecorder:
     """An engine's transfer counters, published to Redis for the monitor.
 
@@ -106,7 +120,7 @@ class TransferRecorder:
             self._dirty = False
             self._flushed = time.monotonic()
         try:
-            self.store.publish_transfer_stats(self.engine, fields, self.ttl_ms)
+            self.store.execute(publish_calls(self.key, fields, self.ttl_ms), transaction=True)
         except KVStateError as exc:
             log.warning("transfer counters of %s not published: %s", self.engine, exc)
             with self._lock:

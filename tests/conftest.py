@@ -177,12 +177,12 @@ def _no_manager_outlives_the_session() -> Iterator[None]:
     server later tests flush and reuse (it re-registers its name there, so a later
     manager of that name can be refused): after the last test, every one made must be
     closed. Names the test that made each leaked one."""
-    from kvstate import manager
+    from kvstate.roles.manager import open_managers
 
     made_by: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
     _MADE_BY.append(made_by)
     yield
-    live = [m for m in list(manager._MANAGERS) if not m._closed and not m._forked]
+    live = open_managers()
     for mgr in live:
         mgr.close()  # stop the heartbeats either way
     assert not live, "KVManagers left open (close them, or use them as context managers): " + (
@@ -195,10 +195,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """Remember which test made each manager still open after it (for the check above)."""
     yield
     if _MADE_BY:
-        from kvstate import manager
+        from kvstate.roles.manager import open_managers
 
-        for mgr in list(manager._MANAGERS):
-            if not mgr._closed and mgr not in _MADE_BY[0]:
+        for mgr in open_managers():
+            if mgr not in _MADE_BY[0]:
                 _MADE_BY[0][mgr] = item.nodeid
 
 

@@ -7,6 +7,7 @@ switch what the network does while the client runs.
         proxy.blackhole()    # nothing flows and new connections get no SYN-ACK
         proxy.delay(0.2)     # every chunk forwarded 0.2 s late
         proxy.drop()         # every connection reset, new ones refused (server down)
+        proxy.mute()         # requests reach the server, its replies are lost
         proxy.passthrough()  # back to normal; held bytes flow again
 
 Threads, no asyncio: two pump threads per connection and one accept thread. A stall or
@@ -34,7 +35,7 @@ from kvstate.store import Store
 from kvstate.testing import RedisCluster
 from tests.helpers import wait_for
 
-Mode = Literal["pass", "delay", "stall", "blackhole", "drop"]
+Mode = Literal["pass", "delay", "stall", "blackhole", "drop", "mute"]
 _TICK = 0.02
 
 
@@ -85,6 +86,10 @@ class Proxy:
         """No byte moves, and a new connection never completes its handshake."""
         self._set("blackhole")
         self._fill_accept_queue()
+
+    def mute(self) -> None:
+        """Requests still reach the server (and run there); every reply is lost."""
+        self._set("mute")
 
     def drop(self) -> None:
         """Reset every connection and stop listening: new ones are refused (server down)."""
@@ -170,11 +175,12 @@ class Proxy:
                 continue
             with self._lock:
                 self._conns += [client, upstream]
-            self._spawn(self._pump, client, upstream)
-            self._spawn(self._pump, upstream, client)
+            self._spawn(self._pump, client, upstream, False)
+            self._spawn(self._pump, upstream, client, True)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        """Copy src to dst while the mode lets bytes through; hold them otherwise."""
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        """Copy src to dst while the mode lets bytes through; hold them otherwise (and
+        lose the server's ``replies`` while muted)."""
         try:
             while not self._stop.is_set():
                 if self._mode in ("stall", "blackhole"):
@@ -190,6 +196,8 @@ class Proxy:
                     break
                 if self._mode == "delay":
                     time.sleep(self._delay)
+                if replies and self._mode == "mute":
+                    continue
                 dst.sendall(data)
         except (OSError, ValueError):  # ValueError: the socket was closed meanwhile
             pass

@@ -112,7 +112,7 @@ def test_binding_follows_the_registry(store: Store) -> None:
         with kvstate.KVManager(store, "prefill", "prefill-a.tp0", PREFILL_ADDR, lease=60.0) as p:
             assert p.incarnation != old_inc
             assert rcv.poll() == KVPoll.WaitingForInput and rcv.senders == [p.engine]
-            assert rcv._bound == {p.engine: p.incarnation}
+            assert rcv.bound == {p.engine: p.incarnation}
             assert p.sender(1).poll() == KVPoll.WaitingForInput
             # found and published in one batch: init's own publish is left out
             rcv2 = d.receiver(2, PREFILL_ADDR)
@@ -122,8 +122,7 @@ def test_binding_follows_the_registry(store: Store) -> None:
         d.clear_many([1, 2])
         # a lapsed lease (heartbeat stopped, key and index deadline past) binds nothing
         lapsed = kvstate.KVManager(store, "prefill", "prefill-c.tp0", "10.7.7.7:1", lease=0.3)
-        lapsed._stop.set()
-        lapsed._thread.join()
+        lapsed.heartbeat.stop()
         time.sleep(0.5)
         rcv3 = d.receiver(3, "10.7.7.7:1")
         assert rcv3.init([3]) == KVPoll.Bootstrapping and rcv3.senders == []
@@ -170,7 +169,7 @@ def test_begin_many_refuses_where_a_single_begin_would(store: Store) -> None:
         rcv[2].fail("decode ran out of pages")
         out = p.begin_many([1, 2, 3])
         assert out[1] == KVPoll.Transferring
-        assert out[2] == KVPoll.Failed and "decode ran out of pages" in snd[2]._reason
+        assert out[2] == KVPoll.Failed and "decode ran out of pages" in snd[2].reason
         # no receiver published: only polled, and refused (nothing written)
         assert 3 not in out and isinstance(out.errors[3], NotReadyError)
         assert snd[3].status == KVPoll.Bootstrapping

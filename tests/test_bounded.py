@@ -5,7 +5,7 @@ the DEFAULT options; a Cluster ``poll_many`` answers for the rooms of healthy no
 Faults are made by a TCP proxy (tests/proxy.py) in front of a real redis-server (and,
 for the Cluster, in front of one primary, announced to clients through
 ``cluster-announce-port``). Bounds asserted are generous ("did not hang"); the measured
-times are printed for the README.
+times are printed for docs/faults.md.
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ def test_every_call_bounded_with_default_options(proxy: Proxy, fault: str) -> No
     snd.finish_transfer()
     assert rcv.poll() == KVPoll.Success
     for m in (p, d):
-        for part in list(m._live.values()):
-            part.clear()
+        m.clear_many(m.live_rooms)
         m.close()
     store.close()
     longest = max(took, key=took.__getitem__)

@@ -66,7 +66,7 @@ def room(store: Store, n: int, pages: Any = None) -> tuple[Any, Any]:
     ],
 )
 def test_usage_errors_are_one_line_naming_the_option(args: list[str], names: str) -> None:
-    """The README promises one line for every error; click printed three (Usage, Try,
+    """docs/cli.md promises one line for every error; click printed three (Usage, Try,
     Error) and `--page-bytes 16q` did not say which option was wrong."""
     result = subprocess.run(
         [str(KVSTATE_BIN), "--url", "redis://127.0.0.1:1", *args],

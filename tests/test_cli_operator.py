@@ -35,7 +35,7 @@ from tests.helpers import engine_acl, load_functions, redis_major, scaled, wait_
 
 ADDR = "10.0.0.1:8998"
 KVSTATE_BIN = Path(sys.executable).with_name("kvstate")
-README = Path(__file__).resolve().parents[1] / "README.md"
+SECURITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "security.md"
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> Result:
@@ -466,7 +466,7 @@ def test_room_ids_are_ascii_digits(store: Store, redis_url: str) -> None:
 
 
 def operator_acl(admin: redis.Redis) -> str:
-    """The README's operator line for this server (7.x: with FCALL and FUNCTION LIST)."""
+    """docs/security.md's operator line for this server (7.x: with FCALL and FUNCTION LIST)."""
     return OPERATOR_ACL_7 if redis_major(admin) >= 7 else OPERATOR_ACL
 
 
@@ -513,7 +513,7 @@ def test_engine_user_degrades_operator_user_does_it_all(acl_users: tuple[str, st
     assert result.exit_code == 0, result.output
     assert [f["kind"] for f in doc["findings"]] == ["unindexed"] and doc["fixed"] == 1
     assert any("XADD" in n for n in doc["notes"])
-    # the operator line in the README (and printed by doctor) is enough for every tool
+    # the operator line in docs/security.md (and printed by doctor) is enough for every tool
     result = run("--url", operator, "doctor", "--json", "--no-ucx")
     acl = next(c for c in json.loads(result.stdout)["checks"] if c["name"] == "acl")
     assert result.exit_code == 0 and acl["state"] == "ok", acl
@@ -535,10 +535,10 @@ def test_engine_user_degrades_operator_user_does_it_all(acl_users: tuple[str, st
     store.close()
 
 
-def test_operator_acl_line_is_in_the_readme() -> None:
-    assert OPERATOR_ACL in README.read_text()
-    assert READER_ACL in README.read_text()
-    text = " ".join(README.read_text().split())
+def test_operator_acl_line_is_in_the_security_doc() -> None:
+    assert OPERATOR_ACL in SECURITY_DOC.read_text()
+    assert READER_ACL in SECURITY_DOC.read_text()
+    text = " ".join(SECURITY_DOC.read_text().split())
     assert "on 7.x add `+fcall +function|list`" in text  # OPERATOR_ACL_7
     assert "On 7.x add `+function|list`" in text  # READER_ACL_7
     for line in (OPERATOR_ACL_7, READER_ACL_7):
@@ -548,7 +548,7 @@ def test_operator_acl_line_is_in_the_readme() -> None:
 def test_read_only_operator_reads_everything_with_read_commands(
     redis_server_factory: Callable[..., RedisProcess],
 ) -> None:
-    """The README's reader line allows no command that writes (COMMAND INFO says so);
+    """docs/security.md's reader line allows no command that writes (COMMAND INFO says so);
     as that user, ls, show, top, engines and audit answer in full: no ACL refusal (they
     used to SCRIPT LOAD first), no degraded check, nothing in the server's ACL LOG."""
     server = redis_server_factory(port="auto")

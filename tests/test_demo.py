@@ -303,7 +303,7 @@ def test_the_store_operations_the_demo_uses(redis_url: str) -> None:
     taken back, published transfer counters are dropped once read, and the command
     counts grow by the commands run."""
     import kvstate
-    from kvstate.stats import TransferRecorder
+    from kvstate.stats import TransferRecorder, drop_call
 
     store = kvstate.connect(redis_url, "demo-store")
     try:
@@ -316,7 +316,7 @@ def test_the_store_operations_the_demo_uses(redis_url: str) -> None:
         stats = store.keys.transfer_stats("prefill-0")
         assert list(store.scan(stats)) == [stats]
         before = store.command_counts()
-        store.execute([store.unmark_aborted(7), store.drop_transfer_stats("prefill-0")])
+        store.execute([store.unmark_aborted(7), drop_call(store, "prefill-0")])
         assert store.command_counts().get("del", 0) == before.get("del", 0) + 2
         assert list(store.scan(store.keys.all_pattern)) == []
     finally:

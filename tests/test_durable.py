@@ -211,7 +211,7 @@ def test_without_a_replica_or_without_wait_rights(
 ) -> None:
     """Durable mode against a server with no replica says durability was not confirmed
     (WAIT gives up within one socket wait, shorter than the call here); under an engine
-    ACL without +wait it names the ACL (the README's line adds +wait)."""
+    ACL without +wait it names the ACL (docs/security.md's line adds +wait)."""
     server = redis_server_factory(port="auto")
     ct = scaled(1.0)
     query = f"durable=true&call_timeout={ct}&socket_timeout={ct / 2}"

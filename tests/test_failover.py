@@ -113,8 +113,8 @@ def lifecycle(out: Outcomes, p: kvstate.KVManager, d: kvstate.KVManager, room: i
             result = "Success"
         else:
             assert status == KVPoll.Failed, f"room {room} stuck in {status.name}"
-            assert rcv._reason, f"room {room} Failed without a reason"
-            result = f"Failed: {rcv._reason}"
+            assert rcv.reason, f"room {room} Failed without a reason"
+            result = f"Failed: {rcv.reason}"
         t(snd.clear)
         t(rcv.clear)
     except StateConnectionError as exc:
@@ -210,7 +210,7 @@ def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
             snd.finish_transfer()
             assert rcv.poll() in (KVPoll.Success, KVPoll.Failed)
             if rcv.status == KVPoll.Failed:
-                assert rcv._reason
+                assert rcv.reason
             snd.clear()
             rcv.clear()
         for part in out.made:  # what rooms that raised left behind
@@ -224,7 +224,7 @@ def test_failover_of_busy_primary(cluster: RedisCluster, store: Store) -> None:
             assert "cmdstat_evalsha" not in stats and "cmdstat_eval" not in stats, stats
         assert all_keys(cluster, store.keys.prefix + "{*") == []
         assert_every_key_has_ttl(store)
-        assert p._thread.is_alive() and d._thread.is_alive()
+        assert p.heartbeat.running and d.heartbeat.running
         for m in (p, d):  # leases held across the failover
             info = m.registry.get(m.engine)
             assert info is not None and info.incarnation == m.incarnation
@@ -305,16 +305,16 @@ def test_primary_killed_replica_takes_over(tmp_path) -> None:
                 snd.begin_transfer()
                 snd.finish_transfer()
                 st = rcv.poll()
-                key = st.name if st != KVPoll.Failed else f"Failed: {rcv._reason[:10]}"
+                key = st.name if st != KVPoll.Failed else f"Failed: {rcv.reason[:10]}"
                 results[key] = results.get(key, 0) + 1
                 assert st in (KVPoll.Success, KVPoll.Failed)
                 if st == KVPoll.Failed:
-                    assert "state lost" in rcv._reason
+                    assert "state lost" in rcv.reason
                 snd.clear()
                 rcv.clear()
             assert all_keys(cluster, store.keys.prefix + "{*") == []
             assert_every_key_has_ttl(store)
-            assert p._thread.is_alive() and d._thread.is_alive()
+            assert p.heartbeat.running and d.heartbeat.running
         assert all_keys(cluster, store.keys.all_pattern) == []
         store.close()
     finally:

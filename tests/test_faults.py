@@ -6,7 +6,7 @@
 - a server that is down, or frozen (SIGSTOP), must turn into a StateConnectionError
   within a bounded time, naming the redacted URL and what to do.
 
-The figures each test measured are printed (``pytest -s`` shows them) so the README
+The figures each test measured are printed (``pytest -s`` shows them) so docs/faults.md
 can quote them.
 """
 
@@ -125,7 +125,7 @@ def two_sender_room(
     assert s1.begin_transfer() == KVPoll.Transferring
     if variant == 1:
         rcv.clear()  # gave up: neither sender may reach Success (one outcome per room)
-        assert s1.finish_transfer() == KVPoll.Failed and "gone" in s1._reason
+        assert s1.finish_transfer() == KVPoll.Failed and "gone" in s1.reason
         assert s2.begin_transfer() == KVPoll.Failed
         gone = store.execute(
             [
@@ -138,7 +138,7 @@ def two_sender_room(
         s2.abort("storm abort")
         for part in (s1, s2, rcv):
             assert part.poll() == KVPoll.Failed
-            assert part._reason.count("storm abort") == 1, part._reason
+            assert part.reason.count("storm abort") == 1, part.reason
     else:
         assert s1.finish_transfer() == KVPoll.Success
         assert rcv.poll() == KVPoll.WaitingForInput  # one ack of the two it needs
@@ -199,11 +199,11 @@ def test_restart_loses_state_clients_recover(redis_server_factory, transport: st
         t0 = time.monotonic()
         first = parts[2][0].poll()
         first_call_s = time.monotonic() - t0
-        assert first == KVPoll.Failed and STATE_LOST in parts[2][0]._reason
+        assert first == KVPoll.Failed and STATE_LOST in parts[2][0].reason
         for room, trio in parts.items():
             for part in trio:
                 assert part.poll() == KVPoll.Failed, (room, part)
-                assert "state lost" in part._reason
+                assert "state lost" in part.reason
         assert set(d.poll_many(list(parts)).values()) == {KVPoll.Failed}
         assert set(p2.poll_many(list(parts)).values()) == {KVPoll.Failed}
         # Transitions on vanished participants change nothing (no resurrection).
@@ -236,7 +236,7 @@ def test_restart_loses_state_clients_recover(redis_server_factory, transport: st
             step=0.01,
         ), "an engine did not register again after the restart"
         reregister_s = time.monotonic() - t0
-        assert all(m._thread.is_alive() for m in (p1, p2, d))
+        assert all(m.heartbeat.running for m in (p1, p2, d))
 
         # New rooms run end to end on the same clients.
         for room in range(100, 110):
@@ -339,7 +339,7 @@ def test_client_kill_storm_no_double_effect(
             part.clear()
         assert keys_of(store, store.keys.prefix + "{*") == []
         assert_every_key_has_ttl(store)
-        assert all(m._thread.is_alive() for m in (p1, p2, d)), "a heartbeat thread died"
+        assert all(m.heartbeat.running for m in (p1, p2, d)), "a heartbeat thread died"
         for m in (p1, p2, d):  # every engine still holds its own lease
             info = m.registry.get(m.engine)
             assert info is not None and info.incarnation == m.incarnation
@@ -479,7 +479,7 @@ def test_redis_down_raises_bounded_and_recovers(redis_server_factory, transport:
     assert snd.status == KVPoll.WaitingForInput  # a failed call does not invent a status
 
     proc.restart()  # empty, same address, same password
-    assert snd.poll() == KVPoll.Failed and "state lost" in snd._reason
+    assert snd.poll() == KVPoll.Failed and "state lost" in snd.reason
     snd.clear()
     rcv.clear()
     assert wait_for(lambda: p.registry.get("p0") is not None, 5.0)
@@ -617,11 +617,11 @@ def test_redis_out_of_memory(redis_server_factory, caplog: pytest.LogCaptureFixt
             lambda: any(
                 "out of memory" in r.getMessage()
                 for r in caplog.records
-                if r.name == "kvstate.manager"
+                if r.name == "kvstate.roles.lease"
             ),
             5.0,
         )
-        assert p._thread.is_alive(), "the heartbeat died on a refused registration"
+        assert p.heartbeat.running, "the heartbeat died on a refused registration"
         assert_every_key_has_ttl(store)
     finally:
         admin.config_set("maxmemory", "0")
@@ -630,8 +630,7 @@ def test_redis_out_of_memory(redis_server_factory, caplog: pytest.LogCaptureFixt
     assert snd.finish_transfer() == KVPoll.Success
     assert rcv.poll() == KVPoll.Success
     for m in (p, d):
-        for part in list(m._live.values()):
-            part.clear()
+        m.clear_many(m.live_rooms)
         m.close()
     assert keys_of(store) == []
     store.close()

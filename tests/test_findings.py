@@ -1,4 +1,4 @@
-"""One table of finding kinds (kvstate.ops.findings): the README shows exactly that table,
+"""One table of finding kinds (kvstate.ops.findings): docs/cli.md shows exactly that table,
 the metrics export exactly those kinds, the audit refuses any other, and the CLI hints
 and the audit's "left" reasons come from it."""
 
@@ -17,25 +17,25 @@ from kvstate.ops.audit import Auditor, Finding, Report
 from kvstate.ops.findings import KINDS, NAMES, kind, readme_table
 from kvstate.ops.metrics import Metrics
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+CLI_DOC = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
 _HEADER = "| kind | found when | `--fix` |\n"
 
 
 def _readme_findings() -> str:
-    start = README.index(_HEADER)
-    end = README.index("\n\n", start)
-    return README[start : end + 1]
+    start = CLI_DOC.index(_HEADER)
+    end = CLI_DOC.index("\n\n", start)
+    return CLI_DOC[start : end + 1]
 
 
 def test_the_readme_lists_every_kind_and_only_those() -> None:
     listed = re.findall(r"^\| `(\w+)` \|", _readme_findings(), re.M)
-    assert listed == list(NAMES), "README's findings table and kvstate.ops.findings differ"
-    assert README.count(_HEADER) == 1
+    assert listed == list(NAMES), "docs/cli.md's findings table and kvstate.ops.findings differ"
+    assert CLI_DOC.count(_HEADER) == 1
 
 
 def test_the_readme_table_is_the_one_in_the_code() -> None:
-    """Descriptions drift too: the README's rows are rendered from the table. After a
-    change to KINDS, paste ``kvstate.ops.findings.readme_table()`` into the README."""
+    """Descriptions drift too: docs/cli.md's rows are rendered from the table. After a
+    change to KINDS, paste ``kvstate.ops.findings.readme_table()`` into docs/cli.md."""
     assert _readme_findings() == readme_table()
 
 
@@ -45,7 +45,7 @@ def test_each_kind_is_either_fixed_or_says_why_not() -> None:
         assert k.name.isidentifier() and k.check and k.hint, k
         assert bool(k.fix) != bool(k.left), f"{k.name}: give a fix or a reason to leave it"
         assert k.fixable == k.hint.startswith("--fix"), f"{k.name}: hint {k.hint!r}"
-        assert "|" not in k.check + k.fix + k.left, "a | would split the README's row"
+        assert "|" not in k.check + k.fix + k.left, "a | would split the table's row in docs/cli.md"
 
 
 def test_the_metrics_export_exactly_the_table_kinds() -> None:

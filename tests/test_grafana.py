@@ -1,5 +1,5 @@
 """docs/grafana/kvstate.json: every query names only metrics a real monitor exports (read
-from its registry after a sweep of a real Redis), and the series the README promises
+from its registry after a sweep of a real Redis), and the series docs/cli.md promises
 are all charted."""
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -202,6 +203,26 @@ def test_counts_read_by_publish(store: Store, mgrs, field: str, value: str) -> N
     refused(store, call, key, name)
 
 
+@pytest.mark.parametrize("value", [*HOSTILE, str(2**53)], ids=lambda v: repr(v[:20]))
+def test_a_hold_is_a_time_or_corrupt(store: Store, value: str) -> None:
+    """A decode's hold (the room hash's `hold`: a server time, hold.lua) read at a
+    sender's bootstrap timeout: anything but a time up to the largest timeout from now
+    is corrupt, never a hold that keeps the sender's pages for ever."""
+    with kvstate.KVManager(store, "prefill", "p-hold", PREFILL_ADDR, bootstrap_timeout=0.05) as p:
+        room = next(_rooms)
+        snd = p.sender(room)
+        assert snd.poll() == KVPoll.Bootstrapping
+        store.client.hset(store.keys.room_hash(room), schema.HOLD, value)
+        time.sleep(0.1)  # past the bootstrap timeout: poll.lua reads the hold
+        room_hash = store.keys.room_hash(room)
+        refused(store, store.poll(room, "tx", "p-hold", with_infos=True), room_hash, schema.HOLD)
+        store.client.hset(room_hash, schema.HOLD, str(store.server_time_ms() + 60_000))
+        assert snd.poll() == KVPoll.Bootstrapping  # a true hold holds
+        store.client.hdel(room_hash, schema.HOLD)
+        assert snd.poll() == KVPoll.Failed  # and without it, the timeout
+        snd.clear()
+
+
 @pytest.mark.parametrize(
     "acks",
     [
@@ -286,6 +307,7 @@ PLANTS = [
     ("rx", schema.TIMEOUTS_MS),
     ("room", "ack"),
     ("room", "xfer"),
+    ("room", "hold"),
     ("tx", None),
     ("rx", None),
     ("room", None),
@@ -314,7 +336,9 @@ def _plant(store: Store, room: int, where: tuple[str, str | None], value: str) -
         return
     if not c.exists(key) or c.type(key) != b"hash":
         return  # nothing to change there (not created yet, or already not a hash)
-    if field == "ack":
+    if field == "hold":
+        field = schema.HOLD
+    elif field == "ack":
         field = schema.ack_field(RECEIVER)
     elif field == "xfer":
         field = schema.xfer_field(SENDER, RECEIVER)

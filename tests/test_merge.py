@@ -1,4 +1,4 @@
-"""The status merge rule (README, "Rules the code keeps", rule 3) as a property: random
+"""The status merge rule (docs/design.md, "Rules", rule 3) as a property: random
 sequences of create / update / abort / clear, run through the real scripts on a real
 Redis, agree step by step with a small model of the rule written here:
 

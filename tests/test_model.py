@@ -217,9 +217,8 @@ class RoomMachine(RuleBasedStateMachine):
         if self.lapsed or "tx" in self.closed or self.steps < LATE:
             return
         self.lapsed = "pending"
-        self.p._stop.set()
-        self.p._thread.join()
-        self.p._lease_until = 0.0  # the monotonic clock past the lease
+        self.p.heartbeat.stop()
+        self.p.heartbeat._until = 0.0  # the monotonic clock past the lease
         self.store.execute([self.store.delete(self.store.keys.engine(self.p.engine))])
         if "rx" not in self.closed:  # the decode's heartbeat, once it sees it
             self.d.fail_peer(

@@ -75,7 +75,7 @@ def test_fail_peer_between_begin_and_finish_fails_the_sender(store: Store) -> No
         assert snd.begin_transfer() == KVPoll.Transferring
         assert d.fail_peer(PREFILL_ADDR, "peer prefill-a.tp0 lost its lease") == 1
         assert snd.finish_transfer() == KVPoll.Failed
-        assert "lost its lease" in snd._reason
+        assert "lost its lease" in snd.reason
         assert agree(snd, rcv) == {KVPoll.Failed}
         assert snd.begin_transfer() == KVPoll.Failed  # sticky, nothing written
         # send() answers the same (it needs a transport; the status says it first)
@@ -95,12 +95,11 @@ def test_a_process_past_its_lease_cannot_write_success(store: Store) -> None:
         # far as Redis can tell); the decode fails the receivers bound to it
         snd, rcv = ready_room(p, d, 2)
         assert snd.begin_transfer() == KVPoll.Transferring
-        p._stop.set()
-        p._thread.join()
+        p.heartbeat.stop()
         assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 10 * lease)
-        assert "lost its lease" in rcv._reason
+        assert "lost its lease" in rcv.reason
         assert snd.finish_transfer() == KVPoll.Failed
-        assert "lost its lease" in snd._reason
+        assert "lost its lease" in snd.reason
         assert agree(snd, rcv) == {KVPoll.Failed}
     p = kvstate.KVManager(store, "prefill", "p-lapse2", PREFILL_ADDR, lease=lease)
     d = kvstate.KVManager(store, "decode", "d-lapse2", "10.0.0.2:2", heartbeat_interval=60)
@@ -111,12 +110,11 @@ def test_a_process_past_its_lease_cannot_write_success(store: Store) -> None:
         rcv.init([1, 2])
         assert snd.poll() == KVPoll.WaitingForInput
         assert snd.begin_transfer() == KVPoll.Transferring
-        p._stop.set()
-        p._thread.join()
+        p.heartbeat.stop()
         time.sleep(lease * 1.2)
         assert snd.finish_transfer() == KVPoll.Failed
-        assert "p-lapse2 lost its lease" in snd._reason and "lapsed" in snd._reason
-        assert rcv.poll() == KVPoll.Failed and "p-lapse2 lost its lease" in rcv._reason
+        assert "p-lapse2 lost its lease" in snd.reason and "lapsed" in snd.reason
+        assert rcv.poll() == KVPoll.Failed and "p-lapse2 lost its lease" in rcv.reason
 
 
 @pytest.mark.parametrize("how", ["abort", "fail", "timeout", "fail_peer"])
@@ -140,9 +138,9 @@ def test_no_success_once_any_participant_failed(store: Store, how: str) -> None:
             assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 5)
         else:
             d.fail_peer(PREFILL_ADDR, reason)
-        assert rcv.poll() == KVPoll.Failed and reason in rcv._reason
-        assert snd.begin_transfer() == KVPoll.Failed and reason in snd._reason
-        assert snd.finish_transfer() == KVPoll.Failed and reason in snd._reason
+        assert rcv.poll() == KVPoll.Failed and reason in rcv.reason
+        assert snd.begin_transfer() == KVPoll.Failed and reason in snd.reason
+        assert snd.finish_transfer() == KVPoll.Failed and reason in snd.reason
         assert agree(snd, rcv) == {KVPoll.Failed}
 
 
@@ -176,7 +174,7 @@ def test_abort_after_success_fails_both_sides(store: Store) -> None:
         assert rcv.poll() == KVPoll.Success
         rcv.abort("client went away after the transfer")
         assert agree(snd, rcv) == {KVPoll.Failed}
-        assert "client went away" in snd._reason
+        assert "client went away" in snd.reason
         snd.clear()
         rcv.clear()
         snd, rcv = ready_room(p, d, 7)
@@ -214,7 +212,7 @@ def test_abort_reaches_a_participant_created_after_the_other_side_cleared(
         assert pttl > (MARK_MIN_TTL - 60) * 1000  # outlives the bootstrap timeout
         late = p.sender(8) if first == "decode" else d.receiver(8, PREFILL_ADDR)
         assert late.poll() == KVPoll.Failed
-        assert "client went away" in late._reason
+        assert "client went away" in late.reason
         exc = late.failure_exception()
         assert exc is not None and "client went away" in exc.reason
         assert room_keys(store, 8) == []
@@ -233,8 +231,8 @@ def test_a_timeout_reaches_the_other_side(store: Store) -> None:
         snd = p.sender(9)
         assert snd.poll() == KVPoll.Bootstrapping
         assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 5)
-        assert "bootstrap timeout" in rcv._reason and "init() was never called" in rcv._reason
-        assert snd.poll() == KVPoll.Failed and snd._reason == rcv._reason
+        assert "bootstrap timeout" in rcv.reason and "init() was never called" in rcv.reason
+        assert snd.poll() == KVPoll.Failed and snd.reason == rcv.reason
 
 
 # -------------------------------------------------------------- 3. not before binding

@@ -1,6 +1,7 @@
 """The README's examples are produced by the code they describe: the "Using it" example
 runs as written against a real redis-server, and the room shown with redis-cli has
-exactly the keys and fields that code writes."""
+exactly the keys and fields that code writes. The README stays a ten-minute read (at most
+400 lines, a contents list that resolves) and no link in it or in docs/ is broken."""
 
 from __future__ import annotations
 
@@ -84,3 +85,57 @@ def test_redis_cli_example_matches_what_the_code_writes(redis_url: str) -> None:
         f"README shows fields {shown_fields}; the code writes {raw!r}"
     )
     assert status == b"Transferring"
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+_CODE = re.compile(r"`[^`]*`")
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """The text less its code blocks and code spans: no heading or link is read in code."""
+    return _CODE.sub("", _FENCE.sub("", text))
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the file's headings (duplicates get -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for line in _FENCE.sub("", path.read_text()).splitlines():
+        match = re.match(r"#{1,6} (.+)", line)
+        if not match:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", match.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_readme_is_short_with_a_contents_list_that_resolves() -> None:
+    lines = README.splitlines()
+    assert len(lines) <= 400, f"README.md has {len(lines)} lines: move material to docs/"
+    contents = _section("Contents")
+    targets = [t for t in _LINK.findall(_prose(contents)) if t.startswith("#")]
+    assert len(targets) >= 5, contents
+    missing = [t for t in targets if t[1:] not in _anchors(ROOT / "README.md")]
+    assert not missing, f"README's contents link to no heading: {missing}"
+    pages = {t.split("#")[0] for t in _LINK.findall(contents) if t.startswith("docs/")}
+    unlisted = {f"docs/{p.name}" for p in DOCS} - pages
+    assert not unlisted, f"docs pages missing from README's contents: {sorted(unlisted)}"
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    broken = []
+    for doc in [ROOT / "README.md", *DOCS]:
+        for target in _LINK.findall(_prose(doc.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:: not checked here
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and (dest.suffix != ".md" or anchor not in _anchors(dest)):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

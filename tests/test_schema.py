@@ -219,7 +219,7 @@ def test_the_core_imports_no_ops_cli_demo_or_testing() -> None:
     """The engines' side (roles, store, registry, stats, schema) stands alone: the
     operator tools build on it, never the other way round."""
     code = (
-        "import sys, kvstate, kvstate.manager, kvstate.roles, kvstate.store, kvstate.registry, "
+        "import sys, kvstate, kvstate.roles, kvstate.store, kvstate.registry, "
         "kvstate.stats, kvstate.schema, kvstate.keys, kvstate.defaults\n"
         "print(' '.join(sorted(sys.modules)))"
     )

@@ -110,7 +110,7 @@ def engine_paths(url: str, *admins: redis.Redis, ns: str = "acl") -> None:
         for m in (p, d):
             info = m.registry.get(m.engine)
             assert info is not None and info.incarnation == m.incarnation
-            assert m._thread.is_alive()
+            assert m.heartbeat.running
         # the heartbeat's peer check (HGET), in the foreground: a heartbeat only logs
         assert p.registry.incarnations([d.engine]) == {d.engine: d.incarnation}
         p.close()  # drops the lease: HGET, then DEL
@@ -126,7 +126,7 @@ def engine_denials(admin: redis.Redis) -> list[dict]:
     """ACL LOG entries of the engine user. Before Redis 7.2 there is no CLIENT SETINFO,
     which redis-py sends on connect and whose refusal it ignores: not kvstate's. Nor is
     a refused FUNCTION LOAD a fault: an engine whose node lost the library tries to load
-    it again, and the README's engine user may not (the library is an admin's)."""
+    it again, and docs/security.md's engine user may not (the library is an admin's)."""
     version = tuple(int(x) for x in admin.info("server")["redis_version"].split(".")[:2])
     return [
         e
@@ -195,11 +195,12 @@ def test_engine_acl_is_minimal(acl_server) -> None:
     assert kept == [], f"the engine paths work without {kept}: drop them from ENGINE_ACL"
 
 
-def test_readme_gives_both_engine_lines() -> None:
-    """The README's engine line is ENGINE_ACL; ENGINE_ACL_EVAL is the removal it states."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert ENGINE_ACL.format(password="PASSWORD", ns="NAMESPACE") in readme
-    assert "leave out `+fcall +function|list`" in " ".join(readme.split())
+def test_security_doc_gives_both_engine_lines() -> None:
+    """docs/security.md's engine line is ENGINE_ACL; ENGINE_ACL_EVAL is the removal it
+    states."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    assert ENGINE_ACL.format(password="PASSWORD", ns="NAMESPACE") in doc
+    assert "leave out `+fcall +function|list`" in " ".join(doc.split())
 
 
 def test_engine_acl_without_function_takes_the_eval_path(acl_server) -> None:
@@ -342,7 +343,7 @@ def test_engine_acl_on_cluster(redis_cluster_url: str, redis_cluster) -> None:
 def test_no_documented_user_reads_a_secret_or_changes_the_server(
     redis_server_factory, role: str
 ) -> None:
-    """The README's operator, reader and engine lines (7.x's additions included) on a
+    """docs/security.md's operator, reader and engine lines (7.x's additions included) on a
     server with requirepass and masterauth set: none of them reads a setting (CONFIG
     GET: requirepass, masterauth, anything), the ACL users, or changes a server-wide
     parameter (CONFIG SET maxmemory / requirepass, CONFIG REWRITE, FUNCTION LOAD,
@@ -528,7 +529,7 @@ def test_password_never_shown(
     with proc.client() as admin:
         setuser(admin, engine_acl(admin), "sec", password=SECRET)  # ACL users live in memory
     assert wait_for(lambda: p.registry.get("p0") is not None, 5.0)
-    assert snd.poll() == KVPoll.Failed and "state lost" in snd._reason
+    assert snd.poll() == KVPoll.Failed and "state lost" in snd.reason
 
     # Metrics from the monitor, over the same password URL.
     from kvstate.ops.ledger import Monitor

@@ -5,7 +5,7 @@ name, a receiver made before its prefill exists, a heartbeat whose workload hold
 connection, send()'s failure boundary, and fork.
 
 Leases are short (0.5-1 s); waits poll a condition with generous bounds. Figures are
-printed (``pytest -s``) for the README's fault table.
+printed (``pytest -s``) for docs/faults.md's table.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def test_decode_rank_sigkilled_fails_prefill_senders(
         detected_s = time.monotonic() - t0
         for snd in senders.values():
             assert snd.begin_transfer() == KVPoll.Failed
-            assert "receiver decode-k.tp0 lost its lease" in snd._reason, snd._reason
+            assert "receiver decode-k.tp0 lost its lease" in snd.reason, snd.reason
             snd.clear()
     report("decode-sigkill", lease_s=lease, prefill_detected_after_s=f"{detected_s:.2f}")
 
@@ -466,7 +466,7 @@ def test_fork_child_refuses_the_parents_manager(store: Store) -> None:
         info = p.registry.get(p.engine)
         assert info is not None and info.incarnation == p.incarnation
         assert p.registry.renew(p.info, lease).answer == "renewed"  # never lapsed
-        assert p._thread.is_alive() and snd.poll() == KVPoll.Bootstrapping
+        assert p.heartbeat.running and snd.poll() == KVPoll.Bootstrapping
         snd.clear()
     assert keys_of(store) == []
 
@@ -506,7 +506,7 @@ def test_fan_out_reaches_a_receiver_that_outlived_its_tracker_entry(store: Store
     store.client.delete(store.keys.addr(ADDR))  # as if expired
     p.close()
     assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 2 * lease + 1.5)
-    assert "prefill-o.tp0" in rcv._reason and "lost its lease" in rcv._reason
+    assert "prefill-o.tp0" in rcv.reason and "lost its lease" in rcv.reason
     rcv.clear()
     d.close()
     assert keys_of(store) == []
@@ -551,12 +551,12 @@ def test_init_refused_by_redis_says_why(redis_server_factory: Callable[..., Any]
         with pytest.raises(KVStateError, match="proto-max-bulk-len") as err:
             rcv.init(list(range(0, 600_000, 2)))  # 300k runs: 2.4 MB
         assert re.search(r"transfer info is \d{7} bytes", str(err.value)), str(err.value)
-        assert rcv.poll() == KVPoll.Failed and "proto-max-bulk-len" in rcv._reason
+        assert rcv.poll() == KVPoll.Failed and "proto-max-bulk-len" in rcv.reason
         rcv.clear()
         # the room failed: a sender that joins starts Failed with that reason, and no
         # transfer info reached it
         late = p.sender(1)
-        assert late.poll() == KVPoll.Failed and "proto-max-bulk-len" in late._reason
+        assert late.poll() == KVPoll.Failed and "proto-max-bulk-len" in late.reason
         fields = store.client.hkeys(store.keys.room_hash(1))
         assert fields == [b"tx:" + p.engine.encode()]  # its member only: no xfer: field
         late.clear()

@@ -247,8 +247,7 @@ def test_poll_many_matches_single_polls(store: Store) -> None:
             assert got[r] == KVPoll.Bootstrapping
         for s in senders:
             s.clear()
-        for r in range(100, 110):
-            d._live[r].clear()
+        d.clear_many(range(100, 110))
         assert keys_of(store, store.keys.participant_pattern) == []
 
 

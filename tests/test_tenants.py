@@ -4,7 +4,7 @@ shadow or pre-load the code another namespace's engines run.
 On Redis 7 the scripts are one server-wide FUNCTION library, which runs with each
 caller's rights: whoever may FUNCTION LOAD could replace it (REPLACE) or load a library
 of its name first, and a receiver of another tenant, with its own user and namespace,
-would read whatever that code answers. So the README's engine user may not FUNCTION
+would read whatever that code answers. So the engine user of docs/security.md may not FUNCTION
 LOAD (an admin loads the library: `kvstate functions load`), and a node runs the
 scripts by FCALL only once FUNCTION LIST ... WITHCODE showed kvstate's exact code there;
 else by EVALSHA, whose scripts are named by their content. Each attack below is
@@ -50,7 +50,7 @@ def forged(squat: bool = False) -> str:
 
 
 def tenant_users(admin: redis.Redis, extra: str = "") -> None:
-    """One engine user per tenant, on the README's engine line (plus ``extra``)."""
+    """One engine user per tenant, on docs/security.md's engine line (plus ``extra``)."""
     for ns in TENANTS:
         line = engine_acl(admin).replace("kvstate-engine", f"kvstate-{ns}")
         setuser(admin, f"{line} {extra}".strip(), ns)
@@ -60,7 +60,7 @@ def tenant_users(admin: redis.Redis, extra: str = "") -> None:
 def shared(
     redis_server_factory: Callable[..., RedisProcess],
 ) -> Iterator[tuple[RedisProcess, redis.Redis]]:
-    """A server with one engine user per tenant, each on the README's engine line."""
+    """A server with one engine user per tenant, each on docs/security.md's engine line."""
     proc = redis_server_factory(port="auto")
     admin = proc.client()
     tenant_users(admin)
@@ -93,7 +93,7 @@ def no_forged_success(store: kvstate.Store, room: int) -> None:
 
 
 def test_engine_user_cannot_load_replace_or_drop_the_library(shared) -> None:
-    """The replace attack: tenant alpha's engine user (the README's line) tries to
+    """The replace attack: tenant alpha's engine user (docs/security.md's line) tries to
     FUNCTION LOAD REPLACE kvstate's library with forged code, to load a squatting
     library, to delete or flush it: each refused by the ACL (Redis 6.2 has no
     FUNCTION). Tenant beta, already on FCALL of the admin-loaded library, goes on

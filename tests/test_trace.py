@@ -35,7 +35,7 @@ def run(*args: str) -> Result:
 
 
 def entries(store: Store, room: int) -> list[TraceEntry]:
-    return TraceEntry.parse_all(store.execute([store.trace_entries(room)])[0] or [])
+    return read_timeline(store, room).entries
 
 
 def steps(store: Store, room: int) -> list[tuple[str, str, str]]:
@@ -411,8 +411,8 @@ def test_show_points_to_the_trace(store_url: str) -> None:
     assert result.exit_code == 0, result.output
     assert "trace: kvstate trace 42" in result.output
     assert json.loads(run("--url", store_url, "-n", "tr", "show", "42", "--json").stdout)["traced"]
-    for part in list(p._live.values()) + list(d._live.values()):
-        part.clear()
+    for m in (p, d):
+        m.clear_many(m.live_rooms)
     result = run("--url", store_url, "-n", "tr", "show", "42")
     assert result.exit_code == 1
     assert "nothing stored" in result.output
@@ -442,8 +442,8 @@ def test_clear_at_maxmemory_still_clears_a_traced_room(redis_server_factory: Any
     admin.config_set("maxmemory-policy", "noeviction")
     admin.config_set("maxmemory", "1")
     try:
-        for part in list(p._live.values()) + list(d._live.values()):
-            part.clear()
+        for m in (p, d):
+            m.clear_many(m.live_rooms)
         assert room_keys(store, 1) == []
         assert keys_of(store, store.keys.trace(1), traces=True) == [store.keys.trace(1)]
         assert steps(store, 1)[-1][2] == "Success"  # no cleared entry: no memory for it

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tests.helpers import scaled
-from transports.base import Target
+from transports.base import Geometry, Target
 
 # Three layers/kinds with different page sizes; same shape on every peer.
 LAYOUT = [(96, 4096), (96, 1024), (96, 256)]  # (num_pages, page_bytes)
@@ -50,13 +50,15 @@ def _peer_main(conn: Connection, env: dict[str, str]) -> None:
             return
         try:
             if cmd == "register":
-                spec, role = args
+                spec, role, geometry, seed = args
                 if role == "sender":
-                    bufs = [sender_pages(i, spec).reshape(-1).copy() for i in range(len(spec))]
+                    bufs = [
+                        sender_pages(i, spec, seed).reshape(-1).copy() for i in range(len(spec))
+                    ]
                 else:
                     bufs = [np.full(n * pb, FILL, dtype=np.uint8) for n, pb in spec]
                 transport = UCXTransport()
-                transport.register_buffers(bufs, [pb for _, pb in spec])
+                transport.register_buffers(bufs, [pb for _, pb in spec], geometry)
                 conn.send(("ok", (transport.endpoint(), transport.layout())))
             elif cmd == "refill":
                 for b in bufs:
@@ -120,14 +122,20 @@ class Peer:
     """Handle on a peer process."""
 
     def __init__(
-        self, role: str, spec: list[tuple[int, int]] = LAYOUT, env: dict[str, str] | None = None
+        self,
+        role: str,
+        spec: list[tuple[int, int]] = LAYOUT,
+        env: dict[str, str] | None = None,
+        geometry: list[Geometry] | None = None,
+        seed: int = 7,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_peer_main, args=(child, env or {}), daemon=True)
         self.proc.start()
         child.close()
-        self.endpoint, self.layout = self.call("register", spec, role)
+        self.spec = spec
+        self.endpoint, self.layout = self.call("register", spec, role, geometry, seed)
 
     def call(self, *msg: Any, timeout: float = 30.0) -> Any:
         self.conn.send(msg)
@@ -149,13 +157,13 @@ class Peer:
         assert reply[0] == "error", f"expected an error, got {reply!r}"
         return reply[1], reply[2]
 
-    def target(self, dst: Any) -> Target:
-        return Target(self.endpoint, self.layout, np.asarray(dst, dtype=np.int32))
+    def target(self, dst: Any, **kw: Any) -> Target:
+        return Target(self.endpoint, self.layout, np.asarray(dst, dtype=np.int32), **kw)
 
     def layers(self) -> list[np.ndarray]:
         return [
             np.frombuffer(b, dtype=np.uint8).reshape(n, pb)
-            for b, (n, pb) in zip(self.call("dump"), LAYOUT, strict=True)
+            for b, (n, pb) in zip(self.call("dump"), self.spec, strict=True)
         ]
 
     def kill(self) -> None:

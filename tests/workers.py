@@ -108,7 +108,7 @@ def ucx_prefill(
             if go is not None:
                 go.wait(scaled(60))
             snd.send(src, last=True)
-            out[room] = (snd.poll().name, snd._reason)
+            out[room] = (snd.poll().name, snd.reason)
             snd.clear()
         results.put(("prefill", out))
     transport.close()
@@ -215,7 +215,7 @@ def prefill_rank(
     for room, snd in senders.items():
         if snd.begin_transfer() == KVPoll.Transferring:
             snd.finish_transfer()
-        out[room] = (snd.status.name, snd._reason)
+        out[room] = (snd.status.name, snd.reason)
     results.put(("done", engine, out))
     while True:
         time.sleep(1)

@@ -6,6 +6,22 @@ UCX implementation, needs the ``ucx`` extra (``pip install 'kvstate[ucx]'``): im
 on demand, where a transport is wanted.
 """
 
-from transports.base import LayoutError, Target, Transport, TransportError, TransportStats
+from transports.base import (
+    Geometry,
+    Heads,
+    LayoutError,
+    Target,
+    Transport,
+    TransportError,
+    TransportStats,
+)
 
-__all__ = ["LayoutError", "Target", "Transport", "TransportError", "TransportStats"]
+__all__ = [
+    "Geometry",
+    "Heads",
+    "LayoutError",
+    "Target",
+    "Transport",
+    "TransportError",
+    "TransportStats",
+]

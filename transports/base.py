@@ -25,18 +25,48 @@ class LayoutError(TransportError, ValueError):
 
 
 @dataclass(frozen=True)
+class Geometry:
+    """What one registered buffer holds, beyond its page size: its ``name`` (the same KV
+    layer or state on every engine, e.g. ``layer.12``: buffers are matched by name when
+    both sides name theirs, so a pipeline stage writes its layers into a receiver that
+    holds them all), and how a page splits into KV heads: ``outer`` blocks of ``heads``
+    equal chunks, one per head (``[heads, tokens, dim]``: outer 1; ``[tokens, heads,
+    dim]``: outer = tokens per page). ``heads`` 0: the page is not split by heads (an
+    MLA latent, a state slot): it moves whole."""
+
+    name: str = ""
+    heads: int = 0
+    outer: int = 1
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The part of each page a sender writes when the two sides hold different heads
+    (tensor parallelism of another size): its heads ``[src, src + count)`` into the
+    receiver's heads ``[dst, dst + count)``."""
+
+    src: int
+    dst: int
+    count: int
+
+
+@dataclass(frozen=True)
 class Target:
     """One receiver of a room.
 
     ``endpoint`` and ``layout`` are what that receiver's transport returned from
     ``endpoint()`` and ``layout()``; ``dst_indices`` are its destination page
     indices in the same order as the sender's source indices. An empty
-    ``dst_indices`` marks a dummy receiver: nothing is sent to it.
+    ``dst_indices`` marks a dummy receiver: nothing is sent to it. ``heads``: write
+    only those heads of each page (``Geometry``), None: whole pages. ``buffers``: write
+    only the local buffers of these names, None: every buffer.
     """
 
     endpoint: bytes
     layout: dict[str, Any]
     dst_indices: np.ndarray
+    heads: Heads | None = None
+    buffers: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,8 +88,14 @@ class Transport(ABC):
     """
 
     @abstractmethod
-    def register_buffers(self, buffers: Sequence[Any], page_bytes: Sequence[int]) -> None:
-        """Register one array per layer/kind and its bytes per page."""
+    def register_buffers(
+        self,
+        buffers: Sequence[Any],
+        page_bytes: Sequence[int],
+        geometry: Sequence[Geometry] | None = None,
+    ) -> None:
+        """Register one array per layer/kind, its bytes per page and, optionally, what
+        its pages hold (``Geometry``: names and heads, for partial and matched writes)."""
 
     @abstractmethod
     def endpoint(self) -> bytes:

@@ -5,7 +5,7 @@ Every subcommand that reads or writes room state needs ``--url`` (or
 embedded Redis to "inspect" it would show an empty, fresh server. ``--url`` and
 ``--namespace`` are taken before or after the subcommand.
 
-Exit status, kept by every command (the README has the table): 0 ok; 1 findings or
+Exit status, kept by every command (docs/cli.md has the table): 0 ok; 1 findings or
 nothing found (audit findings left, a failed doctor check, no such room, nothing
 matched, a namespace without any kvstate key); 2 an error, printed as one line saying
 what to do next. A password in the URL is never printed (design rule 8).
@@ -28,12 +28,20 @@ from urllib.parse import unquote, urlsplit
 import click
 
 from kvstate.defaults import ROOM_TTL
-from kvstate.errors import KVStateError
-from kvstate.ops.durations import DurationSyntaxError, fmt_ms, parse_seconds
+from kvstate.errors import DurationSyntaxError, KVStateError, RedisServerError
+from kvstate.ops.durations import fmt_ms, parse_seconds
 from kvstate.ops.views import holds_keys, namespaces
-from kvstate.store import EMBEDDED, URL_SOURCE, Store, connect
-from kvstate.store.connection import ENV_NAMESPACE, ENV_PASSWORD, ENV_URL, Options, redact
-from kvstate.store.redis_server import RedisServerError
+from kvstate.store import (
+    EMBEDDED,
+    ENV_NAMESPACE,
+    ENV_PASSWORD,
+    ENV_URL,
+    URL_SOURCE,
+    Options,
+    Store,
+    connect,
+    redact,
+)
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1

@@ -141,7 +141,7 @@ def _recent_ledger(store: Store, n: int, notes: list[str]) -> list[Entry]:
             raise
         notes.append(
             "XREVRANGE is not allowed for this user: the ledger is not shown (the "
-            "README's operator ACL line allows it)"
+            "operator ACL line in kvstate's docs/security.md allows it)"
         )
         return []
 

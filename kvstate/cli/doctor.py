@@ -32,8 +32,7 @@ from kvstate.errors import KVStateError, PermissionDeniedError
 from kvstate.ops.audit import acl_refused
 from kvstate.ops.ledger import NOTIFY_SETTING, Ledger
 from kvstate.ops.libraries import survey
-from kvstate.store import Store, functions
-from kvstate.store.connection import ENV_URL
+from kvstate.store import ENV_URL, LIBRARY_NAME, Store
 
 
 @dataclass
@@ -80,7 +79,7 @@ def _version_check(store: Store, node: str, name: str) -> Check:
 def _setting_checks(store: Store, node: str, name: str) -> list[Check]:
     """The server settings kvstate depends on: the eviction policy (INFO, a reader's
     command) and expiry events (CONFIG GET, an admin's: it reads every setting,
-    ``requirepass`` included, so no user of the README may; the monitor finds out
+    ``requirepass`` included, so no user of docs/security.md may; the monitor finds out
     with a probe key instead)."""
     checks = []
     try:
@@ -151,7 +150,7 @@ def _library_checks(store: Store, checks: list[Check]) -> None:
             Check(
                 "functions",
                 "info",
-                f"this kvstate's library {functions.NAME} is not loaded: engines run the "
+                f"this kvstate's library {LIBRARY_NAME} is not loaded: engines run the "
                 "scripts by EVALSHA (slower); an admin runs `kvstate functions load`",
             )
         )
@@ -178,8 +177,8 @@ def _library_checks(store: Store, checks: list[Check]) -> None:
         checks.append(Check(f"function {lib.name}{where}", state, f"kvstate {lib.version}: {what}"))
 
 
-# What `audit`, `monitor` and `doctor` need on top of the engine user's rights (README,
-# Security): INFO (server checks), the ledger stream, expiry notifications and the
+# What `audit`, `monitor` and `doctor` need on top of the engine user's rights
+# (docs/security.md): INFO (server checks), the ledger stream, expiry notifications and the
 # monitor's probe key (SET with a TTL, EXISTS), the room traces (RPUSH, RPUSHX: `abort`;
 # LRANGE and LLEN: `trace`), TYPE (the audit's check of each key's type) and ACL WHOAMI. No
 # CONFIG: CONFIG GET reads every setting, `requirepass` and `masterauth` included, and
@@ -244,7 +243,7 @@ def _acl_check(store: Store) -> Check:
             "acl",
             "fail",
             f"user {user}: denied {', '.join(engine_denied)}, which "
-            "engines need; see the README's engine ACL line",
+            "engines need; see the engine ACL line in kvstate's docs/security.md",
         )
     if operator_denied:
         return Check(

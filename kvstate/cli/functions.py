@@ -1,7 +1,7 @@
 """``kvstate functions``: kvstate's Redis 7 FUNCTION libraries, an admin's business.
 
 A FUNCTION library is server-wide and runs with each caller's rights, so whoever may
-FUNCTION LOAD can change the code every namespace runs: the README's engine, operator
+FUNCTION LOAD can change the code every namespace runs: docs/security.md's engine, operator
 and reader users may not. An admin (a user with ``+function``, e.g. the default user)
 loads this kvstate's library with ``load`` (engines verify its code before they run it
 by FCALL, else they take the EVAL path) and removes the stale ones, that neither this
@@ -19,7 +19,7 @@ from rich.table import Table
 from kvstate.cli.app import EXIT_FINDINGS, EXIT_OK, Ctx, Failure, common, main, opened
 from kvstate.cli.output import console, emit_json, styled
 from kvstate.ops.libraries import LibraryState, Survey, survey
-from kvstate.store import functions
+from kvstate.store import LIBRARY_NAME, LIBRARY_VERSION
 
 
 @main.group(name="functions")
@@ -49,7 +49,7 @@ def _print(s: Survey) -> None:
             t.add_row(lib.node, lib.name, lib.version, styled(used, style))
         out.print(t)
     else:
-        out.print(f"no kvstate library on the server (this kvstate's: {functions.NAME})")
+        out.print(f"no kvstate library on the server (this kvstate's: {LIBRARY_NAME})")
     for node in s.no_function:
         out.print(f"{node}: no FUNCTION (Redis 6.2): scripts run by EVALSHA, nothing to list")
     for note in s.notes:
@@ -92,7 +92,7 @@ def load(obj: Ctx, replace: bool) -> None:
                 click.echo(f"{node}: no FUNCTION (Redis 6.2): engines take the EVAL path")
                 continue
             done = store.load_library(node, replace)
-            click.echo(f"{node}: {functions.NAME} (kvstate {functions.VERSION}) {done}")
+            click.echo(f"{node}: {LIBRARY_NAME} (kvstate {LIBRARY_VERSION}) {done}")
 
 
 @functions_group.command()

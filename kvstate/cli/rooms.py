@@ -82,7 +82,7 @@ def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
         "pages at",
         "aux",
         "prefix",
-        "dummy",
+        "moves",
         "incarnation",
     ):
         t.add_column(name, overflow="fold" if name in ("sender", "receiver") else "ellipsis")
@@ -100,7 +100,7 @@ def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
             fmt_ranges(j["ranges"], total=j["runs"]),
             str(j["aux_index"]),
             str(j["prefix_len"]),
-            str(j["dummy"]),
+            j["moves"],
             cut(j["incarnation"]) or "-",
         )
     if len(rows) > ROWS:
@@ -176,6 +176,9 @@ def show(obj: Ctx, room: str, limit: int, as_json: bool) -> None:
             f"acks for {cut(receiver)}: {shown}"
             + (f" {more(len(senders) - 8)}" if len(senders) > 8 else "")
         )
+    if view.held_until_ms is not None and view.held_until_ms > view.now_ms:
+        left = fmt_ms(view.held_until_ms - view.now_ms)
+        out.print(f"held by a decode engine's queue for {left} more (its senders wait)")
     if view.traced:
         out.print(f"trace: kvstate trace {r} (every step so far, on the server clock)")
 

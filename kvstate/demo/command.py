@@ -20,8 +20,7 @@ from kvstate.demo.queues import ENV_AUTHKEY, authkey
 from kvstate.demo.router import Options
 from kvstate.demo.run import run_router, run_worker
 from kvstate.errors import KVStateError
-from kvstate.store import URL_SOURCE
-from kvstate.store.connection import ENV_NAMESPACE, ENV_URL, redact
+from kvstate.store import ENV_NAMESPACE, ENV_URL, URL_SOURCE, redact
 
 __all__ = ["EXIT_ERROR", "demo"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from kvstate.defaults import LEASE
-from kvstate.store.connection import Options
+from kvstate.store import Options
 
 __all__ = [
     "DEMO_OPTIONS",

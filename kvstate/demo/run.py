@@ -32,8 +32,7 @@ from kvstate.demo.summary import (
     wait_for_no_keys,
 )
 from kvstate.ops.durations import fmt_ms
-from kvstate.store import EMBEDDED, Store, embedded
-from kvstate.store.connection import ENV_URL
+from kvstate.store import EMBEDDED, ENV_URL, Store, embedded
 
 __all__ = ["EXIT_CHECK_FAILED", "discovery_path", "run_router", "run_worker"]
 

@@ -16,8 +16,8 @@ from kvstate.demo.messages import WorkerConfig
 from kvstate.demo.outcome import ABORT_KINDS, OUTCOMES
 from kvstate.demo.router import Options, Router
 from kvstate.ops.metrics import read_transfer_totals
-from kvstate.store import Store
-from kvstate.store.connection import redact
+from kvstate.stats import drop_call
+from kvstate.store import Store, redact
 
 __all__ = [
     "console",
@@ -84,7 +84,7 @@ def take_transfer_counters(store: Store, rtr: Router) -> dict[str, dict[str, Any
         if e in rtr.prefills or e in rtr.decodes
     }
     if totals:
-        store.execute([store.drop_transfer_stats(e) for e in totals])
+        store.execute([drop_call(store, e) for e in totals])
     return {
         e: {"bytes": t.bytes, "transfers": t.count, "seconds": round(t.seconds, 4)}
         for e, t in totals.items()

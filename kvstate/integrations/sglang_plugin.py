@@ -9,14 +9,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kvstate.integrations.sglang_release import (
-    BACKEND,
-    SUPPORTED_SGLANG,
-    UnsupportedSGLangError,
-    check_version,
-)
+from kvstate.errors import UnsupportedSGLangError
+from kvstate.integrations.sglang_release import BACKEND, SUPPORTED_SGLANG, check_version
 
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+_hooked = False
 
 
 def plugin() -> None:
@@ -33,8 +30,10 @@ def plugin() -> None:
     if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND])
     add_enum_member(TransferBackend, "KVSTATE", BACKEND)
-    if not any(h is get_kv_class for _, h, _ in HookRegistry._hooks.get(GET_KV_CLASS, [])):
+    global _hooked
+    if not _hooked:  # load_plugins() may run more than once in a process
         HookRegistry.register(GET_KV_CLASS, get_kv_class, HookType.AROUND)
+        _hooked = True
 
 
 def add_enum_member(cls: type[enum.Enum], name: str, value: str) -> None:

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kvstate.errors import KVStateError
+from kvstate.errors import UnsupportedSGLangError
 
 BACKEND = "kvstate"
 # Exact releases whose interfaces the backend was tested against.
 SUPPORTED_SGLANG = ("0.5.23",)
-
-
-class UnsupportedSGLangError(KVStateError):
-    """The installed SGLang is not a release this backend was tested with."""
 
 
 def check_version(found: str | None = None) -> str:

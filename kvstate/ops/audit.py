@@ -3,7 +3,7 @@
 One SCAN of ``kvstate:<ns>:*`` on every primary, then batched reads. Ages use the
 server clock. ``fix=True`` repairs only what cannot hurt a live request. The kinds
 of finding, what each means and what ``fix`` does about it are one table,
-:mod:`kvstate.ops.findings`, which the metrics, the CLI and the README use too.
+:mod:`kvstate.ops.findings`, which the metrics, the CLI and docs/cli.md use too.
 
 A live participant is never deleted. Every repair is appended to the ledger.
 
@@ -126,7 +126,7 @@ def _owners(name: str) -> list[tuple[Side, str]]:
     """The participants whose clear takes a room-hash field of transfer infos (its
     sender and its receiver) or acks (its receiver); [] for a participant field."""
     f = schema.parse_room_field(name)
-    if f is None or f.kind in schema.SIDES:
+    if f is None or f.kind in (*schema.SIDES, "hold"):  # a hold: every clear takes it
         return []
     if f.kind == "xfer":
         return [("tx", f.engine), ("rx", f.peer)]
@@ -274,7 +274,7 @@ class Auditor:
                     if not any("TYPE is not allowed" in n for n in report.notes):
                         report.notes.append(
                             "TYPE is not allowed for this user: keys of the wrong type "
-                            "are not named (give the audit the README's operator user)"
+                            "are not named (give the audit the operator user of docs/security.md)"
                         )
                     return
                 for key, got in zip(chunk, types, strict=True):

@@ -12,9 +12,7 @@ from datetime import timedelta
 
 import durationpy
 
-
-class DurationSyntaxError(ValueError):
-    """Text that is not a duration; the message says what to write instead."""
+from kvstate.errors import DurationSyntaxError
 
 
 def parse_seconds(text: str) -> float:

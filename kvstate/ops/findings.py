@@ -1,9 +1,9 @@
 """The kinds of audit finding, in one table: the audit reports them, the metrics label
-them, the CLI hints at their fix and the README lists them (a test keeps it exact).
+them, the CLI hints at their fix and docs/cli.md lists them (a test keeps it exact).
 
 A kind's ``name`` is what every reader sees: the audit's JSON and table, the ledger's
 ``audit:<name>`` events, the ``kind`` label of ``kvstate_audit_findings``, the
-README's table. Renaming one breaks dashboards and scripts: add a kind rather.
+table in docs/cli.md. Renaming one breaks dashboards and scripts: add a kind rather.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class FindingKind:
         return self.left.format(room=room)
 
     def readme_row(self) -> str:
-        """This kind's row of the README's findings table."""
+        """This kind's row of the findings table in docs/cli.md."""
         fix = self.fix or f"none; {self.left.format(room='ROOM')}"
         return f"| `{self.name}` | {self.check} | {fix} |"
 
@@ -142,6 +142,6 @@ def kind(name: str) -> FindingKind:
 
 
 def readme_table() -> str:
-    """The README's findings table, as the README must show it."""
+    """The findings table, as docs/cli.md must show it."""
     head = "| kind | found when | `--fix` |\n| --- | --- | --- |\n"
     return head + "\n".join(k.readme_row() for k in KINDS) + "\n"

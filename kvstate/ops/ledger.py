@@ -49,8 +49,8 @@ from kvstate import schema
 from kvstate.errors import KVStateError
 from kvstate.ops.metrics import Metrics
 from kvstate.ops.views import Census, Participant, scan_participants
-from kvstate.store import Store
-from kvstate.store.admin import Subscription
+from kvstate.registry import Registry
+from kvstate.store import Store, Subscription, command_call
 
 log = logging.getLogger(__name__)
 LEDGER_MAXLEN = 10_000
@@ -113,12 +113,20 @@ class Ledger:
         self.key = store.keys.ledger
 
     def append(self, entries: Sequence[Entry]) -> None:
-        """XADD each entry (capped) and refresh the stream's TTL, in one transaction."""
-        self.store.ledger_append([e.flat() for e in entries], LEDGER_MAXLEN, LEDGER_TTL_MS)
+        """XADD each entry (capped near LEDGER_MAXLEN) and refresh the stream's TTL, in
+        one transaction."""
+        calls = [
+            command_call("XADD", self.key, args=["MAXLEN", "~", LEDGER_MAXLEN, "*", *e.flat()])
+            for e in entries
+        ]
+        if calls:
+            ttl = command_call("PEXPIRE", self.key, args=[LEDGER_TTL_MS])
+            self.store.execute([*calls, ttl], transaction=True)
 
     def recent(self, count: int = 10) -> list[Entry]:
         """The newest ``count`` entries, newest first."""
-        raw = self.store.execute([self.store.ledger_recent(count)])[0]
+        newest = command_call("XREVRANGE", self.key, args=["+", "-", "COUNT", count])
+        raw = self.store.execute([newest])[0]
         return [Entry.parse(i, h) for i, h in raw]
 
 
@@ -155,7 +163,7 @@ class _Events:
     attribution has a gap.
 
     Whether a server sends expiry events is learnt without CONFIG GET (which would read
-    every setting, ``requirepass`` included: no user of the README may): the namespace's
+    every setting, ``requirepass`` included: no user of docs/security.md may): the namespace's
     probe key (``Keys.probe``) is set with a 1 ms TTL on each primary, and read back
     (EXISTS deletes a key past its TTL, and sends its event, at once) until its event
     arrives. Each sweep does it again: the probe planted by the last sweep is read back
@@ -409,7 +417,9 @@ class Monitor:
         prefix = s.keys.engine("")
         engines = [k[len(prefix) :] for k in s.scan(s.keys.engine_pattern)]
         if engines:
-            for role in s.execute([s.engine_field(e, schema.ROLE) for e in engines], partial=True):
+            registry = Registry(s)
+            calls = [registry.field_call(e, schema.ROLE) for e in engines]
+            for role in s.execute(calls, partial=True):
                 if isinstance(role, str):  # not a registration that is no hash, nor gone
                     role = role if role in ("prefill", "decode") else "other"
                     roles[role] = roles.get(role, 0) + 1

@@ -21,7 +21,7 @@ from typing import Any
 from kvstate import schema
 from kvstate.errors import KVStateError, PermissionDeniedError
 from kvstate.keys import Keys, namespace_of
-from kvstate.store import Store, functions
+from kvstate.store import LIBRARY_NAME, LIBRARY_VERSION, Store, command_call, text_or_none
 
 BATCH = 500
 
@@ -71,8 +71,8 @@ class Survey:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "current": functions.NAME,
-            "version": functions.VERSION,
+            "current": LIBRARY_NAME,
+            "version": LIBRARY_VERSION,
             "libraries": [lib.to_json(self.unknown) for lib in self.libraries],
             "engines_unknown": self.unknown,
             "no_function": self.no_function,
@@ -97,7 +97,10 @@ def engine_libraries(store: Store) -> tuple[dict[str, int], int, list[str]]:
             chunk = keys[start : start + BATCH]
             try:
                 raw = store.execute(
-                    [store.fields_of(k, schema.INCARNATION, schema.LIBRARY) for k in chunk],
+                    [
+                        command_call("HMGET", k, args=[schema.INCARNATION, schema.LIBRARY])
+                        for k in chunk
+                    ],
                     partial=True,
                 )
             except PermissionDeniedError:
@@ -111,7 +114,8 @@ def engine_libraries(store: Store) -> tuple[dict[str, int], int, list[str]]:
                 if isinstance(value, KVStateError) or value[0] is None:
                     continue  # not a hash (no engine of ours), or gone meanwhile
                 if value[1]:
-                    used[value[1]] = used.get(value[1], 0) + 1
+                    name = text_or_none(value[1]) or ""
+                    used[name] = used.get(name, 0) + 1
                 else:  # registered by a kvstate that did not record its library
                     unknown += 1
     return used, unknown, notes
@@ -133,7 +137,7 @@ def survey(store: Store) -> Survey:
                     lib.name,
                     lib.version,
                     lib.current,
-                    forged=lib.name == functions.NAME and not lib.current,
+                    forged=lib.name == LIBRARY_NAME and not lib.current,
                 )
             )
     if out.libraries:

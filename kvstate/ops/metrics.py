@@ -38,7 +38,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 
-from kvstate.errors import KVStateError
+from kvstate.errors import MetricsPortError
 from kvstate.keys import SIDES
 from kvstate.ops.findings import NAMES as FINDING_KINDS
 from kvstate.ops.views import AGE_BUCKETS, STATUSES, Census
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 
 LOCAL_ENGINE = "this-process"  # the label of transfers observed in the exporting process
 _REAPED_MEMORY = 100_000  # rooms remembered so a room is counted once, not per participant
-
-
-class MetricsPortError(KVStateError):
-    """The metrics port cannot be bound (taken, or not allowed)."""
 
 
 def read_transfer_totals(store: Store) -> dict[str, TransferTotals]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate import schema
-from kvstate.store import Store
+from kvstate.store import Store, command_call
 from kvstate.trace import TraceEntry
 
 TERMINAL_FAILURE = ("Failed", schema.EV_ABORT)
@@ -175,7 +175,11 @@ def read_timeline(store: Store, room: int, most: int = READ_MAX) -> Timeline:
     trip (one slot). A trace key of the wrong type reads as one ``unreadable`` step
     saying so (the command goes on)."""
     key = store.keys.trace(room)
-    calls = [store.trace_entries(room, most), store.list_length(key), store.key_ttl(key)]
+    calls = [
+        command_call("LRANGE", key, args=[0, most - 1]),
+        command_call("LLEN", key),
+        command_call("PTTL", key),
+    ]
     raw, stored, ttl = store.execute(calls, partial=True)
     if isinstance(raw, Exception):
         bad = TraceEntry(0, 0, "", "", "unreadable", {"raw": f"{key} is not a list: {raw}"})

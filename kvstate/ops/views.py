@@ -247,6 +247,7 @@ class RoomView:
     aborted: str | None = None  # the abort mark's reason, if the room was aborted
     aborted_ttl_ms: int | None = None
     traced: bool = False  # the room has a trace (kvstate trace ROOM), even once cleared
+    held_until_ms: int | None = None  # a decode engine holds it queued until then (hold.lua)
     corrupt: list[str] = field(default_factory=list)  # what does not read: key, why
 
     @property
@@ -298,6 +299,7 @@ class RoomView:
             if self.aborted is None
             else {"reason": self.aborted, "ttl_ms": self.aborted_ttl_ms},
             "traced": self.traced,
+            "held_until_ms": self.held_until_ms,
             "corrupt": self.corrupt,
         }
 
@@ -320,7 +322,20 @@ def info_json(info: TransferInfo) -> dict[str, Any]:
         "prefix_len": info.prefix_len,
         "dummy": info.dummy,
         "incarnation": info.incarnation,
+        "moves": moves(info),
+        "receivers_declared": info.want,
     }
+
+
+def moves(info: TransferInfo) -> str:
+    """What the sender writes for this receiver: whole pages, some heads (tensor
+    parallelism of different sizes, kvstate.tp), or nothing (a dummy)."""
+    if info.dummy:
+        return "nothing (dummy)"
+    if info.heads is None:
+        return "whole pages"
+    src, dst, n = info.heads
+    return f"heads {src}-{src + n - 1} -> {dst}-{dst + n - 1}"
 
 
 def run_count(kv: Any) -> int:
@@ -357,6 +372,7 @@ def room_view(store: Store, room: int) -> RoomView:
         corrupt.append(f"{k.room_hash(room)}: not a hash (no kvstate code wrote it)")
         fields = {}
     members: list[str] = []
+    held_until: int | None = None
     infos: dict[str, dict[str, TransferInfo | str]] = {}
     acks: dict[str, list[str]] = {}
     key = k.room_hash(room)
@@ -366,6 +382,8 @@ def room_view(store: Store, room: int) -> RoomView:
             members.append(name)  # a foreign field too: abort names it corrupt
         elif f.kind == "xfer":
             infos.setdefault(f.engine, {})[f.peer] = _decode_info(key, name, f.peer, value)
+        elif f.kind == "hold":
+            held_until = schema.parse_count(value, 0, schema.MAX_COUNT + now)
         else:
             acks[f.engine] = sorted(schema.ack_list(value or ""))
     parts = read_participants(store, _participant_keys(store, room, members), now)
@@ -386,6 +404,7 @@ def room_view(store: Store, room: int) -> RoomView:
         aborted,
         None if mark is None else int(mark_ttl),
         bool(traced),
+        held_until,
         corrupt,
     )
 

@@ -26,6 +26,8 @@ local F_CREATED_MS = 'created_ms'
 -- finished for it, joined by F_SEP
 local F_XFER_PREFIX = 'xfer:'
 local F_ACK_PREFIX = 'ack:'
+-- hold -> a decode engine holds the room queued until this server time in ms (hold.lua)
+local F_HOLD = 'hold'
 local F_SEP = ','
 -- the room trace's fields and events (besides the status names)
 local F_TRACE_MS = 'ms'

@@ -20,11 +20,11 @@
 take_trace()
 local room = KEYS[1]
 local n = #KEYS - 2
--- the room's participants now: its fields but the transfer infos and acks
+-- the room's participants now: its fields but the transfer infos, acks and hold
 local listed, count = {}, 0
 for _, f in ipairs(room_call(room, 'HKEYS')) do
   if string.sub(f, 1, #F_XFER_PREFIX) ~= F_XFER_PREFIX
-    and string.sub(f, 1, #F_ACK_PREFIX) ~= F_ACK_PREFIX then
+    and string.sub(f, 1, #F_ACK_PREFIX) ~= F_ACK_PREFIX and f ~= F_HOLD then
     listed[f], count = true, count + 1
   end
 end

@@ -16,24 +16,24 @@
 --           peer address); side and engine are in the key name, not repeated in the hash
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL is 0
 --         (take_trace, _lib.lua)
--- Returns {status, reason}, or for a new sender in WaitingForInput
+-- Returns {status, reason}, or for a new sender in WaitingForInput, or one without a
+-- count of its own (peers 0: its receivers declare it, kvstate.tp) that found infos,
 -- {status, reason, {field, value, ...}, 0} (poll.lua's answer: infos at version 0).
 take_trace()
 local key = KEYS[1]
 local ttl = ARGV[1]
 if redis.call('EXISTS', key) == 1 then return read_status(key) end
-local status, reason, infos = 'Bootstrapping', nil, nil
+local status, reason, infos, peers = 'Bootstrapping', nil, nil, nil
 local aborted = read_mark(KEYS[3])
 if aborted then
   status, reason = 'Failed', aborted
 elseif string.sub(ARGV[2], 1, 3) == 'tx:' then
-  local peers = nil
   for i = 3, #ARGV - 1, 2 do
     if ARGV[i] == F_PEERS then peers = ARGV[i + 1] end
   end
-  peers = count_of(key, F_PEERS, peers, 1, MAX_PEERS)
+  peers = count_of(key, F_PEERS, peers, 0, MAX_PEERS)
   infos = infos_in(room_call(KEYS[2], 'HGETALL'), string.sub(ARGV[2], 4))
-  if #infos / 2 >= peers then status = 'WaitingForInput' end
+  if peers > 0 and #infos / 2 >= peers then status = 'WaitingForInput' end
 end
 local now = now_text()
 -- one HSET: the given fields, the creation stamp and the status (no since_ms: it
@@ -49,5 +49,7 @@ redis.call('PEXPIRE', key, ttl)
 redis.call('HSET', KEYS[2], ARGV[2], '')  -- the field is the entry: no value to store
 redis.call('PEXPIRE', KEYS[2], ttl)
 trace(key, F_EV_CREATED, F_STATUS, status, F_REASON, reason)
-if status == 'WaitingForInput' then return {status, '', infos, 0} end
+if status == 'WaitingForInput' or (peers == 0 and #infos > 0) then
+  return {status, '', infos, 0}
+end
 return {status, reason or ''}

@@ -17,6 +17,12 @@
 -- ARGV[4] (optional) the sender's engine, whose transfer infos (the room hash's
 --         xfer:<engine>,<receiver> fields) to return with the status once it is past
 --         Bootstrapping (saves the sender a round trip)
+-- A sender's bootstrap timeout waits while a decode engine holds the room in its queue
+-- (the room hash's F_HOLD, a server time, hold.lua), read only at that timeout.
+-- ARGV[5] (optional, with ARGV[4]) the receivers a Bootstrapping sender without a
+--         count of its own (peers 0) learned from infos published before it existed
+--         (their declared count, kvstate.tp): written into it, and it moves to
+--         WaitingForInput when that many infos are there
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
 --         is 0 (take_trace, _lib.lua): after the mark's key and TTL, so ARGV[4] stays
 --         optional
@@ -45,6 +51,14 @@ if not mark and (rank == 1 or rank == 2) then
   local limit = (rank == 1) and bootstrap or waiting
   -- since_ms is written at the first status change; until then it is created_ms
   local waited = now_ms() - time_of(key, h[3] and F_SINCE_MS or F_CREATED_MS, h[3] or h[6])
+  if limit > 0 and waited > limit and rank == 1 and string.find(key, '}:tx:', 1, true) then
+    -- a decode holding the room in its queue (hold.lua): the sender waits for it; a
+    -- hold that is no server time up to the largest timeout from now is corrupt
+    local held = room_call(KEYS[2], 'HGET', F_HOLD)
+    if held and count_of(KEYS[2], F_HOLD, held, 0, now_ms() + MAX_TIMEOUT_MS) > now_ms() then
+      limit = 0
+    end
+  end
   if limit > 0 and waited > limit then
     timed_out = string.format('%s timeout: %s for %.1f s (limit %.1f s)',
       (rank == 1) and 'bootstrap' or 'waiting', h[1], waited / 1000, limit / 1000)
@@ -68,6 +82,22 @@ if mark or timed_out then
   if timed_out then mark_room(KEYS[3], reason, ARGV[3]) end
   trace(key, 'Failed', F_REASON, reason)
   return {status, reason}
+end
+if ARGV[5] and rank == 1 then
+  local declared = tonumber(ARGV[5]) or 0
+  local own = count_of(key, F_PEERS, redis.call('HGET', key, F_PEERS), 0, MAX_PEERS)
+  if own == 0 and declared > 0 then
+    local infos = infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4])
+    if #infos / 2 >= declared then
+      local version = count_of(key, F_INFOS_V, h[5] or '0', 0, MAX_COUNT)  -- before writes
+      redis.call('HSET', key, F_PEERS, declared)
+      set_status(key, 'WaitingForInput', now_text(), ARGV[1])
+      touch(KEYS[2], ARGV[1])
+      trace(key, 'WaitingForInput')
+      return {'WaitingForInput', reason, infos, version}
+    end
+    redis.call('HSET', key, F_PEERS, declared)
+  end
 end
 if ARGV[4] and rank >= 2 then
   local have = h[5] or '0'

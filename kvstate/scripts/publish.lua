@@ -16,6 +16,13 @@
 -- KEYS[1] receiver participant hash
 -- KEYS[2] room hash (TTL refreshed with the participants'; the transfer infos)
 -- KEYS[3] room failure mark
+-- A sender created without a count of its own (peers 0: tensor parallelism of another
+-- size on the decode side, kvstate.tp) waits for as many receivers as they declare
+-- (ARGV[7]); the first info that declares it writes it into the sender, and a count
+-- that disagrees with the sender's fails the room with the reason.
+-- KEYS[1] receiver participant hash
+-- KEYS[2] room hash (TTL refreshed with the participants'; the transfer infos)
+-- KEYS[3] room failure mark
 -- Either the caller names the senders (KEYS/ARGV below: senders=[...], a Cluster,
 -- whose index lives in another slot; ARGV[6] is ''), or (lookup, standalone only:
 -- ARGV[6] is the room's sender key prefix) the script finds them itself in the address's engine index, the registry
@@ -34,8 +41,11 @@
 -- ARGV[5] the failure mark's ttl in ms
 -- ARGV[6] '' (senders named), or (lookup) the room's sender key prefix
 --         (`...{<room>}:tx:`), completed by a sender's engine
--- ARGV[5+2i], ARGV[6+2i] (named) sender i's engine and the incarnation to bind
--- ARGV[7..] (lookup) the senders the caller knows it is bound to: not published to here
+-- ARGV[7] receivers each sender waits for, as the receivers declare it (0: none declared)
+-- ARGV[5+3i], ARGV[6+3i], ARGV[7+3i] (named) sender i's engine, the incarnation to bind,
+--         and the info for that sender ('': ARGV[3]; tensor parallelism of another size
+--         sends each sender its own heads)
+-- ARGV[8..] (lookup) the senders the caller knows it is bound to: not published to here
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
 --         is 0 (take_trace, _lib.lua): after the senders, taken off first, so the lists
 --         above hold
@@ -46,7 +56,7 @@ take_trace()
 local rx = KEYS[1]
 local ttl = ARGV[1]
 local lookup = ARGV[6] ~= ''
-local names, incs, txk = {}, {}, {}  -- sender i: engine, incarnation, key
+local names, incs, txk, pays = {}, {}, {}, {}  -- sender i: engine, incarnation, key, info
 local most = 0  -- lookup: the largest group size (`ranks`) declared by those listed
 if lookup then
   local inc_of = {}
@@ -67,12 +77,13 @@ if lookup then
   for i, e in ipairs(names) do incs[i] = inc_of[e] end
 else
   for i = 1, #KEYS - 3 do
-    names[i], incs[i], txk[i] = ARGV[5 + 2 * i], ARGV[6 + 2 * i], KEYS[3 + i]
+    names[i], incs[i], txk[i] = ARGV[5 + 3 * i], ARGV[6 + 3 * i], KEYS[3 + i]
+    pays[i] = ARGV[7 + 3 * i]
   end
 end
 -- Everything read of the receiver, in one HMGET; everything written to it, in one HSET
--- at the end. (HSET of read values rather than HSETNX/HINCRBY: the engine ACL in the
--- README lists the commands kvstate needs, and the script is atomic anyway.)
+-- at the end. (HSET of read values rather than HSETNX/HINCRBY: the engine ACL in
+-- docs/security.md lists the commands kvstate needs, and the script is atomic anyway.)
 local want = {F_STATUS, F_REASON, F_BOUND, F_PEERS}
 for i = 1, #names do want[4 + i] = F_PEER_PREFIX .. names[i] end
 local h = redis.call('HMGET', rx, unpack(want))
@@ -92,7 +103,7 @@ if lookup then
   -- those listed and not bound yet, in name order, up to the senders still required
   if required == 0 and #names > 0 then required = math.max(#names, most) end
   local known = {}
-  for i = 7, #ARGV do known[ARGV[i]] = true end
+  for i = 8, #ARGV do known[ARGV[i]] = true end
   local kept, kinc, kheld, more = {}, {}, {}, 0
   for i = 1, #names do
     local take = false
@@ -162,20 +173,31 @@ local function finish_rx(status, reason)
   redis.call('PEXPIRE', rx, ttl)
   touch(KEYS[2], ttl)
 end
--- the senders, read and checked before any write: their status and peers
+-- the senders, read and checked before any write: their status and peers, and how
+-- many receivers each waits for (its own count, else the one its receivers declare)
 local senders, why = {}, read_mark(KEYS[3])
 local counting = false  -- a Bootstrapping sender: whether this info makes it ready
+local want = tonumber(ARGV[7]) or 0
 for i = 1, n do
   local tx = txk[i]
   local t = redis.call('HMGET', tx, F_STATUS, F_REASON, F_PEERS, F_INFOS_V)
   if t[1] then
     rank_of(tx, t[1])
-    if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
-    if t[1] == 'Bootstrapping' then
-      t[3] = count_of(tx, F_PEERS, t[3], 1, MAX_PEERS)
-      counting = true
-    end
+    local own = count_of(tx, F_PEERS, t[3], 0, MAX_PEERS)
+    t[7] = (own > 0) and own or want
     t[4] = count_of(tx, F_INFOS_V, t[4] or '0', 0, MAX_COUNT)
+    if t[1] == 'Failed' then why = why or t[2] or 'sender failed' end
+    if own == 0 and want == 0 and ARGV[3] ~= '' then
+      why = why or string.format('sender %s waits for its receivers to declare how many '
+        .. 'they are, and receiver %s declared none: run one kvstate release and one '
+        .. 'integration on both sides', names[i], ARGV[2])
+    elseif own > 0 and want > 0 and own ~= want then
+      why = why or string.format('receiver %s declares %d receivers for sender %s, '
+        .. 'which serves %d: the two sides disagree on the parallel layout (TP sizes, '
+        .. 'KV heads)', ARGV[2], want, names[i], own)
+    end
+    t[8] = (own == 0) and want > 0  -- the sender learns its count from this info
+    if t[1] == 'Bootstrapping' then counting = true end
   end
   senders[i] = t
 end
@@ -215,14 +237,22 @@ for i = 1, n do
   if held[i] == incs[i] then
     -- the room hash's TTL: refreshed by finish_rx() below, after these writes
     local field = F_XFER_PREFIX .. names[i] .. F_SEP .. ARGV[2]
-    room_call(KEYS[2], 'HSET', field, ARGV[3])  -- only the first can fail: nothing written yet
+    local info = (pays[i] and pays[i] ~= '') and pays[i] or ARGV[3]
+    room_call(KEYS[2], 'HSET', field, info)  -- only the first can fail: nothing written yet
     trace(rx, F_EV_PUBLISHED, F_TRACE_PEER, names[i])
     local t = senders[i]
     if t[1] then
       local fields = {F_INFOS_V, t[4] + 1}
-      local ready = t[1] == 'Bootstrapping' and t[5] + 1 - t[6] >= t[3]
+      if t[8] then
+        fields[#fields + 1] = F_PEERS
+        fields[#fields + 1] = t[7]
+      end
+      local ready = t[1] == 'Bootstrapping' and t[5] + 1 - t[6] >= t[7]
       if ready then
-        fields[3], fields[4], fields[5], fields[6] = F_STATUS, 'WaitingForInput', F_SINCE_MS, now_text()
+        fields[#fields + 1] = F_STATUS
+        fields[#fields + 1] = 'WaitingForInput'
+        fields[#fields + 1] = F_SINCE_MS
+        fields[#fields + 1] = now_text()
       end
       redis.call('HSET', tx, unpack(fields))
       if ready then

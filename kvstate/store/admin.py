@@ -110,7 +110,7 @@ class Admin(Executor):
 
     def config_get(self, name: str, node: str | None = None) -> str:
         """CONFIG GET of one setting on one primary, as text ('' when unset). An
-        admin's: it is refused to every user of the README (a CONFIG GET user may read
+        admin's: it is refused to every user of docs/security.md (a CONFIG GET user may read
         ``requirepass``); ``kvstate monitor`` tries it only to turn on expiry events."""
         with self.errors():
             raw: dict[Any, Any] = self._primary(node).config_get(name)
@@ -159,7 +159,7 @@ class Admin(Executor):
 
     def load_library(self, node: str | None = None, replace: bool = False) -> str:
         """FUNCTION LOAD this kvstate's library on one primary (an admin's step: the
-        README's engine and operator users may not). 'loaded', 'present' (there with
+        docs/security.md's engine and operator users may not). 'loaded', 'present' (there with
         this exact code already), or, with ``replace``, 'replaced' (a library of that
         name held other code: someone else loaded it); without ``replace`` such a
         library raises InvalidArgumentError saying so."""

@@ -77,8 +77,28 @@ class Call:
     parse: Callable[[Any], Any] = _identity
 
 
+def command_call(
+    name: str, *keys: str, args: Iterable[Any] = (), parse: Callable[[Any], Any] = _identity
+) -> Call:
+    """One Redis command as a Call: what every feature module builds its reads and
+    writes with (the registry, the ledger, the stats, the operator views), to run in
+    ``Store.execute`` beside others in one round trip."""
+    return Call(tuple(keys), tuple(args), command=name, parse=parse)
+
+
+def script_call(
+    name: str,
+    keys: Iterable[str],
+    args: Iterable[Any],
+    parse: Callable[[Any], Any] = _identity,
+) -> Call:
+    """One of kvstate's Lua scripts (``kvstate/scripts/<name>.lua``) as a Call, without
+    a room trace (the room scripts' calls, which carry one, are ``Calls``')."""
+    return Call(tuple(keys), tuple(args), script=name, parse=parse)
+
+
 class Calls:
-    """The call builders of ``Store``: pure functions of the namespace and options."""
+    """The room calls of ``Store``: pure functions of the namespace and options."""
 
     keys: Keys
     room_ttl: float
@@ -108,7 +128,7 @@ class Calls:
         arguments and, unless it is 0 (not traced), the room's trace key at the end of
         its keys (``_lib.lua``'s take_trace: an untraced call carries no trace key)."""
         if room is None:
-            return Call(tuple(keys), tuple(args), script=name, parse=parse)
+            return script_call(name, keys, args, parse)
         arg = self.trace_arg(room, follow)
         if arg:
             keys = (*keys, self.keys.trace(room))
@@ -127,11 +147,7 @@ class Calls:
             return ttl
         return -ttl if follow else 0
 
-    @staticmethod
-    def _command(
-        name: str, *keys: str, args: Iterable[Any] = (), parse: Callable[[Any], Any] = _identity
-    ) -> Call:
-        return Call(tuple(keys), tuple(args), command=name, parse=parse)
+    _command = staticmethod(command_call)
 
     # -- participant calls ----------------------------------------------------------
     def _room_keys(self, room: int, side: Side, engine: str) -> list[str]:
@@ -152,14 +168,24 @@ class Calls:
         )
 
     def poll(
-        self, room: int, side: Side, engine: str, with_infos: bool = False, infos_version: int = -1
+        self,
+        room: int,
+        side: Side,
+        engine: str,
+        with_infos: bool = False,
+        infos_version: int = -1,
+        declared: int = 0,
     ) -> Call:
         """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
-        they are still at ``infos_version`` (the version the caller holds)."""
+        they are still at ``infos_version`` (the version the caller holds).
+        ``declared``: the receivers a sender without a count of its own learned from
+        its infos (poll.lua writes it and may move the sender to WaitingForInput)."""
         keys = self._room_keys(room, side, engine)
         args: list[Any] = [self.ttl_ms, infos_version, self.mark_ttl_ms]
         if with_infos:
             args.append(engine)
+            if declared:  # what poll.lua writes as the sender's peers
+                args.append(schema.check_count(declared, "the receivers declared"))
         return self._script("poll", keys, args, Status.parse, room)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:
@@ -181,25 +207,31 @@ class Calls:
         payload: bytes = b"",
         required: int = 0,
         lookup: str | None = None,
+        want: int = 0,
+        payloads: dict[str, bytes] | None = None,
     ) -> Call:
         """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
-        publish it to them; see publish.lua. ``lookup`` (a bootstrap address; a
+        publish it to them (``payloads``: a sender's own, else ``payload``); ``want``:
+        the receivers each of them waits for, as the receivers declare it (0: none
+        declared); see publish.lua. ``lookup`` (a bootstrap address; a
         standalone server only, where the index shares the script): the script finds
         the senders to bind in that address's engine index itself and answers whom it
         is bound to (``Status.bound``); ``senders`` are then those the caller knows
         bound, which it publishes to itself."""
         k = self.keys
         schema.check_count(required, "the senders a receiver requires")
+        schema.check_count(want, "the receivers declared for each sender")
         keys = self._room_keys(room, "rx", receiver)
         args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
         if lookup is not None:
             keys.append(k.engines_at(lookup))
-            args += [k.participant(room, "tx", ""), *senders]
+            args += [k.participant(room, "tx", ""), want, *senders]
             return self._script("publish", keys, args, Status.parse_bound, room)
-        args.append("")  # no lookup: the senders follow
+        args += ["", want]  # no lookup: the senders follow
+        own = payloads or {}
         for sender, incarnation in senders.items():
             keys.append(k.participant(room, "tx", sender))
-            args += [sender, incarnation]
+            args += [sender, incarnation, own.get(sender, b"")]
         return self._script("publish", keys, args, Status.parse, room)
 
     def begin(self, room: int, sender: str, receivers: Iterable[str]) -> Call:
@@ -236,7 +268,7 @@ class Calls:
         or published (a receiver: to ``senders``), a receiver's acks."""
         k = self.keys
         me = k.participant(room, side, engine)
-        fields = [schema.member(side, engine)]
+        fields = [schema.member(side, engine), schema.HOLD]  # a hold goes with the room
         if side == "tx":
             fields += [schema.xfer_field(engine, r) for r in receivers]
         else:
@@ -261,6 +293,11 @@ class Calls:
         ttl = int(self.options.trace_ttl * 1000)
         return Call((participant, self.keys.trace(room)), (-ttl,), script="trace")
 
+    def hold(self, room: int, ms: int) -> Call:
+        """hold.lua: a decode engine holds ``room`` queued for ``ms`` more (answers 1;
+        0 when the room does not exist): its senders' bootstrap timeout waits."""
+        return self._script("hold", [self.keys.room_hash(room)], [ms])
+
     def fail_receiver(self, key: str, peer_engine: str, incarnation: str, reason: str) -> Call:
         """Fail one receiver (by key) if it is bound to that peer (and incarnation)."""
         parsed = self.keys.parse_room_key(key)
@@ -273,10 +310,9 @@ class Calls:
             room=parsed.room,
         )
 
-    # -- named operations for ops/, the registry and the integrations ---------------
-    # Named reads and writes, so that no module outside kvstate.store spells a Redis
-    # command. Each returns a Call to batch with others in one execute() (the writes that
-    # run at once, publish_transfer_stats and ledger_append, are Store's, in core.py).
+    # -- named operations for ops/ -----------------------------------------------------
+    # Named reads and repairs of the operator views and the audit. Each returns a Call
+    # to batch with others in one execute().
 
     def read_hash(self, key: str) -> Call:
         """HGETALL of any kvstate hash (a participant, a room hash, a registration...)."""
@@ -291,7 +327,7 @@ class Calls:
 
     def key_type(self, key: str) -> Call:
         """The key's Redis type as text (TYPE): 'none' when it is gone."""
-        return self._command("TYPE", key, parse=lambda raw: _text_or_none(raw) or "none")
+        return self._command("TYPE", key, parse=lambda raw: text_or_none(raw) or "none")
 
     def set_ttl(self, key: str, ttl_ms: int) -> Call:
         return self._command("PEXPIRE", key, args=[ttl_ms])
@@ -335,68 +371,12 @@ class Calls:
     def untrack(self, tracker: str, member: str) -> Call:
         return self._command("ZREM", tracker, args=[member])
 
-    def engine_field(self, engine: str, name: str) -> Call:
-        """One field of an engine's registration, as text (None when it has none)."""
-        return self._command("HGET", self.keys.engine(engine), args=[name], parse=_text_or_none)
-
-    @classmethod
-    def fields_of(cls, key: str, *names: str) -> Call:
-        """Some fields of any kvstate hash (HMGET), as text (None for a missing one)."""
-        return cls._command(
-            "HMGET", key, args=names, parse=lambda raw: [_text_or_none(v) for v in raw]
-        )
-
-    def claim_engine(
-        self,
-        engine: str,
-        incarnation: str,
-        mode: str,
-        lease_ms: int,
-        fields: dict[str, Any],
-        parse: Callable[[Any], Any] = _identity,
-    ) -> Call:
-        """register.lua: register, renew (``fields`` written when the name is free) or
-        drop an engine's registration; never displaces a live holder."""
-        return self._script(
-            "register",
-            [self.keys.engine(engine)],
-            [lease_ms, incarnation, mode, *pairs(fields)],
-            parse,
-        )
-
-    def index_engine(self, addr: str, engine: str, lease_ms: int | None) -> Call:
-        """index.lua: list ``engine`` (an index member, ``registry.index_member``) under
-        its bootstrap address until ``lease_ms`` from now; with ``lease_ms`` None take
-        ``engine`` ("<engine> <incarnation>") off the index; with ``engine`` '' read the
-        live members and their deadlines."""
-        return self._script(
-            "index", [self.keys.engines_at(addr)], [engine, "" if lease_ms is None else lease_ms]
-        )
-
-    def trace_entries(self, room: int, count: int | None = None) -> Call:
-        """The room's trace, oldest first: one JSON object per entry (LRANGE); the first
-        ``count`` entries only, when given."""
-        return self._command("LRANGE", self.keys.trace(room), args=[0, (count or 0) - 1])
-
-    def list_length(self, key: str) -> Call:
-        """LLEN: how many entries a list (a room's trace) holds."""
-        return self._command("LLEN", key)
-
-    def ledger_recent(self, count: int) -> Call:
-        """The newest ``count`` ledger entries, newest first: [(id, {field: value})]."""
-        return self._command("XREVRANGE", self.keys.ledger, args=["+", "-", "COUNT", count])
-
     # -- the demo's bookkeeping --------------------------------------------------------
     def unmark_aborted(self, room: int) -> Call:
         """Delete a room's abort mark. For an abort that failed nobody because both sides
         had already finished: no side of that room will be created again, so the mark
         would only be a key left behind."""
         return self._command("DEL", self.keys.aborted(room))
-
-    def drop_transfer_stats(self, engine: str) -> Call:
-        """Delete the transfer counters an engine published, once they have been read:
-        a run that reports them itself leaves no key behind."""
-        return self._command("DEL", self.keys.transfer_stats(engine))
 
 
 def pairs(fields: dict[str, Any]) -> list[Any]:
@@ -408,15 +388,15 @@ def _room_fields(raw: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in dict(raw or {}).items():
         text = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
-        out[text] = value if text.startswith(schema.XFER_PREFIX) else _text_or_none(value)
+        out[text] = value if text.startswith(schema.XFER_PREFIX) else text_or_none(value)
     return out
 
 
 def _ack_list(raw: Any) -> list[str]:
-    return sorted(schema.ack_list(_text_or_none(raw) or ""))
+    return sorted(schema.ack_list(text_or_none(raw) or ""))
 
 
-def _text_or_none(raw: Any) -> str | None:
+def text_or_none(raw: Any) -> str | None:
     if raw is None:
         return None
     return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)

@@ -28,10 +28,10 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
-from kvstate.keys import Keys, Side
+from kvstate.keys import Keys, Side, check_room
 from kvstate.store import embedded, functions, scripts
 from kvstate.store.admin import Admin
-from kvstate.store.calls import Call, Calls, check_reason, pairs
+from kvstate.store.calls import Call, Calls, check_reason
 from kvstate.store.connection import (
     ENV_NAMESPACE,
     ENV_URL,
@@ -200,6 +200,24 @@ class Store(Calls, Admin):
                 return int(n)
         raise KVStateError(f"room {room} kept changing while aborting it; try again")
 
+    def hold_many(self, rooms: Iterable[int], seconds: float) -> int:
+        """A decode engine holds these rooms, whose requests wait in its queue, for
+        ``seconds`` more (hold.lua, on the server clock): their senders' bootstrap
+        timeout waits, so a long queue does not fail good requests, and a decode that
+        stops holding (it died, or dropped the request) frees their pages one timeout
+        later. Rooms that do not exist are skipped. One round trip per node; returns
+        how many rooms were held."""
+        ms = int(seconds * 1000)
+        if not 0 < ms <= schema.MAX_TIMEOUT_MS:  # poll.lua refuses a longer one as corrupt
+            raise InvalidOptionError(
+                f"a hold must be > 0 s and at most {schema.MAX_TIMEOUT_MS // 1000} s, "
+                f"got {seconds!r}"
+            )
+        calls = [self.hold(check_room(room), ms) for room in rooms]
+        if not calls:
+            return 0
+        return sum(int(n) for n in self.execute(calls, partial=True) if isinstance(n, int))
+
     def fail_bound(
         self, bootstrap_addr: str, peer_engine: str, incarnation: str, reason: str
     ) -> int:
@@ -255,22 +273,6 @@ class Store(Calls, Admin):
             else:
                 secs, micros = client.time()
         return int(secs) * 1000 + int(micros) // 1000
-
-    def publish_transfer_stats(self, engine: str, fields: dict[str, Any], ttl_ms: int) -> None:
-        """Runs: write an engine's transfer counters (absolute values) and their TTL."""
-        key = self.keys.transfer_stats(engine)
-        self.execute(
-            [self._command("HSET", key, args=pairs(fields)), self.set_ttl(key, ttl_ms)],
-            transaction=True,
-        )
-
-    def ledger_append(self, entries: Iterable[list[Any]], maxlen: int, ttl_ms: int) -> None:
-        """Runs: XADD each entry (field, value list) to the ledger stream, capped near
-        ``maxlen``, and refresh its TTL, in one transaction."""
-        key = self.keys.ledger
-        calls = [self._command("XADD", key, args=["MAXLEN", "~", maxlen, "*", *e]) for e in entries]
-        if calls:
-            self.execute([*calls, self.set_ttl(key, ttl_ms)], transaction=True)
 
 
 class _HasStore(Protocol):

@@ -11,6 +11,7 @@ error messages both need to tell apart.
 from __future__ import annotations
 
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from contextvars import ContextVar, Token
@@ -18,10 +19,12 @@ from typing import Any
 
 import redis
 from redis.backoff import AbstractBackoff
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, MaxConnectionsError
 from redis.retry import Retry
 
 from kvstate.store import redispy_private as private
+
+_POOL_POLL_S = 0.05  # s: a waiting call looks at the pool again at least this often
 
 # The monotonic time by which the Redis work of the current call must end (None: no
 # call in progress in this thread). Set by ``deadline()``; read by the retry policy and
@@ -146,9 +149,29 @@ _BOUNDED: dict[type, type] = {}
 
 class BoundedPool(redis.ConnectionPool):
     """A pool whose connections are ``DeadlineBoundConnection`` variants of the class redis-py
-    picked for the URL (TCP, TLS or unix socket); Cluster nodes get it too."""
+    picked for the URL (TCP, TLS or unix socket); Cluster nodes get it too. When all of its
+    connections are in use (redis-py's ``max_connections``), a call waits for one to come
+    back, within its deadline, instead of failing at once: a scheduler's threads share
+    the pool, and a busy moment is not an error."""
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        while True:
+            try:
+                return super().get_connection(*args, **kwargs)
+            except MaxConnectionsError:
+                left = time_left()
+                if left is None or left <= 0:
+                    raise
+                with self._freed:
+                    self._freed.wait(min(left, _POOL_POLL_S))
+
+    def release(self, connection: Any) -> None:
+        super().release(connection)
+        with self._freed:
+            self._freed.notify()
 
     def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
+        self._freed = threading.Condition()
         bounded = _BOUNDED.get(connection_class)
         if bounded is None and issubclass(connection_class, DeadlineBoundConnection):
             bounded = connection_class  # a copy of a pool that is bounded already

@@ -329,9 +329,9 @@ class Executor(Translating):
             for i in pending:
                 name, exc = trouble[i]
                 if id(exc) not in said:
-                    said[id(exc)] = StateConnectionError(
-                        f"Cluster node {name}: {self.translate_error(exc)}"
-                    )
+                    better = self.translate_error(exc)
+                    said[id(exc)] = StateConnectionError(f"Cluster node {name}: {better}")
+                    said[id(exc)].may_have_run = getattr(better, "may_have_run", False)
                 replies[i] = said[id(exc)]
         return replies
 

@@ -193,7 +193,7 @@ def load(node: redis.Redis) -> bool:
     """Whether ``node`` runs the scripts by FCALL: its library is this exact code
     (``verified``), found there or loaded now. FUNCTION LOAD only when no library of
     that name is there, and only where the user may (an admin's: `kvstate functions
-    load`; an engine user of the README's line may not, and its refusal is all it
+    load`; an engine user of docs/security.md's line may not, and its refusal is all it
     costs); False (the EVAL path) on Redis 6.2, FUNCTION renamed or refused by the
     ACL, at maxmemory (FUNCTION LOAD is a write), or when the library there holds
     other code."""

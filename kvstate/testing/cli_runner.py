@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Iterable
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from kvstate.store.redis_server import RedisServerError
+from kvstate.errors import RedisServerError
 from kvstate.testing.process import find_redis_cli
 
 __all__ = ["run_redis_cli"]

@@ -15,14 +15,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from kvstate.store.plain import (
+from kvstate.errors import RedisServerError
+from kvstate.store import (
     PLAIN_ERRORS,
     PlainClient,
     PlainClusterClient,
+    find_redis_server,
+    log_tail,
     no_retry,
     plain_cluster_client,
 )
-from kvstate.store.redis_server import RedisServerError, find_redis_server, log_tail
 from kvstate.testing.process import (
     RedisProcess,
     binary_version,

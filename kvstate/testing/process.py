@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any, Literal, Self
 from urllib.parse import quote
 
-from kvstate.store.plain import PlainClient, plain_client
-from kvstate.store.redis_server import RedisServer, RedisServerError, find_binary
+from kvstate.errors import RedisServerError
+from kvstate.store import PlainClient, RedisServer, find_binary, plain_client
 from kvstate.testing.tls import TLSFiles, make_test_certs
 
 __all__ = [

@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstate.store.redis_server import RedisServerError
+from kvstate.errors import RedisServerError
 
 __all__ = ["TLSFiles", "make_test_certs", "supports_tls"]
 

@@ -8,7 +8,7 @@ import pytest
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for marker, module, how in (
-        ("sglang", "sglang", 'see README "SGLang backend"'),
+        ("sglang", "sglang", "see docs/sglang.md"),
         ("vllm", "vllm", "see .ci/run"),
     ):
         try:

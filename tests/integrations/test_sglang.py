@@ -247,36 +247,3 @@ def test_unsupported_layouts_are_refused_at_start(field: str, value: object, mes
     setattr(sa, field, value)  # the check reads ServerArgs; no Redis, no buffers needed
     with pytest.raises(UnsupportedLayoutError, match=message):
         KVStateKVManager(KVArgs(), DisaggregationMode.DECODE, sa)
-
-
-def test_a_restarted_rank_clears_what_its_killed_predecessor_left(redis_url: str) -> None:
-    """A decode killed after one transfer landed and while another room waited: the rank
-    restarted under its name fails those rooms (the prefill learns why) and deletes its
-    predecessor's part, instead of both waiting for the rooms' TTL."""
-    import numpy as np
-
-    from kvstate import KVPoll
-    from kvstate.integrations.sglang.predecessor import clear_predecessor
-    from tests.helpers import PREFILL_ADDR, managers, room_keys
-
-    store = connect(redis_url)
-    p, d = managers(store)
-    with p:
-        waiting, landed = p.sender(31), p.sender(32)
-        with d:
-            d.receiver(31, PREFILL_ADDR).init(np.arange(4))
-            d.receiver(32, PREFILL_ADDR).init(np.arange(4))
-            assert waiting.poll() == KVPoll.WaitingForInput
-            landed.begin_transfer()
-            assert landed.finish_transfer() == KVPoll.Success
-            landed.clear()  # the prefill is done with it; the decode never cleared
-        left = [k for k in keys_of(store) if ":rx:" in k]
-        assert len(left) == 2, "the killed decode's receivers stayed in Redis"
-        assert sorted(clear_predecessor(store, "rx", "decode-b.tp0")) == [31, 32]
-        assert waiting.poll() == KVPoll.Failed
-        with pytest.raises(Exception, match="restarted"):
-            raise waiting.failure_exception()
-        waiting.clear()
-        assert room_keys(store, 31) == [] and room_keys(store, 32) == []
-        assert clear_predecessor(store, "rx", "decode-b.tp0") == []  # nothing twice
-    assert keys_of(store) == []

@@ -2,7 +2,7 @@
 prefill engine keeps a request's blocks after each kind of abort. NixlConnector's
 scheduler side runs here as it does in vLLM (NIXL itself is not installed, so its
 workers are not run: its hold is the lease deadline its scheduler hands them, which
-only a notification from the decode's NIXL worker cuts short). Prints the README's
+only a notification from the decode's NIXL worker cuts short). Prints docs/vllm.md's
 table rows."""
 
 from __future__ import annotations

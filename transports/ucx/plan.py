@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from transports import cma
-from transports.base import LayoutError, Target
+from transports.base import Geometry, Heads, LayoutError, Target
 from transports.pages import Runs, check_indices, check_unique, merge_runs
 from transports.ucx.abi import RequestParam
 
@@ -30,6 +30,24 @@ class Region:
     memh: int = 0
     rkey: bytes = b""
     param: RequestParam = field(default_factory=RequestParam)
+    geometry: Geometry = field(default_factory=Geometry)
+
+    def describe(self) -> dict[str, Any]:
+        """This buffer in the transport's layout (what a sender plans its writes by)."""
+        out: dict[str, Any] = {
+            "addr": self.addr,
+            "nbytes": self.nbytes,
+            "page_bytes": self.page_bytes,
+            "num_pages": self.num_pages,
+            "memory": self.memory,
+            "rkey": self.rkey,
+        }
+        g = self.geometry
+        if g.name:
+            out["name"] = g.name
+        if g.heads:
+            out["heads"], out["outer"] = g.heads, g.outer
+        return out
 
 
 @dataclass
@@ -48,8 +66,9 @@ class Plan:
 
     endpoint: bytes
     name: str
+    regions: list[Region]  # the local buffers written, one per entry of rkeys and ops
     rkeys: list[bytes]
-    # per layer: (local addresses, remote addresses, byte counts) as Python lists
+    # per buffer: (local addresses, remote addresses, byte counts) as Python lists
     ops: list[tuple[list[int], list[int], list[int]]]
     nbytes: int
     # same-host peer reachable by process_vm_writev: its identity and iovec arrays
@@ -126,8 +145,8 @@ def make_plans(
         dst_raw = np.asarray(t.dst_indices)
         if dst_raw.size == 0:
             continue  # dummy receiver: nothing to send
-        remote = check_layout(t.layout, regions, name)
-        remote_pages = min(int(b["num_pages"]) for b in remote)
+        pairs = pair_buffers(t.layout, regions, name, t.buffers)
+        remote_pages = min(int(b["num_pages"]) for _, b in pairs)
         dst = check_indices(dst_raw, remote_pages, f"room {room} indices for {name}")
         check_unique(dst, f"room {room} indices for {name}")
         if dst.size != src.size:
@@ -135,7 +154,7 @@ def make_plans(
                 f"room {room}: {src.size} source pages but {dst.size} destination pages for {name}"
             )
         plan, (locals_, remotes, sizes) = _plan_target(
-            t.endpoint, name, regions, remote, merge_runs(src, dst), put_chunk
+            t.endpoint, name, pairs, merge_runs(src, dst), t.heads, put_chunk
         )
         peer = cma.Identity.from_dict(t.layout.get("id"))
         if (
@@ -143,8 +162,8 @@ def make_plans(
             and peer is not None
             and cma_from.same_host(peer)
             and t.endpoint not in no_cma
-            and all(r.memory == "host" for r in regions)
-            and all(b.get("memory") == "host" for b in remote)
+            and all(r.memory == "host" for r, _ in pairs)
+            and all(b.get("memory") == "host" for _, b in pairs)
         ):
             length = np.concatenate(sizes)
             plan.peer = peer
@@ -154,24 +173,97 @@ def make_plans(
     return plans
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """The bytes of ``heads`` in each page: ``outer`` segments of ``seg`` bytes, at
+    ``src``/``dst`` in blocks of ``src_block``/``dst_block`` bytes."""
+
+    src: int
+    dst: int
+    seg: int
+    outer: int
+    src_block: int
+    dst_block: int
+
+
+def _cut(local: Region, remote: dict[str, Any], heads: Heads | None, what: str) -> _Cut | None:
+    """Where ``heads`` lie in a page on either side (None: the whole page moves)."""
+    if heads is None:
+        return None
+    lh, rh = local.geometry.heads, int(remote.get("heads", 0))
+    if lh == 0 and rh == 0:  # not split by heads (an MLA latent, a state slot)
+        return None
+    outer, router = local.geometry.outer, int(remote.get("outer", 1))
+    rpb = int(remote["page_bytes"])
+    if (
+        lh == 0
+        or rh == 0
+        or outer != router
+        or local.page_bytes % (outer * lh)
+        or rpb % (outer * rh)
+    ):
+        raise LayoutError(
+            f"{what}: pages split into {outer} x {lh} heads here, {router} x {rh} there: "
+            "a part of a page can move only between like layouts (the same tokens per page "
+            "and bytes per head, heads outermost or innermost alike on both sides)"
+        )
+    chunk = local.page_bytes // (outer * lh)
+    if rpb // (outer * rh) != chunk:
+        raise LayoutError(
+            f"{what}: {chunk} bytes per head a block here, {rpb // (outer * rh)} there"
+        )
+    if not (heads.src >= 0 and heads.dst >= 0 and heads.count > 0) or (
+        heads.src + heads.count > lh or heads.dst + heads.count > rh
+    ):
+        raise LayoutError(
+            f"{what}: heads {heads.src}..{heads.src + heads.count - 1} into "
+            f"{heads.dst}..{heads.dst + heads.count - 1}, but the pages hold {lh} heads here "
+            f"and {rh} there"
+        )
+    if heads.src == heads.dst == 0 and heads.count == lh == rh:
+        return None
+    return _Cut(
+        heads.src * chunk, heads.dst * chunk, heads.count * chunk, outer, lh * chunk, rh * chunk
+    )
+
+
 def _plan_target(
     endpoint: bytes,
     name: str,
-    regions: list[Region],
-    remote: list[dict[str, Any]],
+    pairs: list[tuple[Region, dict[str, Any]]],
     runs: Runs,
+    heads: Heads | None = None,
     put_chunk: int = 0,
 ) -> tuple[Plan, tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]]:
-    """The plan for one target, and per layer its local and remote run addresses
-    and run lengths as arrays (for the same-host path, whole runs)."""
+    """The plan for one target, and per buffer its local and remote span addresses
+    and span lengths as arrays (for the same-host path, whole spans): a run of whole
+    pages is one span; with ``heads``, each page is ``outer`` spans of those heads."""
     ops = []
     nbytes = 0
     locals_, remotes, sizes = [], [], []
-    for local, rb in zip(regions, remote, strict=True):
-        pb = local.page_bytes
-        lengths = runs.length * pb
-        laddr = local.addr + runs.src * pb
-        raddr = int(rb["addr"]) + runs.dst * pb
+    for i, (local, rb) in enumerate(pairs):
+        pb, rpb = local.page_bytes, int(rb["page_bytes"])
+        what = f"buffer {local.geometry.name or i} of {name}"
+        cut = _cut(local, rb, heads, what)
+        if cut is None:
+            if rpb != pb:
+                raise LayoutError(f"{what}: page size {pb} here but {rpb} there")
+            lengths = runs.length * pb
+            laddr = local.addr + runs.src * pb
+            raddr = int(rb["addr"]) + runs.dst * rpb
+        else:
+            first = np.repeat(runs.src - np.cumsum(runs.length) + runs.length, runs.length)
+            step = np.arange(runs.pages, dtype=np.int64)
+            src_pages = first + step
+            dst_pages = np.repeat(runs.dst - runs.src, runs.length) + src_pages
+            blocks = np.arange(cut.outer, dtype=np.int64)
+            laddr = (
+                local.addr + cut.src + (src_pages[:, None] * pb + blocks * cut.src_block)
+            ).ravel()
+            raddr = (
+                int(rb["addr"]) + cut.dst + (dst_pages[:, None] * rpb + blocks * cut.dst_block)
+            ).ravel()
+            lengths = np.full(laddr.size, cut.seg, dtype=np.int64)
         locals_.append(laddr)
         remotes.append(raddr)
         sizes.append(lengths)
@@ -181,7 +273,8 @@ def _plan_target(
             op = (laddr, raddr, lengths)
         ops.append((op[0].tolist(), op[1].tolist(), op[2].tolist()))
         nbytes += int(lengths.sum())
-    plan = Plan(endpoint, name, [bytes(b["rkey"]) for b in remote], ops, nbytes)
+    regions = [r for r, _ in pairs]
+    plan = Plan(endpoint, name, regions, [bytes(b["rkey"]) for _, b in pairs], ops, nbytes)
     return plan, (locals_, remotes, sizes)
 
 
@@ -199,19 +292,34 @@ def split_spans(
     return laddr[run] + offset, raddr[run] + offset, np.minimum(chunk, length[run] - offset)
 
 
-def check_layout(layout: dict[str, Any], regions: list[Region], name: str) -> list[dict[str, Any]]:
-    """The remote buffers of a UCX layout that matches ours, or LayoutError."""
+def pair_buffers(
+    layout: dict[str, Any],
+    regions: list[Region],
+    name: str,
+    only: tuple[str, ...] | None = None,
+) -> list[tuple[Region, dict[str, Any]]]:
+    """Each local buffer to write (those named in ``only``, else all) with the remote
+    buffer it goes into: by name when both sides name every buffer (a pipeline stage
+    holds some of the receiver's layers), else by position (the same count on both
+    sides). LayoutError when the layouts do not fit."""
     if layout.get("transport") != "ucx" or layout.get("version") != LAYOUT_VERSION:
         raise LayoutError(
             f"{name}: layout is not a UCX layout version {LAYOUT_VERSION} "
             f"(transport={layout.get('transport')!r}, version={layout.get('version')!r})"
         )
     remote: list[dict[str, Any]] = list(layout.get("buffers") or [])
+    local = regions if only is None else [r for r in regions if r.geometry.name in only]
+    if only is not None and len(local) != len(set(only)):
+        missing = sorted(set(only) - {r.geometry.name for r in regions})
+        raise LayoutError(f"no buffer named {missing} registered here (writing to {name})")
+    if all(r.geometry.name for r in regions) and remote and all(b.get("name") for b in remote):
+        by_name = {str(b["name"]): b for b in remote}
+        gone = [r.geometry.name for r in local if r.geometry.name not in by_name]
+        if gone:
+            raise LayoutError(f"{name} registered no buffer named {gone}")
+        return [(r, by_name[r.geometry.name]) for r in local]
+    if only is not None:
+        raise LayoutError(f"writing some buffers to {name} needs named buffers on both sides")
     if len(remote) != len(regions):
         raise LayoutError(f"{name} registered {len(remote)} buffers, this side {len(regions)}")
-    for i, (local, rb) in enumerate(zip(regions, remote, strict=True)):
-        if int(rb["page_bytes"]) != local.page_bytes:
-            raise LayoutError(
-                f"buffer {i}: page size {local.page_bytes} here but {rb['page_bytes']} at {name}"
-            )
-    return remote
+    return list(zip(regions, remote, strict=True))

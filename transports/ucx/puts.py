@@ -13,7 +13,7 @@ import time
 
 from transports.base import TransportError
 from transports.ucx.abi import UCS_INPROGRESS, RequestParam, ptr_status
-from transports.ucx.plan import Peer, Plan, Region
+from transports.ucx.plan import Peer, Plan
 from transports.ucx.runtime import Runtime
 
 # UCX names the symptom (Endpoint timeout, Connection reset...), not the cause
@@ -72,9 +72,7 @@ class Puts:
         with contextlib.suppress(Exception):
             peer.ep.abort()
 
-    async def write(
-        self, room: int, plans: list[Plan], regions: list[Region], deadline: float
-    ) -> None:
+    async def write(self, room: int, plans: list[Plan], deadline: float) -> None:
         """Put every run of ``plans`` and flush each target; return at remote completion."""
         lib = self._lib
         put, flush_nbx = lib.put_nbx, lib.ep_flush_nbx
@@ -86,7 +84,7 @@ class Puts:
                 rkeys = [self._rkey(peer, packed) for packed in plan.rkeys]
                 ep_h = peer.ep_h
                 for region, rkey, (laddrs, raddrs, sizes) in zip(
-                    regions, rkeys, plan.ops, strict=True
+                    plan.regions, rkeys, plan.ops, strict=True
                 ):
                     param = ctypes.byref(region.param)
                     for laddr, raddr, size in zip(laddrs, raddrs, sizes, strict=True):

@@ -19,8 +19,8 @@ Settings (each can be overridden)
       emulates each put with active messages of at most one TX segment
       (``UCX_PROTO_INFO=y`` shows it), so 8K segments meant 2048 messages per
       16 MiB put. Measured between two network namespaces over a veth pair,
-      settings timed in turn (``tools/bench_transfer.py --cross-host``; the
-      README has the figures): fragmented pages 1.4-1.5 -> 3.6 GB/s,
+      settings timed in turn (``tools/bench_transfer.py --cross-host``;
+      docs/benchmarks.md has the figures): fragmented pages 1.4-1.5 -> 3.6 GB/s,
       contiguous unchanged (1.5-1.6); 1M/2M: contiguous 1.9-2.1, fragmented
       3.1-3.3, at 4-6x the memory below.
       Cost: the segments come from UCX memory pools that grow per connection
@@ -51,7 +51,7 @@ Settings (each can be overridden)
       5.3-5.7 GB/s here, about 0.4x an in-process memcpy measured alone (the
       kernel pins and maps every 4 KiB page); two at 5.3-9.4 GB/s, 0.75-1.46x
       a memcpy timed in turn with them (``tools/bench_transfer.py``, six
-      runs, load 1.1-4.5; the README has them). ``1`` keeps every copy on the
+      runs, load 1.1-4.5; docs/benchmarks.md has them). ``1`` keeps every copy on the
       calling thread.
     * ``KVSTATE_CMA_PTRACER``: ``off`` (default), ``any`` or one sender pid;
       see ``transports.cma``. Applied at ``register_buffers`` and logged once.

@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 
 from transports import cma
-from transports.base import LayoutError, Target, Transport, TransportError, TransportStats
+from transports.base import (
+    Geometry,
+    LayoutError,
+    Target,
+    Transport,
+    TransportError,
+    TransportStats,
+)
 from transports.pages import check_indices, check_unique
 from transports.ucx.abi import (
     MEM_MAP_FIELD_ADDRESS,
@@ -63,7 +70,12 @@ class UCXTransport(Transport):
 
     # -- registration -----------------------------------------------------
 
-    def register_buffers(self, buffers: Sequence[Any], page_bytes: Sequence[int]) -> None:
+    def register_buffers(
+        self,
+        buffers: Sequence[Any],
+        page_bytes: Sequence[int],
+        geometry: Sequence[Geometry] | None = None,
+    ) -> None:
         self._check_open()
         if len(buffers) == 0:
             raise LayoutError("no buffers to register")
@@ -71,8 +83,14 @@ class UCXTransport(Transport):
             raise LayoutError(
                 f"{len(buffers)} buffers but {len(page_bytes)} page sizes: give one per buffer"
             )
+        shapes = list(geometry) if geometry is not None else [Geometry()] * len(buffers)
+        if len(shapes) != len(buffers):
+            raise LayoutError(f"{len(buffers)} buffers but {len(shapes)} geometries")
+        names = [g.name for g in shapes if g.name]
+        if names and (len(names) != len(shapes) or len(set(names)) != len(names)):
+            raise LayoutError("buffer names, when given, must name every buffer once")
         regions = []
-        for i, (buf, pb) in enumerate(zip(buffers, page_bytes, strict=True)):
+        for i, (buf, pb, shape) in enumerate(zip(buffers, page_bytes, shapes, strict=True)):
             addr, nbytes, memory = buffer_info(buf, f"buffer {i}")
             pb = int(pb)
             if pb <= 0:
@@ -81,7 +99,16 @@ class UCXTransport(Transport):
                 raise LayoutError(
                     f"buffer {i}: {nbytes} bytes is not a whole number of {pb}-byte pages"
                 )
-            regions.append(Region(buf, addr, nbytes, pb, nbytes // pb, memory))
+            if (
+                shape.heads < 0
+                or shape.outer < 1
+                or (shape.heads and pb % (shape.heads * shape.outer))
+            ):
+                raise LayoutError(
+                    f"buffer {i}: a {pb}-byte page cannot hold {shape.outer} x {shape.heads} "
+                    "equal head chunks"
+                )
+            regions.append(Region(buf, addr, nbytes, pb, nbytes // pb, memory, geometry=shape))
         cma.apply_ptracer(self.settings.ptracer)
         self._rt.call(self._map(regions), timeout=60.0, what="registering buffers")
 
@@ -138,17 +165,7 @@ class UCXTransport(Transport):
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "id": self._identity.as_dict(),
-            "buffers": [
-                {
-                    "addr": r.addr,
-                    "nbytes": r.nbytes,
-                    "page_bytes": r.page_bytes,
-                    "num_pages": r.num_pages,
-                    "memory": r.memory,
-                    "rkey": r.rkey,
-                }
-                for r in self._regions
-            ],
+            "buffers": [r.describe() for r in self._regions],
         }
 
     # -- receiver side ----------------------------------------------------
@@ -196,7 +213,7 @@ class UCXTransport(Transport):
             fut = None
             if via_ucx:  # runs on the UCX thread while same-host copies run here
                 fut = asyncio.run_coroutine_threadsafe(
-                    self._puts.write(room, via_ucx, self._regions, deadline), self._rt.loop
+                    self._puts.write(room, via_ucx, deadline), self._rt.loop
                 )
             try:
                 refused = [p for p in direct if not self._write_direct(room, p, deadline)]
@@ -207,7 +224,7 @@ class UCXTransport(Transport):
                     p.peer = None
                 self._wait_future(
                     asyncio.run_coroutine_threadsafe(
-                        self._puts.write(room, refused, self._regions, deadline), self._rt.loop
+                        self._puts.write(room, refused, deadline), self._rt.loop
                     ),
                     room,
                     deadline,

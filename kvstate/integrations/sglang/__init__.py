@@ -26,6 +26,7 @@ Settings (environment, read when the manager starts)
     pool (default: ``cuda`` when torch sees a GPU).
 """
 
+from kvstate.errors import UnsupportedLayoutError
 from kvstate.integrations.sglang.manager import KVStateKVManager, PrefillInfo, prefill_engine
 from kvstate.integrations.sglang.mirror import mirrored
 from kvstate.integrations.sglang.participants import (
@@ -33,7 +34,7 @@ from kvstate.integrations.sglang.participants import (
     KVStateKVReceiver,
     KVStateKVSender,
 )
-from kvstate.integrations.sglang.spaces import Settings, Spaces, UnsupportedLayoutError, raw_buffer
+from kvstate.integrations.sglang.spaces import Settings, Spaces, raw_buffer
 
 __all__ = [
     "KVStateBootstrapServer",

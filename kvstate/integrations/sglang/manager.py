@@ -15,19 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
-from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.errors import KVStateError, StateConnectionError, UnsupportedLayoutError
 from kvstate.integrations.sglang.base import BaseManager
-from kvstate.integrations.sglang.predecessor import clear_predecessor
-from kvstate.integrations.sglang.spaces import (
-    Settings,
-    Spaces,
-    UnsupportedLayoutError,
-    default_memory,
-)
+from kvstate.integrations.sglang.spaces import Settings, Spaces, default_memory
 from kvstate.integrations.sglang_release import check_version
-from kvstate.manager import KVManager
 from kvstate.poll import KVPoll
-from kvstate.roles import KVReceiver, KVSender
+from kvstate.roles import KVManager, KVReceiver, KVSender
 from kvstate.store import Store, connect
 from transports.base import Transport, TransportError
 
@@ -76,6 +69,12 @@ class Adapter:
             self._fail_local(reason)
         else:
             self._admitted = True
+
+    @property
+    def failed_in_kvstate(self) -> bool:
+        """kvstate failed the room (here, or in Redis as of the last poll)."""
+        part = self._part
+        return bool(self._local_reason) or (part is not None and part.status == KVPoll.Failed)
 
     def _fail_local(self, reason: str) -> None:
         self._local_reason = reason
@@ -228,9 +227,7 @@ class KVStateKVManager(BaseManager):
         self.engine = engine
         # restarted under the same name: fail and clear the rooms the killed process
         # left, so that their other side need not wait for the rooms' timeouts
-        self.predecessor_rooms = clear_predecessor(
-            self.store, "tx" if self.role == "prefill" else "rx", engine
-        )
+        self.predecessor_rooms = self.kv.clear_predecessor()
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lock = threading.Lock()
         self._rooms: dict[int, Adapter] = {}

@@ -114,7 +114,7 @@ def _mirror_common(base: type) -> dict[str, Any]:
         """kvstate's reason when kvstate failed the room (an abort the other backend
         never heard of), else the other backend's own exception."""
         st = self.kvstate
-        if st._local_reason or (st._part is not None and st._part.status == KVPoll.Failed):
+        if st.failed_in_kvstate:
             with contextlib.suppress(Exception):
                 base.failure_exception(self)  # type: ignore[attr-defined]  # its own cleanup
             st.failure_exception()  # raises SGLang's KVTransferError with the reason

@@ -6,19 +6,14 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from kvstate.defaults import LEASE
-from kvstate.errors import KVStateError
-from transports.base import Target, Transport, TransportError, TransportStats
-
-
-class UnsupportedLayoutError(KVStateError):
-    """A parallel layout the backend refuses (pipeline parallel prefill)."""
-
+from kvstate.errors import KVStateError, UnsupportedLayoutError
+from transports.base import Geometry, Target, Transport, TransportError, TransportStats
 
 # -- settings and buffers ----------------------------------------------------------------
 
@@ -127,7 +122,12 @@ class Spaces(Transport):
         )
         return t
 
-    def register_buffers(self, buffers: Sequence[Any], page_bytes: Sequence[int]) -> None:
+    def register_buffers(
+        self,
+        buffers: Sequence[Any],
+        page_bytes: Sequence[int],
+        geometry: Sequence[Geometry] | None = None,
+    ) -> None:
         raise KVStateError("Spaces registers SGLang's buffers itself")
 
     def endpoint(self) -> bytes:
@@ -154,7 +154,7 @@ class Spaces(Transport):
         self.kv.write(
             room,
             src_indices,
-            [Target(t.endpoint, t.layout["kv"], t.dst_indices) for t in targets],
+            [replace(t, layout=t.layout["kv"]) for t in targets],
             timeout,
         )
 

@@ -18,23 +18,22 @@ may be left out). Tested with vLLM 0.34.0. The package, by concept:
 
 from __future__ import annotations
 
+from kvstate.errors import LayoutRefusedError, VLLMConfigError
 from kvstate.integrations.vllm.connector import KVStateConnector
-from kvstate.integrations.vllm.layout import LayoutRefusedError
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata
-from kvstate.integrations.vllm.settings import (
-    CONNECTOR,
-    Settings,
-    VLLMConfigError,
-    room_of,
-)
+from kvstate.integrations.vllm.settings import CONNECTOR, Settings, room_of
+
+_registered = False
 
 
 def plugin() -> None:
     """``vllm.general_plugins`` entry point: register the connector by name."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if CONNECTOR not in KVConnectorFactory._registry:
+    global _registered
+    if not _registered:  # the entry point may run more than once in a process
         KVConnectorFactory.register_connector(CONNECTOR, __name__, CONNECTOR)
+        _registered = True
 
 
 __all__ = [

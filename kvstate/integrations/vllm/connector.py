@@ -11,8 +11,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstate.errors import VLLMConfigError
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata, SchedulerSide
-from kvstate.integrations.vllm.settings import Settings, VLLMConfigError, engine_name
+from kvstate.integrations.vllm.settings import Settings, engine_name
 from kvstate.integrations.vllm.worker import WorkerSide
 
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstate.integrations.vllm.settings import VLLMConfigError
+from kvstate.errors import LayoutRefusedError
 
 SUPPORTED = (
     "vLLM 0.34's per-layer [blocks, heads, tokens, content] views as "
@@ -31,10 +31,6 @@ SUPPORTED = (
     "LBHNC/HND, LBNHC/NHD, LHBNC, BLHNC, BLNHC, BHLNC; attention or MLA), one KV cache "
     "group (--disable-hybrid-kv-cache-manager)"
 )
-
-
-class LayoutRefusedError(VLLMConfigError):
-    """register_kv_caches was handed KV caches kvstate cannot move byte for byte."""
 
 
 @dataclass(frozen=True)

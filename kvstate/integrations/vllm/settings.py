@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
-from kvstate.errors import KVStateError
+from kvstate.errors import VLLMConfigError
 from kvstate.keys import MAX_ROOM
 
 CONNECTOR = "KVStateConnector"
@@ -23,10 +23,6 @@ _TIMES = {
     "waiting_timeout": WAITING_TIMEOUT,
     "transfer_timeout": TRANSFER_TIMEOUT,
 }
-
-
-class VLLMConfigError(KVStateError, ValueError):
-    """A vLLM setting kvstate's connector cannot work with (named in the message)."""
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.errors import KVStateError, StateConnectionError, VLLMConfigError
 from kvstate.integrations.vllm.layout import buffers, layout_name
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata
-from kvstate.integrations.vllm.settings import Settings, VLLMConfigError, rank_name
-from kvstate.manager import KVManager
+from kvstate.integrations.vllm.settings import Settings, rank_name
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Registry
-from kvstate.roles import KVReceiver, KVSender
+from kvstate.roles import KVManager, KVReceiver, KVSender
 from kvstate.store import Store, connect
 from transports.base import Transport
 

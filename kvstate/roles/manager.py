@@ -1,0 +1,459 @@
+"""KVManager: one engine rank. It registers the rank (``Lease``: one owner per engine
+name), makes the rank's senders and receivers, answers a scheduler step's calls for
+many rooms at once (``batch``), and watches the peers its rooms are bound to
+(``PeerWatch``). It holds its participants through the ``Step`` protocol only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
+
+from kvstate.codec import is_int
+from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
+from kvstate.errors import (
+    EngineNameTakenError,
+    ForkedManagerError,
+    InvalidValueError,
+    KVStateError,
+    ManagerClosedError,
+)
+from kvstate.gpu import gpu_facts
+from kvstate.keys import Side, check_name, check_room
+from kvstate.poll import KVPoll, PollResults
+from kvstate.registry import Claim, EngineInfo, Registry
+from kvstate.roles import batch
+from kvstate.roles.contract import Bound, LookupKey, Lookups, Step
+from kvstate.roles.lease import Lease
+from kvstate.roles.peers import PeerWatch
+from kvstate.roles.predecessor import clear_predecessor
+from kvstate.roles.receiver import KVReceiver
+from kvstate.roles.sender import KVSender
+from kvstate.stats import TransferRecorder
+from kvstate.store import Store, one_call
+from kvstate.tp import Route
+from transports.base import Transport, TransportError
+
+log = logging.getLogger(__name__)
+_P = TypeVar("_P", KVSender, KVReceiver)
+ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
+
+# Managers of this process, so that a fork can mark them unusable in the child: the
+# child has no heartbeat thread and shares the parent's name and incarnation.
+_MANAGERS: weakref.WeakSet[KVManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for mgr in list(_MANAGERS):
+        mgr.forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def open_managers() -> list[KVManager]:
+    """The KVManagers of this process not closed yet (a test's leak check)."""
+    return [m for m in list(_MANAGERS) if not m.closed and not m.forked]
+
+
+class KVManager:
+    """One engine rank: registers itself (one owner per engine name), keeps its lease on
+    a connection of its own, makes participants, and watches its peers: the decode side
+    the prefill engines its receivers are bound to, the prefill side the receivers its
+    live senders write to. A peer whose lease lapsed or that restarted fails the rooms
+    bound to it, with a reason naming it."""
+
+    def __init__(
+        self,
+        store: Store,
+        role: str,
+        engine: str,
+        bootstrap_addr: str | None = None,
+        transport: Transport | None = None,
+        *,
+        lease: float = LEASE,
+        heartbeat_interval: float | None = None,
+        bootstrap_timeout: float = BOOTSTRAP_TIMEOUT,
+        waiting_timeout: float = WAITING_TIMEOUT,
+        transfer_timeout: float = 60.0,
+        ranks: int = 1,
+        transfer_stats: bool = False,
+    ) -> None:
+        if store.closed:  # before anything is made or registered on it
+            raise store.closed_error()
+        if role not in ROLES:
+            raise InvalidValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+        if lease <= 0 or bootstrap_timeout < 0 or waiting_timeout < 0 or transfer_timeout <= 0:
+            raise InvalidValueError(
+                "lease and transfer_timeout must be > 0, timeouts >= 0 (0 = none)"
+            )
+        if not is_int(ranks) or ranks < 1:
+            raise InvalidValueError(f"ranks must be an int >= 1, got {ranks!r}")
+        self.store = store
+        self.role = role
+        self.side: Side = ROLES[role]
+        self.engine = check_name(engine, "engine")
+        self.bootstrap_addr = check_name(bootstrap_addr or engine, "bootstrap_addr")
+        self.transport = transport
+        self.lease = lease
+        self.heartbeat_interval = heartbeat_interval or lease / 3
+        self.bootstrap_timeout = bootstrap_timeout
+        self.waiting_timeout = waiting_timeout
+        self.transfer_timeout = transfer_timeout
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.registry = Registry(store)
+        self.forked = False  # this copy lives in a forked child: it may not act
+        self.closed = False
+        self._lock = threading.Lock()
+        self._live: dict[int, Step] = {}
+        self._peers = PeerWatch(self.engine)
+        self._registrations: dict[tuple[str, str], EngineInfo] = {}
+        self.info = EngineInfo(
+            engine=self.engine,
+            role=role,
+            addr=self.bootstrap_addr,
+            incarnation=self.incarnation,
+            endpoint=transport.endpoint() if transport else b"",
+            layout=transport.layout() if transport else {},
+            gpus=gpu_facts(),
+            ranks=ranks,
+        )
+        # the registration, renewed by a thread on a store of its own
+        self.heartbeat = Lease(
+            store,
+            self.info,
+            lease,
+            self.heartbeat_interval,
+            on_beat=self._beat,
+            on_taken=self._lease_taken,
+        )
+        # Opt-in: the counters' key outlives the engine (24 h) so the monitor can read
+        # its final totals, which tests and users who count keys left would not expect.
+        self.recorder = (
+            TransferRecorder(self.heartbeat.store, self.engine)
+            if transfer_stats and transport is not None
+            else None
+        )
+        _MANAGERS.add(self)
+
+    def __repr__(self) -> str:
+        return f"<KVManager {self.role} {self.engine} {self.incarnation} {self.store!r}>"
+
+    def __enter__(self) -> KVManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def live_rooms(self) -> list[int]:
+        """The rooms of this rank's participants not cleared yet."""
+        with self._lock:
+            return sorted(self._live)
+
+    def check_usable(self, new: bool = False) -> None:
+        """Refuse use of a closed manager or from a forked child, and (``new``) new
+        participants of a manager whose engine name another process holds now."""
+        if self.closed and not self.forked:
+            raise ManagerClosedError(
+                f"KVManager {self.engine} was closed (its lease dropped, its heartbeat "
+                "stopped): its senders and receivers cannot be used; make a new KVManager "
+                "to go on"
+            )
+        if self.forked:
+            raise ForkedManagerError(
+                f"KVManager {self.engine} was made in another process (this one is a fork "
+                "of it): a fork shares its engine name and lease without a heartbeat. Make "
+                "a new kvstate.connect() and KVManager, with its own engine name, in the "
+                "child"
+            )
+        taken = self.heartbeat.taken
+        if new and taken is not None:  # our lease lapsed (we stalled) and was taken
+            raise EngineNameTakenError(
+                self.engine, taken.holder, taken.host, taken.pid, self.store.namespace
+            )
+
+    # -- participants --------------------------------------------------------------
+    def sender(self, room: object, required_receivers: int | None = 1) -> KVSender:
+        """A sender waiting for ``required_receivers`` receivers to publish their pages;
+        None: as many as they declare (``receivers_per_sender`` on their side: a decode
+        of another tensor-parallel size, ``kvstate.tp``)."""
+        return self._keep(KVSender(self, room, required_receivers))
+
+    def receiver(
+        self,
+        room: object,
+        bootstrap_addr: str,
+        required_senders: int | None = None,
+        senders: Iterable[str] | Mapping[str, Route] | None = None,
+        receivers_per_sender: int = 0,
+    ) -> KVReceiver:
+        """A receiver bound to the prefill engines at ``bootstrap_addr`` as they register
+        (or to those named in ``senders``). It needs an ack from ``required_senders`` of
+        them; by default from as many as the prefill group declares (its ``ranks``), or
+        as are registered there at its first binding, whichever is more. Never raises for
+        a prefill that is not up yet (it stays Bootstrapping); touches no Redis here.
+
+        Tensor parallelism of another size on the prefill side: ``senders`` maps each
+        sender to its ``Route`` (the heads it writes here, or a dummy), and
+        ``receivers_per_sender`` declares how many receivers each of them waits for
+        (``kvstate.tp.routes`` and ``receivers_per_sender`` compute both)."""
+        check_room(room)
+        routes = None
+        if isinstance(senders, Mapping):
+            routes = {check_name(s, "sender engine"): r for s, r in senders.items()}
+            for r in routes.values():
+                if not isinstance(r, Route):
+                    raise InvalidValueError(
+                        f"a sender's route must be a kvstate.tp.Route, got {r!r}"
+                    )
+        names = None if senders is None else [check_name(s, "sender engine") for s in senders]
+        return self._keep(
+            KVReceiver(
+                self, room, bootstrap_addr, names, required_senders, routes, receivers_per_sender
+            )
+        )
+
+    def clear_predecessor(self) -> list[int]:
+        """Fail and clear the rooms a previous process under this engine name left
+        (killed before it cleared them), so that their other side need not wait for
+        their timeouts; returns those rooms. Call it right after making the manager,
+        before it makes any participant (``kvstate.roles.predecessor``)."""
+        self.check_usable()
+        return clear_predecessor(self.store, self.side, self.engine)
+
+    def lease_lapsed(self) -> str:
+        """Why this engine may have lost its lease ('' while it surely holds it); its
+        senders must not finish then (design rule 3)."""
+        return self.heartbeat.lapsed()
+
+    def _keep(self, p: _P) -> _P:
+        with self._lock:
+            self._live[p.room] = p
+        return p
+
+    def forget(self, part: Step) -> None:
+        """A participant cleared: the batches and the heartbeat no longer see it."""
+        with self._lock:
+            if self._live.get(part.room) is part:
+                del self._live[part.room]
+
+    def _parts(self) -> list[Step]:
+        with self._lock:
+            return list(self._live.values())
+
+    def prefill_engines(self, key: LookupKey) -> list[EngineInfo]:
+        """The live prefill engines at an address (or among named ones), read fresh for
+        each call or batch: a remembered answer would bind a receiver to a group that
+        has grown since."""
+        self.check_usable()
+        addr, names = key
+        if names:
+            infos = self.registry.get_many(list(names)).values()
+            return [i for i in infos if i is not None and i.role == "prefill"]
+        return self.registry.listed_at(addr, "prefill")
+
+    def watch(self, bound: Bound) -> None:
+        """A receiver bound these prefill engines: the heartbeat fails the rooms bound to
+        any of them that dies."""
+        self._peers.watch(bound)
+
+    def peer(self, engine: str, incarnation: str) -> EngineInfo:
+        """A receiver's registration (endpoint, layout), cached per incarnation."""
+        self.check_usable()
+        with self._lock:
+            info = self._registrations.get((engine, incarnation))
+        if info is None:
+            info = self.registry.get(engine)
+            if info is None or (incarnation and info.incarnation != incarnation):
+                raise TransportError(f"receiver {engine} (incarnation {incarnation}) is gone")
+            with self._lock:
+                self._registrations[(engine, incarnation)] = info
+        return info
+
+    # -- a scheduler step's calls --------------------------------------------------
+    def poll_many(self, rooms: Iterable[object]) -> PollResults:
+        """Poll many rooms of this engine in one round trip per Redis node.
+
+        Returns a ``PollResults``: a dict room -> KVPoll for every room whose Redis node
+        answered. On a Cluster, the rooms on a node that cannot be reached within
+        ``Options.call_timeout`` are left out of it and listed in ``.errors`` (room ->
+        StateConnectionError) while the others are answered; their participants keep
+        their last status. Raises StateConnectionError when no node answered.
+        """
+        return self._many("poll", rooms)
+
+    def begin_many(self, rooms: Iterable[object]) -> PollResults:
+        """``begin_transfer()`` of many senders of this (prefill) manager in one round
+        trip per Redis node: a scheduler step's worth. Each room is Transferring, or
+        Failed (write nothing to it) as ``begin_transfer`` says; a sender that has seen
+        no receiver's infos yet is polled instead (it cannot begin before they
+        published). Answers and partial results (``.errors``) as ``poll_many``; a room
+        with no live sender of this manager is refused (KVStateError) before anything
+        is sent."""
+        return self._many("begin", rooms)
+
+    def finish_many(self, rooms: Iterable[object]) -> PollResults:
+        """``finish_transfer()`` of many senders of this manager in one round trip per
+        Redis node: each becomes Success and acks its receivers. As ``begin_many``."""
+        return self._many("finish", rooms)
+
+    def init_many(self, pages: Mapping[object, object]) -> PollResults:
+        """``init(kv_indices)`` of many receivers of this (decode) manager, room ->
+        page indices, in one round trip per Redis node: the pages of every request a
+        step allocated, published at once. Each room's answer is what ``init`` returns;
+        partial results (``.errors``) as ``poll_many``. Arguments are checked (and the
+        transport told) before anything is sent; a room without a live receiver here is
+        refused. For aux, state indices, prefix or dummy, call ``init`` itself."""
+        self.check_usable()
+        wanted = {check_room(room): indices for room, indices in pages.items()}
+        return self._many("init", wanted, wanted)
+
+    def clear_many(self, rooms: Iterable[object]) -> dict[int, KVStateError]:
+        """``clear()`` of this manager's participants of many rooms in one round trip
+        per Redis node. Returns the rooms not cleared, each with its node's
+        StateConnectionError (Cluster, node unreachable): they stay live here and can be
+        cleared again; rooms without a live participant here are skipped (a clear is
+        idempotent). Raises StateConnectionError when no node answered."""
+        self.check_usable()
+        todo: list[Step] = []
+        for room in rooms:
+            r = check_room(room)
+            with self._lock:
+                p = self._live.get(r)
+            if p is not None and not p.cleared:
+                todo.append(p)
+        sent = [p for p in todo if p.create_sent]
+        lookups = self._lookups(sent, clearing=True)
+        try:
+            errors = self.store.clear_many([p.clear_calls(lookups) for p in sent])
+        except KVStateError as exc:
+            for p in sent:
+                p.clear_failed(exc)
+            raise
+        failed = {p.room: e for p, e in zip(sent, errors, strict=True) if e is not None}
+        for p in sent:
+            if p.room in failed:
+                p.clear_failed(failed[p.room])
+        for p in todo:
+            if p.room not in failed:
+                p.after_clear()
+                self.forget(p)
+        return dict(failed)
+
+    def _lookups(self, parts: Iterable[Step], clearing: bool = False) -> Lookups:
+        """The registry reads a batch's participants need, one per address (or named
+        group). For a clear, a read that fails is logged and left out (the fields it
+        would name expire with their key)."""
+        lookups: Lookups = {}
+        for p in parts:
+            key = p.lookup_key(self.store.cluster, clearing)
+            if key is None or key in lookups:
+                continue
+            try:
+                lookups[key] = self.prefill_engines(key)
+            except KVStateError as exc:
+                if not clearing:
+                    raise
+                log.warning("%s: could not read %s: %s", self.engine, key[0], exc)
+        return lookups
+
+    @one_call
+    def _many(
+        self, op: str, rooms: Iterable[object], pages: Mapping[int, object] | None = None
+    ) -> PollResults:
+        """One batch of ``op`` (poll, begin, finish, init) over many rooms: creates and
+        bindings still due go first in the same batch (a Cluster's: one registry read
+        per address first). A room the one-room call would refuse (NotReadyError: begin
+        before its receivers published, finish before begin) or whose state is corrupt
+        (CorruptStateError) is listed in ``.errors``, the other rooms answered."""
+        self.check_usable()
+        side = "rx" if op == "init" else "tx"
+        if op != "poll" and self.side != side:
+            raise KVStateError(
+                f"{op}_many is for a {'decode' if side == 'rx' else 'prefill'} manager's "
+                f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
+            )
+        parts: list[tuple[int, Step | None]] = []
+        for room in rooms:
+            r = check_room(room)
+            with self._lock:
+                p = self._live.get(r)
+            if p is not None and p.cleared:
+                p = None
+            if p is None and op != "poll":
+                raise KVStateError(
+                    f"room {r}: {self.engine} has no live participant for it; {op}_many "
+                    "takes the rooms of this manager's senders or receivers (not cleared)"
+                )
+            parts.append((r, p))
+        lapsed = self.lease_lapsed() if op == "finish" else ""  # once for the batch
+        lookups = self._lookups(p for _, p in parts if p is not None)
+        plan = batch.plan(
+            op,
+            parts,
+            lookups,
+            lapsed,
+            pages or {},
+            lambda r: self.store.poll(r, self.side, self.engine),
+        )
+        try:
+            replies = self.store.execute(plan.calls, partial=True)
+        except BaseException:
+            batch.lost(plan)  # bindings in that batch did not run (or not whole)
+            raise
+        out, bound = batch.answer(plan, replies)
+        for b in bound:
+            self._peers.watch(b)
+        for _, p in parts:
+            if p is not None and p.cleared:  # its own clear had run, its reply was lost
+                self.forget(p)
+        return out
+
+    # -- peers and leases ------------------------------------------------------------
+    @one_call
+    def fail_peer(
+        self, bootstrap_addr: str, reason: str, engine: str = "", incarnation: str = ""
+    ) -> int:
+        """Fail every non-terminal receiver bound to a peer (and so its room: the failure
+        mark); returns how many failed."""
+        self.check_usable()
+        addr = check_name(bootstrap_addr, "bootstrap_addr")
+        return self._peers.fail_peer(self.store, self._parts(), addr, reason, engine, incarnation)
+
+    def _beat(self, registry: Registry) -> None:
+        """After each renewal: the peer watch, on the lease's own store."""
+        self._peers.check(registry, self._parts())
+
+    def _lease_taken(self, claim: Claim, store: Store) -> None:
+        """Another process registered this name after our lease lapsed (we stalled):
+        stop renewing, never displace it, and fail our own rooms with the reason."""
+        reason = (
+            f"engine {self.engine}'s lease lapsed and another process took the name (host "
+            f"{claim.host}, pid {claim.pid}, incarnation {claim.holder}); this one "
+            f"({self.info.host}, pid {self.info.pid}) stopped renewing it"
+        )
+        log.error("%s", reason)
+        mine = [p for p in self._parts() if p.create_sent and not p.cleared]
+        store.execute(
+            [store.update(p.room, p.side, self.engine, KVPoll.Failed, reason) for p in mine],
+            partial=True,
+        )
+
+    def close(self) -> None:
+        """Stop the heartbeat and drop the lease (if it is still ours). In a forked child
+        only marks this copy closed: the lease is the parent's."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.forked:
+            return
+        self.heartbeat.close(self.recorder.close if self.recorder is not None else lambda: None)
+
+
+__all__ = ["ROLES", "KVManager", "open_managers"]

@@ -1,0 +1,127 @@
+"""clear() when Redis answers badly (issue 30): a clear that ran but whose reply was
+lost leaves the participant cleared, its last status standing (a finished request
+never turns Failed "state lost"); and a clear keeps its call_timeout when every
+connection of the pool is taken and the server is at maxclients."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvstate
+from kvstate import KVPoll
+from kvstate.errors import StateConnectionError
+from tests.helpers import PREFILL_ADDR, keys_of, scaled, wait_for
+from tests.proxy import Proxy
+
+
+def test_a_clear_whose_reply_was_lost_reads_cleared_not_state_lost(
+    redis_proc: Any, redis_tcp_url: str
+) -> None:
+    with Proxy(("127.0.0.1", redis_proc.port)) as proxy:
+        ct = scaled(1.5)
+        store = kvstate.connect(f"{proxy.url()}?call_timeout={ct}", namespace="lostclear")
+        with (
+            kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR) as p,
+            kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1") as d,
+        ):
+            snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
+            other = d.receiver(2, PREFILL_ADDR)
+            rcv.init(np.arange(4))
+            other.init(np.arange(4, 6))
+            assert snd.poll() == KVPoll.WaitingForInput
+            snd.begin_transfer()
+            assert snd.finish_transfer() == KVPoll.Success
+            assert rcv.poll() == KVPoll.Success
+            proxy.mute()  # the clear reaches Redis and runs there; its reply is lost
+            with pytest.raises(StateConnectionError):
+                rcv.clear()
+            proxy.passthrough()
+            assert wait_for(lambda: _answers(rcv), 4 * ct)
+            # the scheduler reads again: still Success, and cleared (not "state lost")
+            assert rcv.status == KVPoll.Success and rcv.reason == ""
+            assert rcv.cleared and rcv.failure_exception() is None
+            # the same for a step's clear_many (on a connection open before the fault)
+            assert d.poll_many([2]) == {2: KVPoll.WaitingForInput}
+            proxy.mute()
+            with pytest.raises(StateConnectionError):
+                d.clear_many([2])
+            proxy.passthrough()
+            assert wait_for(lambda: d.poll_many([2]) == {2: KVPoll.WaitingForInput}, 4 * ct)
+            assert other.cleared and other.status == KVPoll.WaitingForInput
+            assert d.live_rooms == []
+            snd.clear()
+        assert keys_of(store) == []
+        store.close()
+
+
+def _answers(part: Any) -> bool:
+    try:
+        part.poll()
+    except StateConnectionError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_clear_keeps_its_call_timeout_when_the_pool_is_contended(
+    redis_server_factory: Callable[..., Any],
+) -> None:
+    """192 clears at once, one thread each, on one store (more than its pool's 100
+    connections), the server at maxclients 8: each ends, cleared or refused with the
+    reason (the server's maxclients, or the pool staying full), within its call_timeout,
+    like every other call; none retries past it."""
+    server = redis_server_factory(port="auto")
+    ct = scaled(2.0)
+    store = kvstate.connect(f"{server.tcp_url}?call_timeout={ct}", namespace="pool")
+    took: dict[str, float] = {}
+    errors: list[str] = []
+    with (
+        kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR) as p,
+        kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1") as d,
+    ):
+        pairs = []
+        for room in range(96):
+            snd, rcv = p.sender(room), d.receiver(room, PREFILL_ADDR)
+            rcv.init(np.arange(room * 2, room * 2 + 2))
+            pairs.append((snd, rcv))
+        p.poll_many(range(96))
+        with server.client() as admin:
+            admin.config_set("maxclients", 8)
+            start = threading.Event()
+
+            def clear(name: str, part: Any) -> None:
+                start.wait()
+                t0 = time.monotonic()
+                try:
+                    part.clear()
+                except StateConnectionError as exc:
+                    errors.append(str(exc))
+                took[name] = time.monotonic() - t0
+
+            threads = [
+                threading.Thread(target=clear, args=(f"{side}{i}", part), daemon=True)
+                for i, pair in enumerate(pairs)
+                for side, part in zip(("tx", "rx"), pair, strict=True)
+            ]
+            for t in threads:
+                t.start()
+            start.set()
+            for t in threads:
+                t.join(scaled(60))
+            admin.config_set("maxclients", 10000)
+        assert len(took) == 192, "clears still blocked"
+        slowest = max(took.values())
+        assert slowest < ct + scaled(1.0), f"a clear took {slowest:.1f} s (call_timeout {ct} s)"
+        for text in errors:
+            assert "maxclients" in text or "stayed in use" in text, text
+        for snd, rcv in pairs:  # the ones refused clear now
+            snd.clear()
+            rcv.clear()
+    assert keys_of(store) == []
+    store.close()

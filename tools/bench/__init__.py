@@ -1,0 +1,1 @@
+"""The benchmarks: ``state`` (control plane, Redis) and ``transfer`` (data plane, UCX)."""
