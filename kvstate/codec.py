@@ -162,10 +162,17 @@ class TransferInfo:
 
     @classmethod
     def decode(
-        cls, receiver: str, raw: bytes, key: str, field_name: str | None = None
+        cls,
+        receiver: str,
+        raw: bytes,
+        key: str,
+        field_name: str | None = None,
+        max_pages: int = MAX_PAGES,
     ) -> TransferInfo:
         """``raw`` as stored in ``key``'s field ``field_name`` (named in a
-        CorruptStateError; ``receiver`` when not given)."""
+        CorruptStateError; ``receiver`` when not given). ``max_pages``: the most pages
+        its runs may list (a sender that knows how many it sends passes that: more is
+        corrupt before anything is allocated)."""
         where = receiver if field_name is None else field_name
         doc = unpack(raw, key, where)
         kv, aux, state = doc.get("kv"), doc.get("aux"), doc.get("state")
@@ -196,9 +203,9 @@ class TransferInfo:
             )
         return cls(
             receiver=receiver,
-            kv_indices=decode_runs(kv, key, where),
+            kv_indices=decode_runs(kv, key, where, max_pages),
             aux_index=aux,
-            state_indices=None if state is None else decode_runs(state, key, where),
+            state_indices=None if state is None else decode_runs(state, key, where, max_pages),
             prefix_len=prefix,
             dummy=dummy,
             incarnation=inc,

@@ -274,6 +274,10 @@ def test_page_bounds_at_the_edges() -> None:
         decode_runs(raw, "k", "f", max_pages=10)
     with pytest.raises(CorruptStateError, match="runs: more than"):
         decode_runs(b"\x00" * 8 * 3, "k", "f", max_pages=2)
+    info = TransferInfo("r", as_indices(np.arange(11)), incarnation="").encode()
+    assert TransferInfo.decode("r", info, "k", "f", max_pages=11).kv_indices.size == 11
+    with pytest.raises(CorruptStateError, match="over 10 pages"):
+        TransferInfo.decode("r", info, "k", "f", max_pages=10)
     with pytest.raises(InvalidIndicesError, match="MAX_PAGES"):
         as_indices(np.arange(MAX_PAGES + 1, dtype=np.int32))
 
