@@ -6,7 +6,7 @@ import os
 import signal
 
 import kvstate
-from kvstate import KVPoll
+from kvstate import KVPoll, schema
 from kvstate.store import Store
 from tests import workers
 from tests.helpers import keys_of, room_keys, scaled, wait_for
@@ -20,9 +20,11 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
     racers = [f"tx-{i}" for i in range(4)]
     # the shared sender each racer updates; in a room of its own (room + ACKS: a Failed
     # shared sender fails its room, one outcome per room), each racer's sender and two
-    # receivers needing 4 / 5 acks
+    # receivers needing 4 / 5 acks, bound to the racers (finish.lua counts only the acks
+    # of senders a receiver is bound to, as publish.lua binds them)
     calls = []
     no_timeouts = {"peers": 1, "timeouts_ms": "0 0"}
+    bound = {schema.peer_field(tx): "inc" for tx in racers}
     for room in rooms:
         calls.append(store.create(room, "tx", "shared", no_timeouts))
         for tx in racers:
@@ -33,7 +35,7 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
                     room + workers.ACKS,
                     "rx",
                     rx,
-                    {"peers": peers, "timeouts_ms": "0 0"},
+                    {"peers": peers, "timeouts_ms": "0 0", **bound},
                 )
             )
     store.execute(calls)
