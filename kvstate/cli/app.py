@@ -22,14 +22,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import click
 
 from kvstate.defaults import ROOM_TTL
-from kvstate.errors import DurationSyntaxError, KVStateError, RedisServerError
-from kvstate.ops.durations import fmt_ms, parse_seconds
+from kvstate.errors import KVStateError, RedisServerError
+from kvstate.ops.durations import Duration
 from kvstate.ops.views import holds_keys, namespaces
 from kvstate.store import EMBEDDED, URL_SOURCE, Store, connect
 from kvstate.store.connection import ENV_NAMESPACE, ENV_PASSWORD, ENV_URL, Options, redact
@@ -41,12 +41,6 @@ EXIT_ERROR = 2
 _NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
 DEMO_RECORD = "kvstate-demo-*.json"  # written by a running `kvstate demo`, removed at exit
 
-if TYPE_CHECKING:  # generic since click 8.2; a subscript would fail at run time on 8.1
-    _ParamType = click.ParamType[float, Any]
-else:
-    _ParamType = click.ParamType
-
-
 # --------------------------------------------------------------------------- plumbing
 
 
@@ -57,33 +51,6 @@ class Failure(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"kvstate: error: {self.format_message()}", err=True)
-
-
-class Duration(_ParamType):
-    """``30s``, ``1m30s``, ``250ms``: what the tables print (kvstate.ops.durations); a
-    number needs its unit. ``minimum`` (seconds) refuses periods that would hammer
-    Redis (``--interval 0`` is a busy loop)."""
-
-    name = "duration"
-
-    def __init__(self, minimum: float = 0.0) -> None:
-        self.minimum = minimum
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> float:
-        if isinstance(value, int | float):  # a default, in seconds
-            seconds = float(value)
-        else:
-            try:
-                seconds = parse_seconds(str(value))
-            except DurationSyntaxError as exc:
-                self.fail(str(exc), param, ctx)
-        if seconds < self.minimum:
-            self.fail(
-                f"{value!r} is too short: at least {fmt_ms(int(self.minimum * 1000))}", param, ctx
-            )
-        return seconds
 
 
 DURATION = Duration()

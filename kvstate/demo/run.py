@@ -113,10 +113,19 @@ def _banner(
         f"shows where its time went, for {fmt_ms(int(store.options.trace_ttl * 1000))} "
         "after its clear"
     )
+    waves = -(-opts.requests // opts.inflight)  # rooms go in waves of --inflight
     if cfg.hold:
-        say(f"  each room waits {cfg.hold:g} s in WaitingForInput before its transfer (--hold)")
+        say(
+            f"  each room waits {fmt_ms(int(cfg.hold * 1000))} in WaitingForInput before its "
+            f"transfer (--hold): {opts.requests} rooms, {opts.inflight} at a time, take at "
+            f"least {fmt_ms(int(waves * cfg.hold * 1000))}"
+        )
     else:
-        say("  rooms live ~50 ms: add --hold 30 to keep each one visible for 30 s")
+        say(
+            f"  rooms live ~50 ms: --hold 30s keeps each one visible for 30 s, and then "
+            f"{opts.requests} rooms, {opts.inflight} at a time, take at least "
+            f"{fmt_ms(waves * 30_000)} (--requests {opts.inflight} --hold 30s: 30s)"
+        )
 
 
 def run_router(
