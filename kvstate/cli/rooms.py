@@ -142,7 +142,13 @@ def show(obj: Ctx, room: str, as_json: bool) -> None:
     elif view.aborted is not None:
         out.print("no participants")
     for member in view.missing_members:
-        out.print(styled(f"the room hash lists {member} but its participant hash is gone", "red"))
+        out.print(
+            styled(
+                f"the room hash lists {member} but its participant hash is gone: "
+                "`kvstate audit --fix` removes the listing",
+                "red",
+            )
+        )
     for member in view.unindexed:
         out.print(
             styled(
@@ -320,21 +326,27 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) ->
             )
         doc["failed"] = n = store.abort(r, reason)
         doc["marked"] = True
+    gone = view.missing_members  # listed, but their hash is gone: nothing to fail there
+    doc["gone"] = gone
     if not view.members:
         text = (
             f"room {r}: no participants yet; marked aborted, so either side that "
             f"joins while the mark lasts starts Failed; reason: {reason}"
         )
-    elif not n:
-        text = (
-            f"room {r}: its {len(view.members)} participant(s) had already failed "
-            f"({', '.join(view.members)}); marked aborted; reason: {reason}"
-        )
     else:
-        text = (
-            f"room {r}: failed {n} of {len(view.members)} participant(s) "
-            f"({', '.join(view.members)}); reason: {reason}"
-        )
+        present = [m for m in view.members if m not in gone]
+        failed_before = [p.member for p in view.participants if p.status == "Failed"]
+        parts = [f"failed {n} of {len(present)} participant(s)"]
+        if present:
+            parts[0] += f" ({', '.join(present)})"
+        if failed_before:
+            parts.append(f"already failed: {', '.join(failed_before)}")
+        if gone:
+            parts.append(
+                f"listed but gone (no hash, nothing to fail): {', '.join(gone)}; "
+                "`kvstate audit --fix` removes the listing"
+            )
+        text = f"room {r}: " + "; ".join(parts) + f"; marked aborted; reason: {reason}"
     _said(doc, as_json, text)
 
 
