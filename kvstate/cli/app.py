@@ -13,6 +13,7 @@ what to do next. A password in the URL is never printed (design rule 8).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
 
 import click
@@ -37,6 +38,7 @@ from kvstate.store.connection import ENV_NAMESPACE, ENV_PASSWORD, ENV_URL, Optio
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
+EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE  # 141: stdout's reader went away
 # click >= 8.2 raises this for a group called without a command (8.1 prints the help)
 _NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
 DEMO_RECORD = "kvstate-demo-*.json"  # written by a running `kvstate demo`, removed at exit
@@ -189,10 +191,41 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text if len(text) <= 600 else text[:597] + "..."
 
 
+# Each command's module, imported when the command is asked for: a call loads what its
+# command needs, not every command's dependencies (issue 31: start-up per call).
+COMMANDS = {
+    "show": "kvstate.cli.rooms",
+    "ls": "kvstate.cli.rooms",
+    "abort": "kvstate.cli.rooms",
+    "trace": "kvstate.cli.trace",
+    "engines": "kvstate.cli.engines",
+    "top": "kvstate.cli.top",
+    "audit": "kvstate.cli.audit",
+    "monitor": "kvstate.cli.monitor",
+    "doctor": "kvstate.cli.doctor",
+    "demo": "kvstate.demo",
+}
+
+
 class KVGroup(click.Group):
     """Turns kvstate errors (the store makes redis-py's kvstate's) and click's usage
     errors into one line and exit status 2; Ctrl-C into exit status 130 (click would
-    print ``Aborted!``, exit 1)."""
+    print ``Aborted!``, exit 1). Loads a command's module when it is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(COMMANDS) | set(self.commands))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMANDS.get(cmd_name)
+        if cmd_name not in self.commands and module is not None:
+            try:  # a command module registers its command on import
+                loaded = importlib.import_module(module)
+            except ImportError:  # pragma: no cover - the demo's dependencies missing
+                return None
+            command = getattr(loaded, cmd_name, None)
+            if isinstance(command, click.Command) and cmd_name not in self.commands:
+                self.add_command(command)  # the demo, which does not register itself
+        return super().get_command(ctx, cmd_name)
 
     def main(
         self,
@@ -224,12 +257,27 @@ class KVGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
-        except BrokenPipeError:  # `kvstate ls | head`: click quiets it, no error line
-            raise
+            try:
+                return super().invoke(ctx)
+            finally:  # what is still buffered goes now, while a closed pipe can be told
+                sys.stdout.flush()
+        except BrokenPipeError:  # `kvstate ls | head`: the reader is gone
+            pipe_closed()
         except (KVStateError, OSError) as exc:
             obj = ctx.find_object(Ctx)
             raise Failure(scrub(describe(exc), obj.secrets if obj else [])) from None
+
+
+def pipe_closed() -> NoReturn:
+    """stdout's reader went away (``kvstate ls | head``): no traceback, no error line,
+    and exit status 141 (128 + SIGPIPE), what a Unix tool killed by SIGPIPE reports
+    (click's 1 read as "findings"). Later writes and the flush at exit go nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (a test's runner)
+        pass
+    sys.exit(EXIT_PIPE_CLOSED)
 
 
 CLI_URL_SOURCE = f"--url or ${ENV_URL}"
@@ -336,7 +384,8 @@ def common(f: Callable[..., Any]) -> Callable[..., Any]:
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit status, for every command: 0 ok; 1 findings or nothing found (audit "
     "findings left, a failed doctor check, no such room, an empty "
-    "namespace); 2 an error, printed as one line.",
+    "namespace); 2 an error, printed as one line; 130 / 143 stopped by SIGINT / "
+    "SIGTERM; 141 stdout's reader went away (`kvstate ls | head`).",
 )
 @click.option("--url", metavar="URL", envvar=ENV_URL, help=_URL_HELP)
 @click.option("--namespace", "-n", metavar="NS", envvar=ENV_NAMESPACE, help=_NS_HELP)
