@@ -4,6 +4,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvstate.errors import (
+    AuthenticationFailedError,
     ClosedError,
     CorruptStateError,
     DurabilityError,
@@ -68,6 +69,7 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationFailedError",
     "CMAError",
     "ClosedError",
     "CorruptStateError",

@@ -88,6 +88,11 @@ class StateConnectionError(KVStateError, ConnectionError):
     """Redis could not be reached or refused us (auth, ACL); the URL in it is redacted."""
 
 
+class AuthenticationFailedError(StateConnectionError):
+    """Redis refused the password, or asks for one that was not given: no retry mends
+    it (``kvstate monitor`` waits for a Redis that is down, not for this)."""
+
+
 class PermissionDeniedError(StateConnectionError):
     """Redis refused a command under its ACL (NOPERM): a user with more rights is
     needed; retrying does not help. A StateConnectionError, as every refusal is."""
@@ -185,6 +190,7 @@ class LayoutRefusedError(VLLMConfigError):
 
 
 __all__ = [
+    "AuthenticationFailedError",
     "CMAError",
     "ClosedError",
     "CorruptStateError",

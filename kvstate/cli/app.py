@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
@@ -88,9 +90,10 @@ class Ctx:
         (a read-only ACL user runs them), and a repair's script loads on first use."""
         if need_url and not self.url:
             self._find_demo()
+        log_warnings()  # the library's, as one line each (not the demo's own logging)
         options = None if patient else Options(retries=2, backoff_cap=0.2)
         try:  # no URL here only for `doctor`, which then asks for a private server
-            return connect(
+            store = connect(
                 self.url or EMBEDDED,
                 self.namespace,
                 room_ttl,
@@ -105,6 +108,7 @@ class Ctx:
                 "its query parameters (socket_timeout=SECONDS, ssl_ca_certs=PATH; "
                 "a Cluster is redis+cluster://)"
             ) from None
+        return store  # a password the server ignores: connect() warned (as redis-cli does)
 
     def _find_demo(self) -> None:
         """No URL given: use a running `kvstate demo`'s embedded server, if any."""
@@ -266,6 +270,42 @@ class KVGroup(click.Group):
         except (KVStateError, OSError) as exc:
             obj = ctx.find_object(Ctx)
             raise Failure(scrub(describe(exc), obj.secrets if obj else [])) from None
+
+
+def now_stamp() -> str:
+    """This host's time for a log line (UTC, to the second): when it was printed, never
+    an age or a deadline (those are the Redis server's, design rule 9)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _StderrLines(logging.Handler):
+    """kvstate's warnings as the CLI's own lines (``kvstate: warning: ...``), on
+    whatever stderr is current (click's test runner swaps it); after the time when
+    ``stamped`` (a long-running command's log: ``monitor``)."""
+
+    stamped = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage().replace(URL_SOURCE, CLI_URL_SOURCE)  # CLI wording
+            line = f"kvstate: {record.levelname.lower()}: {text}"
+            click.echo(f"{now_stamp()} {line}" if self.stamped else line, err=True)
+        except Exception:  # noqa: BLE001 - a log line must never end a command
+            self.handleError(record)
+
+
+def stamp_log_lines() -> None:
+    """From now on the library's warnings this CLI shows start with the time."""
+    _StderrLines.stamped = True
+
+
+def log_warnings() -> None:
+    """Show the library's warnings (a password the server ignores, a lease renewal
+    that failed...) as one line each, when nothing else configured logging."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = _StderrLines(logging.WARNING)
+        root.addHandler(handler)
 
 
 def pipe_closed() -> NoReturn:

@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # decoded by the views when `show` needs them (msgpack, numpy
     from kvstate.codec import TransferInfo
 
 
+MAX_REASON = 1000  # characters of an operator's --reason
+
+
 def _participants_table(parts: list[Participant], with_room: bool) -> Table:
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     if with_room:
@@ -311,7 +314,8 @@ def _ls(store: Store, wanted: _Filter, limit: int, as_json: bool) -> int:
     "--reason",
     default="aborted by operator (kvstate abort)",
     show_default=True,
-    help="Failure reason both sides will see.",
+    callback=lambda ctx, param, value: _short_reason(value),
+    help=f"Failure reason both sides will see (at most {MAX_REASON} characters).",
 )
 @click.option(
     "--pre-emptive",
@@ -384,6 +388,17 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) ->
             )
         text = f"room {r}: " + "; ".join(parts) + f"; marked aborted; reason: {reason}"
     _said(doc, as_json, text)
+
+
+def _short_reason(reason: str) -> str:
+    """A reason is stored in every participant and the failure mark, and printed by
+    show, ls, trace and the engines' logs: one line of text, not a document."""
+    if len(reason) > MAX_REASON:
+        raise click.BadParameter(
+            f"is {len(reason)} characters long: give at most {MAX_REASON} (it is stored "
+            "in each participant and printed wherever the room is shown)"
+        )
+    return reason
 
 
 def _refuse_what_abort_cannot_reach(room: int, view: RoomView) -> None:

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import click
 
-from kvstate.cli.app import Ctx, Failure, Stopper
+from kvstate.cli.app import Ctx, Failure, Stopper, describe
 from kvstate.errors import KVStateError
 from kvstate.ops.durations import fmt_ms
 from kvstate.store import Store
@@ -55,7 +55,9 @@ def watching(
                     raise Failure(why) from None
                 if lost_since is None:
                     lost_since = time.monotonic()
-                    click.echo(f"kvstate {what}: {exc}; retrying (Ctrl-C stops)", err=True)
+                    click.echo(
+                        f"kvstate {what}: {describe(exc)}; retrying (Ctrl-C stops)", err=True
+                    )
             sys.stdout.flush()
             if stopper.wait(period):
                 break

@@ -8,12 +8,13 @@ hosts without comparing their clocks (design rule 9).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvstate import schema
 from kvstate.store import Store
-from kvstate.trace import TraceEntry
+from kvstate.trace import TraceEntry, traceparent
 
 TERMINAL_FAILURE = ("Failed", schema.EV_ABORT)
 
@@ -53,6 +54,8 @@ class Timeline:
     entries: list[TraceEntry]
     ttl_ms: int | None  # PTTL of the trace list
     now_ms: int | None = None  # the server's clock when read, for a live room; else None
+    # the serving requests' trace contexts the engines passed: (side, engine, traceparent)
+    contexts: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def live(self) -> bool:
@@ -172,6 +175,10 @@ class Timeline:
             "now_ms": self.now_ms if self.live else None,
             "total_ms": self.total_ms,
             "phases": [p.to_json() for p in self.phases()],
+            "request_traces": [
+                {"side": side, "engine": engine, "traceparent": tp}
+                for side, engine, tp in self.contexts
+            ],
             "steps": steps,
             "ttl_ms": self.ttl_ms,
         }
@@ -195,6 +202,22 @@ def read_timeline(store: Store, room: int) -> Timeline:
     raw, ttl, listed = store.execute(
         [store.trace_entries(room), store.key_ttl(key), store.key_exists(room_hash)]
     )
-    entries = TraceEntry.parse_all(raw or [])
-    now = store.server_time_ms() if entries and int(listed) else None
-    return Timeline(room, entries, int(ttl) if entries else None, now)
+    return timeline_of(room, raw or [], int(ttl), bool(int(listed)), store.server_time_ms)
+
+
+def timeline_of(
+    room: int, raw: list[Any], ttl: int, live: bool, clock: Callable[[], int] | None = None
+) -> Timeline:
+    """A timeline from a trace list as read (LRANGE): its steps, and apart from them the
+    serving requests' trace contexts the engines recorded (schema.EV_CONTEXT: no step).
+    ``clock`` (the server's, ms) is asked for a live room only."""
+    steps, contexts = [], []
+    for e in TraceEntry.parse_all(raw):
+        if e.event == schema.EV_CONTEXT:
+            tp = traceparent(e.fields.get(schema.TRACE_PARENT))
+            if tp is not None:
+                contexts.append((e.side, e.engine, tp))
+        else:
+            steps.append(e)
+    now = clock() if steps and live and clock is not None else None
+    return Timeline(room, steps, ttl if steps else None, now, tuple(contexts))

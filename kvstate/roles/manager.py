@@ -19,6 +19,7 @@ from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
 from kvstate.errors import (
     EngineNameTakenError,
     ForkedManagerError,
+    InvalidArgumentError,
     InvalidValueError,
     KVStateError,
     ManagerClosedError,
@@ -35,6 +36,7 @@ from kvstate.roles.receiver import KVReceiver
 from kvstate.roles.sender import KVSender
 from kvstate.stats import TransferRecorder
 from kvstate.store import Store, one_call
+from kvstate.trace import traceparent
 from transports.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -177,8 +179,13 @@ class KVManager:
             )
 
     # -- participants --------------------------------------------------------------
-    def sender(self, room: object, required_receivers: int = 1) -> KVSender:
-        return self._keep(KVSender(self, room, required_receivers))
+    def sender(
+        self, room: object, required_receivers: int = 1, trace_context: str | None = None
+    ) -> KVSender:
+        """``trace_context``: the serving request's W3C traceparent (checked by
+        ``kvstate.trace.traceparent``), kept in a traced room's trace (no round trip
+        added) so its OpenTelemetry spans link to the request's trace."""
+        return self._keep(_traced(KVSender(self, room, required_receivers), trace_context))
 
     def receiver(
         self,
@@ -186,6 +193,7 @@ class KVManager:
         bootstrap_addr: str,
         required_senders: int | None = None,
         senders: Iterable[str] | None = None,
+        trace_context: str | None = None,
     ) -> KVReceiver:
         """A receiver bound to the prefill engines at ``bootstrap_addr`` as they register
         (or to those named in ``senders``). It needs an ack from ``required_senders`` of
@@ -194,7 +202,8 @@ class KVManager:
         a prefill that is not up yet (it stays Bootstrapping); touches no Redis here."""
         check_room(room)
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
-        return self._keep(KVReceiver(self, room, bootstrap_addr, names, required_senders))
+        rcv = KVReceiver(self, room, bootstrap_addr, names, required_senders)
+        return self._keep(_traced(rcv, trace_context))
 
     def lease_lapsed(self) -> str:
         """Why this engine may have lost its lease ('' while it surely holds it); its
@@ -415,3 +424,16 @@ class KVManager:
 
 
 __all__ = ["ROLES", "KVManager", "open_managers"]
+
+
+def _traced(part: _P, context: str | None) -> _P:
+    """A participant that records the serving request's trace context (issue 31)."""
+    if context is not None:
+        checked = traceparent(context)
+        if checked is None:
+            raise InvalidArgumentError(
+                f"trace_context must be a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>), "
+                f"got {context!r}; kvstate.trace.traceparent() filters a header"
+            )
+        part.trace_context = checked
+    return part
