@@ -2,21 +2,25 @@
 
 ``app``: the click group, its context, exit codes and error plumbing; ``output``: how
 things print; ``rooms`` (show, ls, abort), ``trace``, ``engines``, ``top``, ``audit``, ``monitor``
-and ``doctor``: the commands. Importing a command module registers its command.
+and ``doctor``: the commands. A command's module is imported when that command runs
+(``app.COMMANDS``): `kvstate ls` loads neither the monitor's Prometheus client nor the
+demo's transport and numpy (issue 31: start-up per call). Importing a command module
+registers its command.
 """
 
 from __future__ import annotations
 
-from kvstate.cli import audit, doctor, engines, monitor, rooms, top, trace
+from typing import Any
+
 from kvstate.cli.app import main
-from kvstate.cli.doctor import OPERATOR_ACL, READER_ACL
 
 __all__ = ["OPERATOR_ACL", "READER_ACL", "main"]
-_COMMANDS = (audit, doctor, engines, monitor, rooms, top, trace)  # imported to register them
 
-try:  # the demo's own dependencies missing must not take the operator commands down
-    from kvstate.demo import demo as _demo
 
-    main.add_command(_demo)
-except ImportError:  # pragma: no cover - an install without the demo's dependencies
-    pass
+def __getattr__(name: str) -> Any:
+    """The ACL lines ``kvstate doctor`` prints, loaded with it on first use."""
+    if name in ("OPERATOR_ACL", "READER_ACL"):
+        from kvstate.cli import doctor
+
+        return getattr(doctor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,6 @@ from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor, Report, acl_refused
 from kvstate.ops.durations import fmt_ms
-from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import Entry, Ledger
 from kvstate.store import Store
 
@@ -87,7 +86,7 @@ def _findings_table(report: Report, fix: bool) -> Table:
     for name in ("kind", "key", "detail", "action" if fix else "fix"):
         t.add_column(name, overflow="fold")
     for f in report.findings:
-        action = f.fixed or f.resolved or f.left or ("" if fix else finding_kind(f.kind).hint)
+        action = f.fixed or f.resolved or f.left or ("" if fix else f.hint)
         t.add_row(
             styled(f.kind, "red" if f in report.remaining else "green"), f.key, f.detail, action
         )

@@ -92,13 +92,22 @@ KINDS: tuple[FindingKind, ...] = (
         fix="adds it back to the room hash, with the room's remaining TTL",
     ),
     FindingKind(
+        "stale_member",
+        check="a room hash lists a participant whose hash is gone (deleted by hand, or "
+        "expired while the room hash was kept alive): `show` marks it, `abort` finds "
+        "nothing to fail there, and no clear will take the listing",
+        hint="--fix removes the listing",
+        fix="removes the listing and the fields the participant's clear would have "
+        "taken (its transfer infos or acks), only if its hash is still gone",
+    ),
+    FindingKind(
         "corrupt",
         check="a participant whose `status` or `since_ms` does not parse (no poll of it "
         "can succeed), or whose key is not a hash",
         hint="--fix aborts its room",
         fix="aborts its room, as `kvstate abort ROOM` does (a garbage status is failed "
-        "like any other); a key that is not a hash is left: no kvstate code wrote it, "
-        "delete it after a look, then `kvstate abort ROOM`",
+        "like any other); a key that is not a hash is left (its `fix` hint says so): no "
+        "kvstate code wrote it, delete it after a look, then `kvstate abort ROOM`",
     ),
     FindingKind(
         "server_setting",

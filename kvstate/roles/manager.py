@@ -19,6 +19,7 @@ from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
 from kvstate.errors import (
     EngineNameTakenError,
     ForkedManagerError,
+    InvalidArgumentError,
     InvalidValueError,
     KVStateError,
     ManagerClosedError,
@@ -37,6 +38,7 @@ from kvstate.roles.sender import KVSender
 from kvstate.stats import TransferRecorder
 from kvstate.store import Store, one_call
 from kvstate.tp import Route
+from kvstate.trace import traceparent
 from transports.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -179,11 +181,19 @@ class KVManager:
             )
 
     # -- participants --------------------------------------------------------------
-    def sender(self, room: object, required_receivers: int | None = 1) -> KVSender:
+    def sender(
+        self,
+        room: object,
+        required_receivers: int | None = 1,
+        trace_context: str | None = None,
+    ) -> KVSender:
         """A sender waiting for ``required_receivers`` receivers to publish their pages;
         None: as many as they declare (``receivers_per_sender`` on their side: a decode
-        of another tensor-parallel size, ``kvstate.tp``)."""
-        return self._keep(KVSender(self, room, required_receivers))
+        of another tensor-parallel size, ``kvstate.tp``). ``trace_context``: the serving
+        request's W3C traceparent (checked by ``kvstate.trace.traceparent``), kept in a
+        traced room's trace (no round trip added) so its OpenTelemetry spans link to the
+        request's trace."""
+        return self._keep(_traced(KVSender(self, room, required_receivers), trace_context))
 
     def receiver(
         self,
@@ -192,6 +202,7 @@ class KVManager:
         required_senders: int | None = None,
         senders: Iterable[str] | Mapping[str, Route] | None = None,
         receivers_per_sender: int = 0,
+        trace_context: str | None = None,
     ) -> KVReceiver:
         """A receiver bound to the prefill engines at ``bootstrap_addr`` as they register
         (or to those named in ``senders``). It needs an ack from ``required_senders`` of
@@ -213,11 +224,10 @@ class KVManager:
                         f"a sender's route must be a kvstate.tp.Route, got {r!r}"
                     )
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
-        return self._keep(
-            KVReceiver(
-                self, room, bootstrap_addr, names, required_senders, routes, receivers_per_sender
-            )
+        rcv = KVReceiver(
+            self, room, bootstrap_addr, names, required_senders, routes, receivers_per_sender
         )
+        return self._keep(_traced(rcv, trace_context))
 
     def clear_predecessor(self) -> list[int]:
         """Fail and clear the rooms a previous process under this engine name left
@@ -457,3 +467,16 @@ class KVManager:
 
 
 __all__ = ["ROLES", "KVManager", "open_managers"]
+
+
+def _traced(part: _P, context: str | None) -> _P:
+    """A participant that records the serving request's trace context (issue 31)."""
+    if context is not None:
+        checked = traceparent(context)
+        if checked is None:
+            raise InvalidArgumentError(
+                f"trace_context must be a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>), "
+                f"got {context!r}; kvstate.trace.traceparent() filters a header"
+            )
+        part.trace_context = checked
+    return part

@@ -92,6 +92,7 @@ class Participant:
         self._cleared = False
         self._status = KVPoll.Bootstrapping
         self._reason = ""
+        self.trace_context: str | None = None  # the request's traceparent (KVManager)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} room={self.room} engine={self.engine} {self._status.name}>"
@@ -170,7 +171,12 @@ class Participant:
         if self._created:
             return []
         self._create_sent = True
-        return [self.store.create(self.room, self.side, self.engine, self._fields)]
+        calls = [self.store.create(self.room, self.side, self.engine, self._fields)]
+        if self.trace_context and self.store.traced(self.room):  # same batch, same slot
+            calls.append(
+                self.store.trace_context(self.room, self.side, self.engine, self.trace_context)
+            )
+        return calls
 
     def _poll_call(self) -> Call:
         return self.store.poll(self.room, self.side, self.engine)
