@@ -38,17 +38,18 @@ class Engine:
         )
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(spec.block_size, sha256)
-        self.aggregator = KVOutputAggregator(spec.tp)
+        self.aggregator = KVOutputAggregator(spec.world)
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self.params: dict[str, dict[str, Any]] = {}
-        self.bytes_verified = [0] * spec.tp
+        self.bytes_verified = [0] * spec.world
         self.mismatches: list[str] = []
         self.steps = 0
         self.preempted = 0
         self.first_computed: dict[str, int] = {}  # tokens a request had when first run
         self.dead = False
         self.meta: Any = None
+        self.kv_stats: list[Any] = []  # SchedulerStats that carried connector stats
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, params: Any = None) -> None:
         from vllm.sampling_params import SamplingParams
@@ -78,8 +79,12 @@ class Engine:
             self.bytes_verified[rank] = verified
             self.mismatches += bad
         mros = [o for o, _ in outs]
-        mro = self.aggregator.aggregate(mros, 0) if len(mros) > 1 else mros[0]
+        last = self.spec.world - self.spec.tp  # the last stage's first rank samples
+        mro = self.aggregator.aggregate(mros, last) if len(mros) > 1 else mros[0]
         for client in self.scheduler.update_from_output(so, mro).values():
+            stats = client.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.kv_stats.append(stats)  # what vLLM's stat loggers get
             for o in client.outputs:
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
