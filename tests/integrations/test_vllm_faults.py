@@ -1,7 +1,8 @@
-"""SIGKILLed engines under the harness (leases of 2 s, stretched by the time factor):
-a dead decode's room fails on the prefill, which frees the blocks; a dead prefill's
-room fails on the decode, which recomputes the prompt (its load reported through
-get_block_ids_with_load_errors)."""
+"""SIGKILLed engines under the harness (leases of 2 s, stretched by the time factor), in
+shapes of different TP sizes: a dead decode (TP 1, fed by 2 prefill ranks)'s room fails
+on both prefill ranks, which free the blocks; a dead prefill (TP 1, read by 2 decode
+ranks)'s room fails on both decode ranks, and the decode recomputes the prompt (its
+load reported through get_block_ids_with_load_errors)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     from tests.integrations.vllm_rig import Spec, write_model
 
     model = write_model(tmp_path_factory.mktemp("model"))
-    names = {"p": "kv_producer", "d1": "kv_consumer", "d2": "kv_consumer"}
-    running = start([Spec(role, f"k-{n}", url, model, extra=FAST) for n, role in names.items()])
-    out = dict(zip(names, running, strict=True))
+    # name: (role, TP size)
+    names = {"p": ("kv_producer", 2), "d1": ("kv_consumer", 1)}
+    names.update({"p1": ("kv_producer", 1), "d2": ("kv_consumer", 2)})
+    specs = [Spec(r, f"k-{n}", url, model, tp=tp, extra=FAST) for n, (r, tp) in names.items()]
+    out = dict(zip(names, start(specs), strict=True))
     yield out
     for e in out.values():
         e.close()
@@ -45,7 +48,7 @@ def test_sigkilled_decode_frees_the_prefill_blocks(url: str, engines: dict[str, 
     params = prefill(p, "kill-d", toks)
     p.step()  # the prefill's sender exists
     d1.add("kill-d", toks, 5, params)
-    d1.step()  # published
+    d1.step()  # published: to both prefill ranks, each sending one half of the heads
     d1.kill()
     t0 = time.monotonic()
     steps = drive([p], lambda: p.held() == 0, max_steps=1000, pause=scaled(0.02))
@@ -65,11 +68,11 @@ def test_sigkilled_prefill_fails_the_load_and_the_decode_recomputes(
     from tests.integrations.vllm_engine import drive, prefill, room_keys
     from tests.integrations.vllm_model import reference
 
-    p, d2 = engines["p"], engines["d2"]
+    p, d2 = engines["p1"], engines["d2"]
     toks = prompt(2, 15)
     params = prefill(p, "kill-p", toks)
     d2.add("kill-p", toks, 5, params)
-    d2.step()  # published, bound to the prefill's rank 0
+    d2.step()  # both decode ranks published, each routed to the prefill's one rank
     p.kill()
     t0 = time.monotonic()
     drive([d2], lambda: not d2.scheduler.has_requests(), max_steps=1000, pause=scaled(0.02))
