@@ -60,6 +60,30 @@ class Engine:
         self.tokens[rid] = []
         self.scheduler.add_request(Request(rid, list(prompt), sp, None, block_hasher=self.hasher))
 
+    def submit(
+        self, external_id: str, prompt: list[int], max_tokens: int, params: Any = None
+    ) -> str:
+        """A request as vLLM's front end hands it over: an EngineCoreRequest whose id
+        vLLM's InputProcessor assigns (a random suffix, unless
+        VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1), made a Request by vLLM. Returns the
+        id the engine knows it by."""
+        import time
+
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.input_processor import InputProcessor
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": dict(params)} if params else None
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        core = EngineCoreRequest(
+            external_id, list(prompt), None, sp, None, time.time(), None, None, None
+        )
+        InputProcessor.assign_request_id(core)
+        self.tokens[core.request_id] = []
+        self.scheduler.add_request(Request.from_engine_core_request(core, self.hasher))
+        return str(core.request_id)
+
     def abort(self, rid: str) -> None:
         from vllm.v1.request import RequestStatus
 

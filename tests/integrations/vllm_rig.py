@@ -58,6 +58,7 @@ class Spec:
     block_size: int = 4
     chunk: int = 64  # max_num_batched_tokens
     max_seqs: int = 8
+    inflight_loads: int | None = None  # max_num_inflight_kv_loads
     prefix_caching: bool = True
     policy: str = "recompute"  # kv_load_failure_policy
     connector: str = "KVStateConnector"
@@ -176,6 +177,7 @@ def vllm_config(spec: Spec) -> Any:
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=spec.max_seqs,
+            max_num_inflight_kv_loads=spec.inflight_loads,
             max_num_batched_tokens=spec.chunk,
             max_model_len=MAX_LEN,
             enable_chunked_prefill=True,
