@@ -38,6 +38,11 @@ def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         e.close()
 
 
+def failed_transfers(e: Any) -> int:
+    """What the engine's workers counted in vllm:kvstate_num_failed_transfers."""
+    return sum(len(s.kv_connector_stats.get("num_failed_transfers", ())) for s in e.kv_stats)
+
+
 def test_sigkilled_decode_frees_the_prefill_blocks(url: str, engines: dict[str, Any]) -> None:
     import redis
 
@@ -54,6 +59,7 @@ def test_sigkilled_decode_frees_the_prefill_blocks(url: str, engines: dict[str, 
     steps = drive([p], lambda: p.held() == 0, max_steps=1000, pause=scaled(0.02))
     print(f"prefill freed {time.monotonic() - t0:.2f} s / {steps} steps after the decode died")
     assert p.problems() == []
+    assert failed_transfers(p) >= 1  # vllm:kvstate_num_failed_transfers
     # what is left is the dead decode's own receiver, under its TTL (the leak backstop)
     left = room_keys(url)
     assert left and all("k-d1" in k or k.endswith("}:room") for k in left), left
@@ -78,6 +84,7 @@ def test_sigkilled_prefill_fails_the_load_and_the_decode_recomputes(
     drive([d2], lambda: not d2.scheduler.has_requests(), max_steps=1000, pause=scaled(0.02))
     print(f"decode recomputed {time.monotonic() - t0:.2f} s after the prefill died")
     assert d2.first_computed["kill-p"] == 0  # its load failed: recomputed
+    assert failed_transfers(d2) == 2  # each decode rank's load
     assert d2.tokens["kill-p"] == reference(toks, 5)
     assert d2.mismatches == [] and d2.problems() == []
     assert room_keys(url) == []

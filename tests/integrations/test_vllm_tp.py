@@ -9,6 +9,7 @@ wrote (the pattern carries the global head), at the step the load is reported.""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -151,3 +152,46 @@ def test_what_no_route_serves_is_refused_with_the_reason() -> None:
     one = replace(lh, kv_heads=2, tp=2)  # 1 head a rank at TP 2 and at TP 4
     assert refusal("P", one, "D", replace(one, tp=4)) == ""
     assert "KV heads 2 there, 4 here" in refusal("P", one, "D", lh)
+
+
+def test_transfers_reach_vllms_stats_and_prometheus(
+    url: str, engines: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """4 prefill ranks (2 dummies) send one request to 1 decode rank: each worker's
+    KVStateConnectorStats goes through vLLM's KVOutputAggregator and scheduler into
+    SchedulerStats, which vLLM's own PrometheusStatLogger and LoggingStatLogger take:
+    two sends (the dummies move nothing), the bytes of the decode's blocks."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+
+    from tests.integrations.vllm_engine import ask, room_keys, settle
+    from tests.integrations.vllm_rig import HEAD_SIZE
+
+    p, d = engines["p4"], engines["d1"]
+    before = len(p.kv_stats)
+    toks = prompt(7, 13)  # 4 blocks of 4 tokens
+    ask(p, d, "metrics", toks, 2)
+    settle(p, d)
+    stats = p.kv_stats[before:]
+    prom = PrometheusStatLogger(p.config, [0])
+    log = LoggingStatLogger(p.config, 0)
+    for s in stats:
+        prom.record(s, None, engine_idx=0)
+        log.record(s, None, engine_idx=0)
+    labels = {"model_name": p.config.model_config.served_model_name, "engine": "0"}
+    sends = REGISTRY.get_sample_value("vllm:kvstate_xfer_time_seconds_count", labels)
+    nbytes = REGISTRY.get_sample_value("vllm:kvstate_bytes_transferred_sum", labels)
+    block = 2 * 4 * 2 * HEAD_SIZE * 2  # the decode's block of a layer: 2 heads, 4 tokens, K+V
+    assert (sends, nbytes) == (2, 4 * 2 * block)  # 4 blocks x 2 layers, half from each
+    for name in ("num_failed_transfers", "num_kv_expired_reqs", "num_recompute_fallbacks"):
+        assert REGISTRY.get_sample_value(f"vllm:kvstate_{name}_total", labels) == 0
+    vlog = logging.getLogger("vllm.v1.metrics.loggers")  # vLLM's loggers do not propagate
+    vlog.addHandler(caplog.handler)
+    try:
+        caplog.set_level("DEBUG", logger=vlog.name)  # an engine idle since: DEBUG
+        log.log()
+    finally:
+        vlog.removeHandler(caplog.handler)
+    line = next(r.getMessage() for r in caplog.records if "KV Transfer metrics" in r.getMessage())
+    assert "Num successful transfers=2" in line and "Num failed transfers=0" in line, line
+    assert room_keys(url) == []

@@ -91,6 +91,7 @@ class WorkerSide:
         self._sending: dict[str, tuple[KVSender, list[int]]] = {}
         self._loading: dict[str, tuple[KVReceiver, list[int]]] = {}
         self._refused: set[str] = set()  # loads that failed before their room existed
+        self._dropped: set[str] = set()  # loads the decode's own scheduler aborted
         self._load_errors: set[int] = set()
         self._unclear: set[int] = set()  # concluded rooms whose clear must be retried
 
@@ -183,6 +184,7 @@ class WorkerSide:
             pages[load.room] = np.asarray(load.blocks, dtype=np.int64)
         for req_id, reason in meta.abort.items():
             if req_id in self._loading:
+                self._dropped.add(req_id)
                 rcv = self._loading[req_id][0]
                 try:
                     rcv.abort(reason)
@@ -244,7 +246,9 @@ class WorkerSide:
             if rcv.room in bad or rcv.status in DONE:
                 if rcv.room in bad or rcv.status == KVPoll.Failed:
                     self._load_errors.update(blocks)
-                    self.stats.record("num_failed_transfers")
+                    if req_id not in self._dropped:
+                        self.stats.record("num_failed_transfers")
+                self._dropped.discard(req_id)
                 loaded.add(req_id)
                 done.append(rcv.room)
                 del self._loading[req_id]
@@ -253,12 +257,12 @@ class WorkerSide:
 
     def _count_failure(self, snd: KVSender) -> None:
         """A prefill room that failed: blocks freed because no decode came (its
-        bootstrap timeout), or a failed transfer (a decode that aborted its own request
-        is neither)."""
+        bootstrap timeout), or a send that failed (a decode that aborted its own
+        request is neither)."""
         reason = snd.reason or ""
         if reason.startswith("bootstrap timeout"):
             self.stats.record("num_kv_expired_reqs")
-        elif snd.published or "transfer failed" in reason:
+        elif reason.startswith("transfer failed"):
             self.stats.record("num_failed_transfers")
 
     def _send(self, snd: KVSender, blocks: list[int]) -> None:
@@ -269,9 +273,9 @@ class WorkerSide:
             want = max((len(i.kv_indices) for i in snd.transfer_infos().values()), default=0)
             moved, t0 = self.transport.stats.bytes_moved, time.perf_counter()
             status = snd.send(np.asarray(blocks[len(blocks) - want :], dtype=np.int64))
-            if status == KVPoll.Success:
-                seconds = time.perf_counter() - t0
-                self.stats.record_transfer(seconds, self.transport.stats.bytes_moved - moved)
+            nbytes = self.transport.stats.bytes_moved - moved
+            if status == KVPoll.Success and nbytes:  # a dummy route moves nothing
+                self.stats.record_transfer(time.perf_counter() - t0, nbytes)
         except StateConnectionError as exc:  # the room stays; the next step looks again
             log.warning("room %s: send interrupted: %s", snd.room, exc)
         except KVStateError as exc:  # e.g. a receiver's infos kvstate cannot read
