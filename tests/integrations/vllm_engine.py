@@ -7,13 +7,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tests.integrations.vllm_rig import Spec, Workers, plan, vllm_config
+from tests.integrations.vllm_rig import Spec, Workers, dp_configs, plan, vllm_config
 
 
 class Engine:
     """EngineCore's loop around vLLM's v1 Scheduler; what came out, per request."""
 
-    def __init__(self, spec: Spec, wait: bool = True) -> None:
+    def __init__(self, spec: Spec, wait: bool = True, config: Any = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -21,21 +21,25 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.spec = spec
-        self.config = vllm_config(spec)
+        self.config = config or vllm_config(spec)
         configs, sched_config = plan(spec, self.config)
         for c in (*configs, sched_config):
             c.hash_block_size = spec.block_size
-        self.workers = Workers(spec, configs)  # register_kv_caches runs there, as in vLLM
-        if wait:
-            self.workers.ready()
-        self.scheduler = Scheduler(
-            vllm_config=self.config,
-            kv_cache_config=sched_config,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=spec.block_size,
-            hash_block_size=spec.block_size,
-            log_stats=True,
-        )
+        self.workers = Workers(spec, self.config, configs)  # register_kv_caches runs there
+        try:
+            if wait:
+                self.workers.ready()
+            self.scheduler = Scheduler(
+                vllm_config=self.config,
+                kv_cache_config=sched_config,
+                structured_output_manager=StructuredOutputManager(self.config),
+                block_size=spec.block_size,
+                hash_block_size=spec.block_size,
+                log_stats=True,
+            )
+        except BaseException:  # an engine that cannot start leaves no worker behind
+            self.workers.kill()
+            raise
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(spec.block_size, sha256)
         self.aggregator = KVOutputAggregator(spec.world)
@@ -149,8 +153,12 @@ class Engine:
 
 
 def start(specs: list[Spec]) -> list[Engine]:
-    """Engines whose ranks start side by side (start-up is mostly imports)."""
-    engines = [Engine(s, wait=False) for s in specs]
+    """Engines whose ranks start side by side (start-up is mostly imports); a spec of
+    ``dp`` data-parallel engines starts them all (vLLM's copies of its config)."""
+    engines = []
+    for s in specs:
+        configs = dp_configs(s) if s.dp > 1 else [None]
+        engines += [Engine(s, wait=False, config=c) for c in configs]
     try:
         for e in engines:
             e.workers.ready()

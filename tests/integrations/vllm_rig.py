@@ -49,9 +49,7 @@ class Spec:
     model_dir: str
     tp: int = 1
     pp: int = 1
-    dp: int = 1  # data-parallel engines of this deployment; this one is dp_rank
-    dp_rank: int = 0
-    dp_port: int = 0  # their rendezvous (data_parallel_master_port)
+    dp: int = 1  # data-parallel engines of this deployment (dp_configs)
     layout: str | None = None  # VLLM_KV_CACHE_LAYOUT; None: the backends' choice
     mla: bool = False
     blocks: int = 48
@@ -149,7 +147,6 @@ def vllm_config(spec: Spec) -> Any:
         SchedulerConfig,
         VllmConfig,
     )
-    from vllm.v1.engine.utils import _apply_dp_identity_suffix
 
     extra = dict(spec.extra)
     module = None
@@ -162,13 +159,8 @@ def vllm_config(spec: Spec) -> Any:
     buffer = {} if spec.kv_buffer_device is None else {"kv_buffer_device": spec.kv_buffer_device}
     dp = {}
     if spec.dp > 1:
-        dp = {
-            "data_parallel_size": spec.dp,
-            "data_parallel_rank": spec.dp_rank,
-            "data_parallel_master_ip": "127.0.0.1",
-            "data_parallel_master_port": spec.dp_port,
-        }
-    config = VllmConfig(
+        dp = {"data_parallel_size": spec.dp, "data_parallel_master_ip": "127.0.0.1"}
+    return VllmConfig(
         model_config=model,
         cache_config=CacheConfig(
             block_size=spec.block_size,
@@ -197,9 +189,25 @@ def vllm_config(spec: Spec) -> Any:
         ),
         device_config=DeviceConfig(device="cpu"),
     )
-    if spec.dp > 1:  # what vLLM does to each data-parallel engine's config
-        _apply_dp_identity_suffix(config, spec.dp_rank)
-    return config
+
+
+def dp_configs(spec: Spec) -> list[Any]:
+    """One config per data-parallel engine, as vLLM makes them: copies of the one
+    config (the rendezvous ports it picked included), each with its rank and its
+    KV connector engine_id suffixed ``_dp<rank>``."""
+    import copy
+
+    from vllm.v1.engine.utils import _apply_dp_identity_suffix
+
+    base = vllm_config(spec)
+    out = []
+    for rank in range(spec.dp):
+        config = copy.deepcopy(base)
+        config.parallel_config.data_parallel_rank = rank
+        config.parallel_config.data_parallel_rank_local = rank
+        _apply_dp_identity_suffix(config, rank)
+        out.append(config)
+    return out
 
 
 def layer_specs(spec: Spec, stage: int = 0) -> dict[str, Any]:
@@ -254,7 +262,9 @@ def plan(spec: Spec, config: Any) -> tuple[list[Any], Any]:
     return configs, sched
 
 
-def worker_main(spec: Spec, kv_cache_config: Any, rank: int, rendezvous: str, conn: Any) -> None:
+def worker_main(
+    spec: Spec, config: Any, kv_cache_config: Any, rank: int, rendezvous: str, conn: Any
+) -> None:
     """One worker (world rank ``rank``: TP rank ``rank % tp`` of stage ``rank // tp``):
     vLLM's distributed init (gloo), KV transfer group, allocation and connector glue;
     then scheduler outputs in, model runner outputs out."""
@@ -274,7 +284,6 @@ def worker_main(spec: Spec, kv_cache_config: Any, rank: int, rendezvous: str, co
 
         from tests.integrations.vllm_model import Model
 
-        config = vllm_config(spec)
         record_kv_cache_layout(config.cache_config, kv_cache_config.kv_cache_layout)
         with set_current_vllm_config(config):
             ps.init_distributed_environment(
@@ -341,7 +350,7 @@ class WorkerDied(RuntimeError):
 class Workers:
     """An engine's workers, one spawned process each (vLLM's multiproc executor's job)."""
 
-    def __init__(self, spec: Spec, configs: list[Any]) -> None:
+    def __init__(self, spec: Spec, config: Any, configs: list[Any]) -> None:
         ctx = mp.get_context("forkserver")  # ranks fork from one process that imported vLLM
         ctx.set_forkserver_preload(PRELOAD)
         rendezvous = f"file://{tempfile.mkdtemp(prefix='vllm-rig-')}/gloo"
@@ -349,7 +358,9 @@ class Workers:
         for rank in range(spec.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=worker_main, args=(spec, configs[rank], rank, rendezvous, child), daemon=True
+                target=worker_main,
+                args=(spec, config, configs[rank], rank, rendezvous, child),
+                daemon=True,
             )
             p.start()
             self.conns.append(parent)

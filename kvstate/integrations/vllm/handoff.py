@@ -70,7 +70,8 @@ class KVFacts:
         return cls(
             layout=layout,
             spec=type(spec).__name__,
-            layers=len(kv_cache_config.kv_cache_groups[0].layer_names),
+            # the model's, not this worker's: a pipeline stage holds some of them
+            layers=int(vllm_config.model_config.get_total_num_hidden_layers()),
             block_size=int(spec.block_size),
             head_bytes=int(spec.num_states * spec.state_content_size_bytes),
             dtype=str(getattr(spec, "dtype", "?")).replace("torch.", ""),
