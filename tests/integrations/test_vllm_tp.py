@@ -152,6 +152,8 @@ def test_what_no_route_serves_is_refused_with_the_reason() -> None:
     one = replace(lh, kv_heads=2, tp=2)  # 1 head a rank at TP 2 and at TP 4
     assert refusal("P", one, "D", replace(one, tp=4)) == ""
     assert "KV heads 2 there, 4 here" in refusal("P", one, "D", lh)
+    # NixlConnector moves blocks of other sizes (block_size_ratio); kvstate refuses
+    assert "block size 16 there, 4 here" in refusal("P", replace(d, block_size=16), "D", d)
 
 
 def test_transfers_reach_vllms_stats_and_prometheus(

@@ -320,6 +320,8 @@ def worker_main(
         if msg == "stop":
             with set_current_vllm_config(config):
                 ensure_kv_transfer_shutdown()
+                ps.destroy_model_parallel()  # its groups' shared memory too
+                ps.destroy_distributed_environment()
             conn.send(("bye", None))
             return
         try:

@@ -4,14 +4,13 @@ its own: each worker (and the scheduler, for its fallbacks) returns a
 the ranks, logs ``reduce()`` with its other stats and hands them to
 ``KVStatePromMetrics.observe`` for Prometheus:
 
-| metric | what |
-| --- | --- |
-| ``vllm:kvstate_xfer_time_seconds`` (histogram) | one prefill rank's send of one request |
-| ``vllm:kvstate_bytes_transferred`` (histogram) | the bytes of that send |
-| ``vllm:kvstate_num_failed_transfers`` | rooms that failed on a rank (a send, a load) |
-| ``vllm:kvstate_num_kv_expired_reqs`` | prefill blocks freed because no decode came |
-| ``vllm:kvstate_num_recompute_fallbacks`` | decode requests computed locally: the two
-  engines cannot move KV between them (another layout, model, TP sizes that do not fit) |
+- ``vllm:kvstate_xfer_time_seconds`` (histogram): one prefill worker's send of one
+  request;
+- ``vllm:kvstate_bytes_transferred`` (histogram): the bytes of that send;
+- ``vllm:kvstate_num_failed_transfers``: sends and decode loads that failed;
+- ``vllm:kvstate_num_kv_expired_reqs``: prefill blocks freed because no decode came;
+- ``vllm:kvstate_num_recompute_fallbacks``: decode requests computed locally because
+  the two engines cannot move KV between them (layout, model, TP sizes).
 """
 
 from __future__ import annotations
