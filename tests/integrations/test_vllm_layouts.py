@@ -1,5 +1,7 @@
 """Every KV cache layout vLLM 0.34 can hand register_kv_caches, through the same
-harness: each moves byte-exact, a layout or geometry mismatch between the engines is
+harness: each moves byte-exact, from a TP-1 prefill to a TP-2 decode (parts of pages:
+the runs' Geometry) where the layout splits by heads, a layout or geometry mismatch
+between the engines is
 refused per request (the decode computes the prompt itself, the prefill frees its
 blocks), and caches vLLM's allocator never makes are refused at start-up."""
 
@@ -22,8 +24,9 @@ url = pytest.fixture(scope="module")(module_redis)
 
 @pytest.fixture(scope="module")
 def pairs(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A prefill and a decode engine per layout (MLA: the backends' layout), all
-    started side by side."""
+    """A prefill (TP 1) and a decode engine per layout (MLA: the backends' layout), all
+    started side by side. The decodes run TP 2 (each rank 2 of the 4 KV heads: parts
+    of the prefill's pages), but LHBNC's (TP 1: a page there is one head, whole)."""
     from tests.integrations.vllm_engine import start
     from tests.integrations.vllm_rig import Spec, write_model
 
@@ -32,7 +35,9 @@ def pairs(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
     for case in CASES:
         layout, mla = (None, True) if case == "MLA" else (case, False)
         for role in ("kv_producer", "kv_consumer"):
-            specs.append(Spec(role, f"{role[3]}-{case}", url, model, layout=layout, mla=mla))
+            tp = 2 if role == "kv_consumer" and case != "LHBNC" else 1
+            name = f"{role[3]}-{case}"
+            specs.append(Spec(role, name, url, model, tp=tp, layout=layout, mla=mla))
     engines = start(specs)
     yield {case: (engines[2 * i], engines[2 * i + 1]) for i, case in enumerate(CASES)}
     for e in engines:
@@ -53,7 +58,8 @@ def test_layout_moves_byte_exact(url: str, pairs: dict[str, Any], case: str) -> 
     for rid, toks in prompts.items():
         assert d.first_computed[rid] == len(toks) - 1, rid  # loaded, not recomputed
         assert d.tokens[rid] == reference(toks, 5), rid
-    assert d.mismatches == [] and d.bytes_verified[0] > 0
+    assert d.mismatches == [] and min(d.bytes_verified) > 0  # every rank, its heads
+    print(f"{case} TP 1 -> {d.spec.tp}: {sum(d.bytes_verified)} KV bytes compared")
     assert p.problems() == [] and d.problems() == []
     assert room_keys(url) == []
 
