@@ -1,9 +1,11 @@
 """kvstate: per-room KV-transfer state for disaggregated LLM serving, kept in Redis."""
 
-from kvstate.codec import TransferInfo
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvstate.errors import (
+    AuthenticationFailedError,
     ClosedError,
-    CMAError,
     CorruptStateError,
     DurabilityError,
     DurationSyntaxError,
@@ -19,30 +21,55 @@ from kvstate.errors import (
     InvalidValueError,
     KVStateError,
     KVTransferError,
-    LayoutError,
     LayoutRefusedError,
     ManagerClosedError,
     MetricsPortError,
     NotReadyError,
     PeerNotFoundError,
     PermissionDeniedError,
-    PtracerError,
     RedisServerError,
     StateConnectionError,
     StateOutOfMemoryError,
-    TransportError,
     UnsupportedConfigError,
     UnsupportedLayoutError,
     UnsupportedSGLangError,
     VLLMConfigError,
 )
 from kvstate.poll import KVPoll, PollResults
-from kvstate.roles import KVManager, KVReceiver, KVSender
 from kvstate.store import Options, Store, connect
+
+if TYPE_CHECKING:
+    from kvstate.codec import TransferInfo
+    from kvstate.errors import CMAError, LayoutError, PtracerError, TransportError
+    from kvstate.roles import KVManager, KVReceiver, KVSender
+
+# Loaded on first use (PEP 562): the roles, the codec and the transports' errors bring
+# numpy and the transport layer, which `kvstate ls` never needs (issue 31: start-up).
+_LAZY = {
+    "TransferInfo": "kvstate.codec",
+    "KVManager": "kvstate.roles",
+    "KVReceiver": "kvstate.roles",
+    "KVSender": "kvstate.roles",
+    "CMAError": "kvstate.errors",
+    "LayoutError": "kvstate.errors",
+    "PtracerError": "kvstate.errors",
+    "TransportError": "kvstate.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationFailedError",
     "CMAError",
     "ClosedError",
     "CorruptStateError",

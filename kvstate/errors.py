@@ -12,8 +12,30 @@ Messages name what was wrong and what to do next; none ever carries a password.
 
 from __future__ import annotations
 
-from transports.base import LayoutError, TransportError
-from transports.cma import CMAError, PtracerError
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transports.base import LayoutError, TransportError
+    from transports.cma import CMAError, PtracerError
+
+# Re-exported on first use (PEP 562): the transports import numpy, which the CLI's
+# views never need (issue 31: start-up per call).
+_TRANSPORTS = {
+    "LayoutError": "transports.base",
+    "TransportError": "transports.base",
+    "CMAError": "transports.cma",
+    "PtracerError": "transports.cma",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _TRANSPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 class KVStateError(Exception):
@@ -68,6 +90,11 @@ class StateConnectionError(KVStateError, ConnectionError):
     may have run it and only its reply was lost (every kvstate call can be made again)."""
 
     may_have_run: bool = False
+
+
+class AuthenticationFailedError(StateConnectionError):
+    """Redis refused the password, or asks for one that was not given: no retry mends
+    it (``kvstate monitor`` waits for a Redis that is down, not for this)."""
 
 
 class PermissionDeniedError(StateConnectionError):
@@ -167,6 +194,7 @@ class LayoutRefusedError(VLLMConfigError):
 
 
 __all__ = [
+    "AuthenticationFailedError",
     "CMAError",
     "ClosedError",
     "CorruptStateError",

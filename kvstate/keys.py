@@ -208,6 +208,11 @@ class Keys:
         return f"{self.prefix}{{*}}:{side}:{literal}"
 
     @property
+    def trace_pattern(self) -> str:
+        """Every room's trace (``trace()``)."""
+        return f"{self.prefix}{{*}}:trace"
+
+    @property
     def engine_pattern(self) -> str:
         return f"{self.prefix}engine:*"
 

@@ -15,6 +15,16 @@ class KVPoll(IntEnum):
     Transferring = 3
     Success = 4
 
+    def __str__(self) -> str:
+        """``KVPoll.Success``, not ``4`` (an IntEnum prints as its int since Python
+        3.11): logs and ``print()`` name the status. Comparisons and ``int()`` are
+        SGLang's values still."""
+        return f"{type(self).__name__}.{self.name}"
+
+    def __format__(self, spec: str) -> str:
+        """f-strings as ``str()``; a format spec (``{status:d}``) formats the int."""
+        return str(self) if not spec else format(int(self), spec)
+
     @property
     def terminal(self) -> bool:
         return self in (KVPoll.Failed, KVPoll.Success)

@@ -180,6 +180,11 @@ EV_BOUND: Final = "bound"  # a receiver bound a sender (at INCARNATION)
 EV_PUBLISHED: Final = "published"  # a receiver's transfer info went to a sender
 EV_ABORT: Final = "abort"
 EV_CLEARED: Final = "cleared"
+# Written by Python, not a script (no Lua mirror): the serving request's W3C trace
+# context, appended (RPUSHX) in a participant's create batch when its engine passes one
+# (kvstate.trace.traceparent); TRACE_MS 0, it is no step of the room.
+EV_CONTEXT: Final = "context"
+TRACE_PARENT: Final = "traceparent"
 
 # -- transfer counters hash: kvstate:<ns>:stats:<engine> -------------------------------
 STATS_BYTES: Final = "bytes"

@@ -15,12 +15,41 @@ docs/design.md, Data model, says more.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstate import schema
 
 _MASK = 2**64 - 1
+# W3C trace context, version 00: 00-<trace id: 32 hex>-<parent id: 16 hex>-<flags: 2 hex>
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def traceparent(value: object) -> str | None:
+    """A serving request's W3C ``traceparent`` as kvstate keeps it (lower case), or
+    None when ``value`` is none or not one (an all-zero id is invalid): what an
+    integration hands ``KVManager.sender(..., trace_context=)`` from a request's
+    headers, so a malformed header from a client never fails the request."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip().lower()
+    m = _TRACEPARENT.fullmatch(text)
+    if m is None or set(m[1]) == {"0"} or set(m[2]) == {"0"}:
+        return None
+    return text
+
+
+def context_entry(side: str, engine: str, context: str) -> str:
+    """The trace entry that carries a request's trace context (schema.EV_CONTEXT)."""
+    doc = {
+        schema.TRACE_MS: 0,
+        schema.TRACE_SIDE: side,
+        schema.TRACE_ENGINE: engine,
+        schema.TRACE_EVENT: schema.EV_CONTEXT,
+        schema.TRACE_PARENT: context,
+    }
+    return json.dumps(doc, separators=(",", ":"))
 
 
 def _mix(room: int) -> int:
@@ -68,10 +97,14 @@ class TraceEntry:
         """The entries of an LRANGE of the trace, in order; an entry that does not
         parse (no kvstate code wrote it) is kept as an event named ``unreadable``."""
         out: list[TraceEntry] = []
+        last: TraceEntry | None = None  # the last step (a context entry is none)
         for item in raw:
             e = cls.parse(item)
-            seq = out[-1].seq + 1 if out and out[-1].ms == e.ms else 0
-            out.append(cls(e.ms, seq, e.side, e.engine, e.event, e.fields))
+            seq = last.seq + 1 if last is not None and last.ms == e.ms else 0
+            entry = cls(e.ms, seq, e.side, e.engine, e.event, e.fields)
+            out.append(entry)
+            if e.event != schema.EV_CONTEXT:
+                last = entry
         return out
 
     @classmethod

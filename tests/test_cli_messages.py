@@ -59,7 +59,8 @@ def room(store: Store, n: int, pages: Any = None) -> tuple[Any, Any]:
         (["ls", "--bogus"], "--bogus"),
         (["abort", "1", "--nope"], "--nope"),
         (["ls", "--older-than", "soon"], "--older-than"),
-        (["top", "--interval", "30"], "--interval"),
+        (["top", "--interval", "50ms"], "--interval"),
+        (["demo", "--hold", "soon"], "--hold"),
         (["demo", "--page-bytes", "16q"], "--page-bytes"),
         (["demo", "--pages-per-request", "9-3"], "--pages-per-request"),
         (["show"], "ROOM"),
@@ -91,9 +92,11 @@ def test_durations_are_read_as_they_are_printed() -> None:
         assert abs(parse_seconds(text) * 1000 - ms) <= max(50, ms * 0.01), (ms, text)
     assert parse_seconds("1m30s") == 90 and parse_seconds("30S") == 30
     assert parse_seconds("250ms") == 0.25 and parse_seconds("0") == 0
-    for bare in ("30", "1.5"):
-        with pytest.raises(ValueError, match="has no unit: write"):
-            parse_seconds(bare)
+    # one rule (issue 31): a plain number is seconds, everywhere
+    assert parse_seconds("30") == 30 and parse_seconds(" 1.5 ") == 1.5
+    for bad in ("-5", "-1s", "inf", "nan", "5 parsecs", ""):
+        with pytest.raises(ValueError, match="duration|negative"):
+            parse_seconds(bad)
 
 
 def test_ls_prints_ages_that_older_than_accepts(store: Store, redis_url: str) -> None:
@@ -115,8 +118,16 @@ def test_ls_prints_ages_that_older_than_accepts(store: Store, redis_url: str) ->
         json.loads(run("--url", redis_url, "ls", "--older-than", "1M30S", "--json").stdout)["count"]
         == 0
     )
-    result = run("--url", redis_url, "ls", "--older-than", "30")
-    assert result.exit_code == 2 and "'30' has no unit: write 30s" in result.output
+    # a plain number is seconds (issue 31: it was refused here, and demo --hold 30s was
+    # refused for its unit)
+    for older in ("30", "30s", "30S", "0.5m"):
+        result = run("--url", redis_url, "ls", "--older-than", older, "--json")
+        assert result.exit_code == 0, (older, result.output)
+        assert json.loads(result.stdout)["count"] == 2, older
+    assert (
+        json.loads(run("--url", redis_url, "ls", "--older-than", "90", "--json").stdout)["count"]
+        == 0
+    )
     p.close()
     d.close()
 

@@ -296,7 +296,7 @@ def test_restart_policies(services: dict[str, dict[str, Any]]) -> None:
     for name, svc in services.items():
         assert "restart" in svc, f"{name} has no restart policy"
         serving = name.startswith("redis-cluster-") and name != "redis-cluster-init"
-        if name in ("redis", "monitor") or serving:
+        if name in ("redis", "monitor", "prometheus", "grafana") or serving:
             assert svc["restart"] == "unless-stopped", name
         else:
             assert svc["restart"] == "no", name
@@ -371,3 +371,67 @@ def test_docker_compose_accepts_the_file() -> None:
         ["docker", "compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+ROOT = COMPOSE.parent
+
+
+def _mounts(svc: dict[str, Any]) -> dict[str, Path]:
+    """A service's bind mounts: container path -> the file or folder in this repo."""
+    out = {}
+    for v in svc.get("volumes", []):
+        host, container = str(v).split(":")[:2]
+        out[container] = (ROOT / host).resolve()
+    return out
+
+
+def test_observability_profile_provisions_prometheus_and_grafana(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Issue 31: a compose profile with Prometheus (scraping the monitor, evaluating the
+    alert rules) and Grafana (that Prometheus as data source, the shipped dashboard
+    provisioned), every file it mounts in the repo and consistent with the others."""
+    prom, graf = services["prometheus"], services["grafana"]
+    assert prom["profiles"] == graf["profiles"] == ["observability"]
+    mounts = _mounts(prom)
+    for path in mounts.values():
+        assert path.is_file(), path
+    config_path = mounts["/etc/prometheus/prometheus.yml"]
+    config = yaml.safe_load(config_path.read_text())
+    targets = [
+        t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    ]
+    port = option(argv(services["monitor"]), "--metrics-port")
+    assert targets == [f"monitor:{port}"]
+    for rule_file in config["rule_files"]:  # where Prometheus reads them, mounted
+        assert f"/etc/prometheus/{rule_file}" in mounts
+        assert mounts[f"/etc/prometheus/{rule_file}"].name == "kvstate-alerts.yml"
+    graf_mounts = _mounts(graf)
+    provisioning = graf_mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert source["type"] == "prometheus" and source["isDefault"] is True
+    prom_port = str(prom["ports"][0]).rsplit(":", 1)[1]
+    assert source["url"] == f"http://prometheus:{prom_port}"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "kvstate.yml").read_text())[
+        "providers"
+    ]
+    folder = provider["options"]["path"]
+    dashboards = {c: p for c, p in graf_mounts.items() if c.startswith(folder + "/")}
+    assert [p.relative_to(ROOT).as_posix() for p in dashboards.values()] == [
+        "docs/grafana/kvstate.json"
+    ]
+    password = graf["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert _required(password, "KVSTATE_GRAFANA_PASSWORD")
+    assert "KVSTATE_GRAFANA_PASSWORD" in COMPOSE.read_text().split("services:")[0]  # .env line
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # .ci/run installs it where it can
+        done = subprocess.run(
+            [promtool, "check", "config", config_path.name],
+            cwd=config_path.parent,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr

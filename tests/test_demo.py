@@ -72,6 +72,12 @@ def test_demo_without_url_verifies_every_byte_and_leaves_no_key() -> None:
     assert doc["latency_ms"]["p99"] >= doc["latency_ms"]["p50"] > 0
     assert doc["write_gb_per_s"] >= doc["send_gb_per_s"] >= doc["gb_per_s"] > 0
     assert doc["workers"]["transport"]["prefill-0"]["bytes_moved"] == doc["bytes_verified"]
+    # the --hold hint says what holding would cost (issue 31: it hid that the run then
+    # takes minutes): 50 rooms in waves of --inflight 8 -> 7 x 30s
+    assert (
+        "--hold 30s keeps each one visible for 30 s, and then 50 rooms, 8 at a time, "
+        "take at least 3m30s" in err
+    ), err
 
 
 def test_demo_killed_prefill_fails_its_rooms_by_lease_and_leaves_no_key() -> None:

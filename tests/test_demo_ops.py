@@ -152,10 +152,13 @@ def test_hold_keeps_rooms_visible_to_the_cli() -> None:
 def test_held_summary_prints_no_meaningless_figures_and_no_padding() -> None:
     """With --hold the summary printed `end to end 0.000 GB/s`, `p50 30065.8 ms` and
     `2253.1 round trips` (the hold, timed); piped, each line was padded to 120 columns."""
-    proc = _start("--requests", "2", "--hold", "0.5", *SMALL)
+    # a duration with its unit (issue 31: `--hold 500ms` was refused, a bare 0.5 taken)
+    proc = _start("--requests", "2", "--inflight", "1", "--hold", "500ms", *SMALL)
     out, err = _finish(proc)
     assert proc.returncode == 0, err
     assert "not measured: each room waited 0.5 s on purpose (--hold)" in out, out
+    # the banner says what the hold costs the run: 2 rooms, one at a time
+    assert "2 rooms, 1 at a time, take at least 1s" in err, err
     for meaningless in ("GB/s: verified bytes", "p50", "round trips from the workers"):
         assert meaningless not in out, out
     assert "data plane" in out and "keys left" in out

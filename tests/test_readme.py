@@ -54,6 +54,33 @@ def test_using_it_example_runs_as_written(tmp_path: Path, redis_tcp_url: str) ->
         assert list(c.scan_iter("kvstate:prod:*")) == []  # cleared, leases dropped
 
 
+def test_using_it_example_without_a_url_stops_naming_the_variable(tmp_path: Path) -> None:
+    """Issue 31: without $KVSTATE_REDIS_URL the example fell back to
+    redis://127.0.0.1:6379/0 and ran, with no warning, on whatever server was there (or
+    failed with "connection refused" naming no variable). It must stop at once, naming
+    the variable, before touching any Redis."""
+    script = tmp_path / "example.py"
+    script.write_text(_block(_section("Using it"), "python"))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KVSTATE_NAMESPACE", "KVSTATE_REDIS_URL", "KVSTATE_REDIS_PASSWORD")
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=scaled(60),
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0, result.stdout
+    assert "InvalidURLError" in result.stderr and "$KVSTATE_REDIS_URL" in result.stderr
+    assert "6379" not in _block(_section("Using it"), "python")  # no default server
+    assert "pages moved" not in result.stdout
+
+
 def test_redis_cli_example_matches_what_the_code_writes(redis_url: str) -> None:
     """Make the example's room (receiver published, sender inside send()) and compare the
     key names and the receiver's fields with the README's redis-cli session."""

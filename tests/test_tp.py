@@ -16,10 +16,10 @@ import pytest
 import kvstate
 from kvstate import KVPoll
 from kvstate.errors import InvalidValueError
-from kvstate.store import Store
+from kvstate.store import Store, command_call
 from kvstate.tp import Route, local_heads, receivers_per_sender, routes
 from tests import tp_ranks
-from tests.helpers import keys_of, scaled
+from tests.helpers import keys_of, scaled, wait_for
 from tests.tp_ranks import Shape
 from transports.base import Heads
 
@@ -168,6 +168,7 @@ def _run(
         src = rng.choice(tp_ranks.PAGES, 12, replace=False).tolist()
         rooms[room] = (src, dst_pages[12 * i : 12 * i + 12])
     results = spawn_ctx.Queue()
+    aborted = spawn_ctx.Event()
     starts = [("prefill", p) for p in range(shape.prefill_tp)]
     starts += [("decode", d) for d in range(shape.decode_tp)]
     random.Random(seed).shuffle(starts)  # ranks come up in any order
@@ -178,11 +179,17 @@ def _run(
             args = (url, NAMESPACE, shape, rank, src_rooms, results)
             target: Any = tp_ranks.prefill_rank
         else:
-            args = (url, NAMESPACE, shape, rank, rooms, results, abort_room if rank == 0 else None)  # type: ignore[assignment]
+            args = (url, NAMESPACE, shape, rank, rooms, results, abort_room, aborted)  # type: ignore[assignment]
             target = tp_ranks.decode_rank
         proc = spawn_ctx.Process(target=target, args=args)
         proc.start()
         procs.append(proc)
+    if abort_room is not None:  # the other decode ranks publish only after the abort
+        store = kvstate.connect(url, namespace=NAMESPACE)
+        mark = store.keys.aborted(abort_room)
+        assert wait_for(lambda: store.execute([command_call("EXISTS", mark)]) == [1], 60)
+        store.close()
+        aborted.set()
     got = [results.get(timeout=scaled(180)) for _ in range(len(procs) + shape.prefill_tp)]
     for proc in procs:
         proc.join(scaled(30))
@@ -215,8 +222,9 @@ def test_kv_heads_move_byte_exact_between_groups_of_different_tp(
 def test_one_decode_rank_aborting_fails_the_room_on_every_rank(
     spawn_ctx: Any, redis_url: str
 ) -> None:
-    """TP 2 -> TP 4: decode rank 0 gives up on room 101; every prefill and decode rank
-    reads it Failed with that reason, and room 102 still succeeds everywhere."""
+    """TP 2 -> TP 4: decode rank 0 gives up on room 101 before publishing its pages;
+    every prefill and decode rank reads it Failed with that reason, and room 102 still
+    succeeds everywhere."""
     prefill, decode = _run(spawn_ctx, redis_url, Shape(2, 4, 4), abort_room=101, seed=5)
     for ranks_out in prefill.values():
         assert ranks_out[101][0] == "Failed" and "decode rank gave up" in ranks_out[101][1]

@@ -6,6 +6,7 @@ standalone server and on a 3-primary Cluster."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -389,10 +390,12 @@ def test_cli_trace_of_a_failed_room_names_the_failure(redis_url: str) -> None:
     rcv.abort("decode preempted")
     t = read_timeline(store, 5)
     assert t.outcome == "Failed: decode preempted (by rx:decode-b.tp0)"
-    assert [ph.name for ph in t.phases()] == [
-        "bootstrap",
-        "waiting for input",
-        "transfer until failure",
+    # not cleared yet: live, in its clear phase, which runs to now (issue 31)
+    assert [(ph.name, ph.open) for ph in t.phases()] == [
+        ("bootstrap", False),
+        ("waiting for input", False),
+        ("transfer until failure", False),
+        ("until clear", True),
     ]
     result = run("--url", redis_url, "trace", "5")
     assert result.exit_code == 0, result.output
@@ -401,6 +404,45 @@ def test_cli_trace_of_a_failed_room_names_the_failure(redis_url: str) -> None:
     p.close()
     d.close()
     store.close()
+
+
+def test_cli_trace_of_a_live_room_runs_its_open_phase_to_now(store: Store, store_url: str) -> None:
+    """Issue 31: a room waiting 28 s read "4 ms from first to last step". The phase it is
+    in runs to the server's current time, marked "so far"; once both sides cleared, the
+    timeline ends at its last step again."""
+    p, d = pair(store)
+    snd = p.sender(61, required_receivers=1)
+    rcv = d.receiver(61, bootstrap_addr=PREFILL_ADDR)
+    rcv.init(np.arange(4))
+    assert snd.poll() == KVPoll.WaitingForInput  # the prefill "computes": no transfer yet
+    last = entries(store, 61)[-1].ms
+    assert wait_for(lambda: store.server_time_ms() >= last + 300, 10)  # the server's clock
+    now = store.server_time_ms()
+    first = entries(store, 61)[0].ms
+    result = run("--url", store_url, "-n", "tr", "trace", "61")
+    assert result.exit_code == 0, result.output
+    summary = result.output.strip().splitlines()[-1]
+    assert summary.startswith("room 61: in flight; ") and "so far" in summary, summary
+    doc = json.loads(run("--url", store_url, "-n", "tr", "trace", "61", "--json").stdout)
+    assert doc["live"] is True and doc["now_ms"] >= now
+    assert doc["total_ms"] >= now - first >= 300
+    *done, current = doc["phases"]
+    assert [ph["name"] for ph in done] == ["bootstrap"] and not done[0]["open"]
+    assert current["name"] == "waiting for input" and current["open"] is True
+    assert current["to_ms"] == doc["now_ms"] and current["ms"] >= now - last
+    assert re.search(r"waiting for input \d+ ms so far; 5 steps$", summary), summary
+    assert sum(ph["ms"] for ph in doc["phases"]) == doc["total_ms"]
+    snd.begin_transfer()
+    snd.finish_transfer()
+    rcv.poll()
+    snd.clear()
+    rcv.clear()
+    doc = json.loads(run("--url", store_url, "-n", "tr", "trace", "61", "--json").stdout)
+    assert doc["live"] is False and doc["now_ms"] is None
+    assert not any(ph["open"] for ph in doc["phases"])
+    assert doc["total_ms"] == doc["steps"][-1]["ms"] - doc["steps"][0]["ms"]
+    p.close()
+    d.close()
 
 
 def test_show_points_to_the_trace(store_url: str) -> None:

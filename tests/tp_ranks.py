@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
 
 import numpy as np
 
@@ -115,9 +116,12 @@ def decode_rank(
     rooms: dict[int, tuple[list[int], list[int]]],
     results: Queue,
     abort_room: int | None = None,
+    aborted: Event | None = None,
 ) -> None:
     """One decode rank: a receiver per room routed to the prefill ranks that hold its
-    heads (and its dummies), waits for the room to end, and checks every byte."""
+    heads (and its dummies), waits for the room to end, and checks every byte. With
+    ``abort_room``, rank 0 aborts that room before publishing; the other ranks publish it
+    only once ``aborted`` is set (after the abort), so no rank can finish it first."""
     transport, bufs = _transport(shape, rank, shape.decode_tp, filled=False)
     store = kvstate.connect(url, namespace=ns)
     name = f"dc.tp{rank}"
@@ -134,10 +138,13 @@ def decode_rank(
                 senders={f"pf.tp{p}": r for p, r in table.items()},
                 receivers_per_sender=per_sender,
             )
-            rcv.init(np.asarray(dst))
+            if room == abort_room and rank == 0:
+                rcv.abort("decode rank gave up")
+            else:
+                if room == abort_room and aborted is not None:
+                    aborted.wait(scaled(60))
+                rcv.init(np.asarray(dst))
             receivers[room] = rcv
-        if abort_room is not None:
-            receivers[abort_room].abort("decode rank gave up")
         out = {}
         deadline = time.monotonic() + scaled(60)
         for room, rcv in receivers.items():

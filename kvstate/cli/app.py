@@ -13,7 +13,9 @@ what to do next. A password in the URL is never printed (design rule 8).
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -21,15 +23,16 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
 
 import click
 
 from kvstate.defaults import ROOM_TTL
-from kvstate.errors import DurationSyntaxError, KVStateError, RedisServerError
-from kvstate.ops.durations import fmt_ms, parse_seconds
+from kvstate.errors import KVStateError, RedisServerError
+from kvstate.ops.durations import Duration
 from kvstate.ops.views import holds_keys, namespaces
 from kvstate.store import (
     EMBEDDED,
@@ -46,15 +49,10 @@ from kvstate.store import (
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_ERROR = 2
+EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE  # 141: stdout's reader went away
 # click >= 8.2 raises this for a group called without a command (8.1 prints the help)
 _NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
 DEMO_RECORD = "kvstate-demo-*.json"  # written by a running `kvstate demo`, removed at exit
-
-if TYPE_CHECKING:  # generic since click 8.2; a subscript would fail at run time on 8.1
-    _ParamType = click.ParamType[float, Any]
-else:
-    _ParamType = click.ParamType
-
 
 # --------------------------------------------------------------------------- plumbing
 
@@ -66,33 +64,6 @@ class Failure(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"kvstate: error: {self.format_message()}", err=True)
-
-
-class Duration(_ParamType):
-    """``30s``, ``1m30s``, ``250ms``: what the tables print (kvstate.ops.durations); a
-    number needs its unit. ``minimum`` (seconds) refuses periods that would hammer
-    Redis (``--interval 0`` is a busy loop)."""
-
-    name = "duration"
-
-    def __init__(self, minimum: float = 0.0) -> None:
-        self.minimum = minimum
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> float:
-        if isinstance(value, int | float):  # a default, in seconds
-            seconds = float(value)
-        else:
-            try:
-                seconds = parse_seconds(str(value))
-            except DurationSyntaxError as exc:
-                self.fail(str(exc), param, ctx)
-        if seconds < self.minimum:
-            self.fail(
-                f"{value!r} is too short: at least {fmt_ms(int(self.minimum * 1000))}", param, ctx
-            )
-        return seconds
 
 
 DURATION = Duration()
@@ -128,9 +99,10 @@ class Ctx:
         (a read-only ACL user runs them), and a repair's script loads on first use."""
         if need_url and not self.url:
             self._find_demo()
+        log_warnings()  # the library's, as one line each (not the demo's own logging)
         options = None if patient else Options(retries=2, backoff_cap=0.2)
         try:  # no URL here only for `doctor`, which then asks for a private server
-            return connect(
+            store = connect(
                 self.url or EMBEDDED,
                 self.namespace,
                 room_ttl,
@@ -145,6 +117,7 @@ class Ctx:
                 "its query parameters (socket_timeout=SECONDS, ssl_ca_certs=PATH; "
                 "a Cluster is redis+cluster://)"
             ) from None
+        return store  # a password the server ignores: connect() warned (as redis-cli does)
 
     def _find_demo(self) -> None:
         """No URL given: use a running `kvstate demo`'s embedded server, if any."""
@@ -231,10 +204,42 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text if len(text) <= 600 else text[:597] + "..."
 
 
+# Each command's module, imported when the command is asked for: a call loads what its
+# command needs, not every command's dependencies (issue 31: start-up per call).
+COMMANDS = {
+    "show": "kvstate.cli.rooms",
+    "ls": "kvstate.cli.rooms",
+    "abort": "kvstate.cli.rooms",
+    "trace": "kvstate.cli.trace",
+    "engines": "kvstate.cli.engines",
+    "top": "kvstate.cli.top",
+    "audit": "kvstate.cli.audit",
+    "monitor": "kvstate.cli.monitor",
+    "doctor": "kvstate.cli.doctor",
+    "functions": "kvstate.cli.functions",
+    "demo": "kvstate.demo",
+}
+
+
 class KVGroup(click.Group):
     """Turns kvstate errors (the store makes redis-py's kvstate's) and click's usage
     errors into one line and exit status 2; Ctrl-C into exit status 130 (click would
-    print ``Aborted!``, exit 1)."""
+    print ``Aborted!``, exit 1). Loads a command's module when it is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(COMMANDS) | set(self.commands))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMANDS.get(cmd_name)
+        if cmd_name not in self.commands and module is not None:
+            try:  # a command module registers its command on import
+                loaded = importlib.import_module(module)
+            except ImportError:  # pragma: no cover - the demo's dependencies missing
+                return None
+            command = getattr(loaded, cmd_name, None)
+            if isinstance(command, click.Command) and cmd_name not in self.commands:
+                self.add_command(command)  # the demo, which does not register itself
+        return super().get_command(ctx, cmd_name)
 
     def main(
         self,
@@ -266,12 +271,63 @@ class KVGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
-        except BrokenPipeError:  # `kvstate ls | head`: click quiets it, no error line
-            raise
+            try:
+                return super().invoke(ctx)
+            finally:  # what is still buffered goes now, while a closed pipe can be told
+                sys.stdout.flush()
+        except BrokenPipeError:  # `kvstate ls | head`: the reader is gone
+            pipe_closed()
         except (KVStateError, OSError) as exc:
             obj = ctx.find_object(Ctx)
             raise Failure(scrub(describe(exc), obj.secrets if obj else [])) from None
+
+
+def now_stamp() -> str:
+    """This host's time for a log line (UTC, to the second): when it was printed, never
+    an age or a deadline (those are the Redis server's, design rule 9)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _StderrLines(logging.Handler):
+    """kvstate's warnings as the CLI's own lines (``kvstate: warning: ...``), on
+    whatever stderr is current (click's test runner swaps it); after the time when
+    ``stamped`` (a long-running command's log: ``monitor``)."""
+
+    stamped = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage().replace(URL_SOURCE, CLI_URL_SOURCE)  # CLI wording
+            line = f"kvstate: {record.levelname.lower()}: {text}"
+            click.echo(f"{now_stamp()} {line}" if self.stamped else line, err=True)
+        except Exception:  # noqa: BLE001 - a log line must never end a command
+            self.handleError(record)
+
+
+def stamp_log_lines() -> None:
+    """From now on the library's warnings this CLI shows start with the time."""
+    _StderrLines.stamped = True
+
+
+def log_warnings() -> None:
+    """Show the library's warnings (a password the server ignores, a lease renewal
+    that failed...) as one line each, when nothing else configured logging."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = _StderrLines(logging.WARNING)
+        root.addHandler(handler)
+
+
+def pipe_closed() -> NoReturn:
+    """stdout's reader went away (``kvstate ls | head``): no traceback, no error line,
+    and exit status 141 (128 + SIGPIPE), what a Unix tool killed by SIGPIPE reports
+    (click's 1 read as "findings"). Later writes and the flush at exit go nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (a test's runner)
+        pass
+    sys.exit(EXIT_PIPE_CLOSED)
 
 
 CLI_URL_SOURCE = f"--url or ${ENV_URL}"
@@ -378,7 +434,8 @@ def common(f: Callable[..., Any]) -> Callable[..., Any]:
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit status, for every command: 0 ok; 1 findings or nothing found (audit "
     "findings left, a failed doctor check, no such room, an empty "
-    "namespace); 2 an error, printed as one line.",
+    "namespace); 2 an error, printed as one line; 130 / 143 stopped by SIGINT / "
+    "SIGTERM; 141 stdout's reader went away (`kvstate ls | head`).",
 )
 @click.option("--url", metavar="URL", envvar=ENV_URL, help=_URL_HELP)
 @click.option("--namespace", "-n", metavar="NS", envvar=ENV_NAMESPACE, help=_NS_HELP)

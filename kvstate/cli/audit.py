@@ -23,7 +23,6 @@ from kvstate.defaults import ROOM_TTL
 from kvstate.errors import CorruptStateError, KVStateError
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor, Report, acl_refused
 from kvstate.ops.durations import fmt_ms
-from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import Entry, Ledger
 from kvstate.store import Store
 
@@ -103,7 +102,7 @@ def _findings_table(report: Report, fix: bool, limit: int) -> Table:
         t.add_column(name, overflow="fold")
     left = set(map(id, report.remaining))
     for f in report.findings[:limit]:
-        action = f.fixed or f.resolved or f.left or ("" if fix else finding_kind(f.kind).hint)
+        action = f.fixed or f.resolved or f.left or ("" if fix else f.hint)
         t.add_row(
             styled(f.kind, "red" if id(f) in left else "green"),
             cut(f.key),

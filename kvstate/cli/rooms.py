@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 from rich.table import Table
@@ -14,6 +14,7 @@ from kvstate.cli.app import (
     DURATION,
     EXIT_FINDINGS,
     EXIT_OK,
+    PERIOD,
     Ctx,
     Failure,
     common,
@@ -23,7 +24,7 @@ from kvstate.cli.app import (
     opened,
 )
 from kvstate.cli.output import ROWS, console, cut, emit_json, more, name_width, status_style, styled
-from kvstate.codec import TransferInfo
+from kvstate.cli.watch import watching
 from kvstate.keys import parse_room_text
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.views import (
@@ -36,6 +37,13 @@ from kvstate.ops.views import (
     scan_participants,
 )
 from kvstate.poll import KVPoll
+from kvstate.store import Store
+
+if TYPE_CHECKING:  # decoded by the views when `show` needs them (msgpack, numpy)
+    from kvstate.codec import TransferInfo
+
+
+MAX_REASON = 1000  # characters of an operator's --reason
 
 
 def _participants_table(parts: list[Participant], with_room: bool) -> Table:
@@ -119,16 +127,32 @@ def _infos_table(infos: dict[str, dict[str, TransferInfo | str]]) -> Table:
     help="At most this many participants (and members, transfer infos, acks) shown.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option(
+    "--watch",
+    type=PERIOD,
+    metavar="PERIOD",
+    help="Show it again every PERIOD (2s, or 2 for seconds) until Ctrl-C.",
+)
 @click.pass_obj
-def show(obj: Ctx, room: str, limit: int, as_json: bool) -> None:
+def show(obj: Ctx, room: str, limit: int, as_json: bool, watch: float | None) -> None:
     """Every participant of ROOM, its status, age, TTL, decoded transfer infos and abort
     mark. Exit status 1 when nothing is stored for the room."""
     r = parse_room_text(room)
     with opened(obj) as store:
-        view = room_view(store, r)
+        if watch is not None:
+            watching(
+                obj, store, watch, f"show {r}", lambda: _show(store, r, as_json, limit), as_json
+            )
+        code = _show(store, r, as_json, limit)
+    sys.exit(code)
+
+
+def _show(store: Store, r: int, as_json: bool, limit: int) -> int:
+    """Print one look at room ``r``; answers the exit status."""
+    view = room_view(store, r)
     if as_json:
         emit_json(view.to_json(limit))
-        sys.exit(EXIT_FINDINGS if view.empty else EXIT_OK)
+        return EXIT_FINDINGS if view.empty else EXIT_OK
     out = console()
     if view.empty:
         out.print(
@@ -137,7 +161,7 @@ def show(obj: Ctx, room: str, limit: int, as_json: bool) -> None:
         )
         if view.traced:
             out.print(f"its trace is kept: kvstate trace {r} shows where its time went")
-        sys.exit(EXIT_FINDINGS)
+        return EXIT_FINDINGS
     out.print(styled(f"room {r}", "bold"), f" namespace {store.namespace}  {store.url}")
     if view.aborted is not None:
         out.print(
@@ -158,7 +182,11 @@ def show(obj: Ctx, room: str, limit: int, as_json: bool) -> None:
         out.print("no participants")
     for member in view.missing_members[:limit]:
         out.print(
-            styled(f"the room hash lists {cut(member)} but its participant hash is gone", "red")
+            styled(
+                f"the room hash lists {cut(member)} but its participant hash is gone: "
+                "`kvstate audit --fix` removes the listing",
+                "red",
+            )
         )
     for member in view.unindexed[:limit]:
         out.print(
@@ -181,6 +209,7 @@ def show(obj: Ctx, room: str, limit: int, as_json: bool) -> None:
         out.print(f"held by a decode engine's queue for {left} more (its senders wait)")
     if view.traced:
         out.print(f"trace: kvstate trace {r} (every step so far, on the server clock)")
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------- ls
@@ -247,6 +276,12 @@ def _by_room(parts: list[Participant]) -> list[Participant]:
 @click.option("--engine", metavar="ENGINE", help="Only this engine's participants.")
 @click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option(
+    "--watch",
+    type=PERIOD,
+    metavar="PERIOD",
+    help="List again every PERIOD (2s, or 2 for seconds) until Ctrl-C.",
+)
 @click.pass_obj
 def ls(
     obj: Ctx,
@@ -256,6 +291,7 @@ def ls(
     engine: str | None,
     limit: int,
     as_json: bool,
+    watch: float | None,
 ) -> None:
     """List participants (SCAN, never KEYS), oldest first. Exit status 1 when the
     namespace holds no kvstate key at all (a mistyped -n), 0 when none matches."""
@@ -266,22 +302,31 @@ def ls(
         None if older_than is None else int(older_than * 1000),
     )
     with opened(obj) as store:
-        found = [p for p in scan_participants(store) if wanted.matches(p)]
-        note = None if found else empty_namespace_note(store)
-        doc_empty = empty_json(store, note) if note and as_json else {}
+        if watch is not None:
+            watching(obj, store, watch, "ls", lambda: _ls(store, wanted, limit, as_json), as_json)
+        code = _ls(store, wanted, limit, as_json)
+    sys.exit(code)
+
+
+def _ls(store: Store, wanted: _Filter, limit: int, as_json: bool) -> int:
+    """Print one listing; answers the exit status."""
+    found = [p for p in scan_participants(store) if wanted.matches(p)]
+    note = None if found else empty_namespace_note(store)
+    doc_empty = empty_json(store, note) if note and as_json else {}
     found = _by_room(found)
     shown = found[:limit]
     if as_json:
         emit_json({"count": len(found), "participants": [p.to_json() for p in shown], **doc_empty})
-        sys.exit(EXIT_FINDINGS if note else EXIT_OK)
+        return EXIT_FINDINGS if note else EXIT_OK
     out = console()
     if not found:
         out.print(note or "no participants match")
-        sys.exit(EXIT_FINDINGS if note else EXIT_OK)
+        return EXIT_FINDINGS if note else EXIT_OK
     out.print(_participants_table(shown, with_room=True))
     if len(found) > limit:
         out.print(more(len(found) - limit, "(--limit)"))
     out.print(f"{len(found)} participant(s)")
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------- abort
@@ -294,7 +339,8 @@ def ls(
     "--reason",
     default="aborted by operator (kvstate abort)",
     show_default=True,
-    help="Failure reason both sides will see.",
+    callback=lambda ctx, param, value: _short_reason(value),
+    help=f"Failure reason both sides will see (at most {MAX_REASON} characters).",
 )
 @click.option(
     "--pre-emptive",
@@ -345,22 +391,39 @@ def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) ->
             )
         doc["failed"] = n = store.abort(r, reason)
         doc["marked"] = True
+    gone = view.missing_members  # listed, but their hash is gone: nothing to fail there
+    doc["gone"] = gone
     if not view.members:
         text = (
             f"room {r}: no participants yet; marked aborted, so either side that "
             f"joins while the mark lasts starts Failed; reason: {reason}"
         )
-    elif not n:
-        text = (
-            f"room {r}: its {len(view.members)} participant(s) had already failed "
-            f"({', '.join(view.members)}); marked aborted; reason: {reason}"
-        )
     else:
-        text = (
-            f"room {r}: failed {n} of {len(view.members)} participant(s) "
-            f"({', '.join(view.members)}); reason: {reason}"
-        )
+        present = [m for m in view.members if m not in gone]
+        failed_before = [p.member for p in view.participants if p.status == "Failed"]
+        parts = [f"failed {n} of {len(present)} participant(s)"]
+        if present:
+            parts[0] += f" ({', '.join(present)})"
+        if failed_before:
+            parts.append(f"already failed: {', '.join(failed_before)}")
+        if gone:
+            parts.append(
+                f"listed but gone (no hash, nothing to fail): {', '.join(gone)}; "
+                "`kvstate audit --fix` removes the listing"
+            )
+        text = f"room {r}: " + "; ".join(parts) + f"; marked aborted; reason: {reason}"
     _said(doc, as_json, text)
+
+
+def _short_reason(reason: str) -> str:
+    """A reason is stored in every participant and the failure mark, and printed by
+    show, ls, trace and the engines' logs: one line of text, not a document."""
+    if len(reason) > MAX_REASON:
+        raise click.BadParameter(
+            f"is {len(reason)} characters long: give at most {MAX_REASON} (it is stored "
+            "in each participant and printed wherever the room is shown)"
+        )
+    return reason
 
 
 def _refuse_what_abort_cannot_reach(room: int, view: RoomView) -> None:

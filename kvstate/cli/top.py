@@ -21,6 +21,7 @@ from kvstate.cli.app import (
     Failure,
     Stopper,
     common,
+    describe,
     empty_json,
     empty_namespace_note,
     main,
@@ -138,7 +139,9 @@ def _live_top(
                     raise Failure(why) from None
                 if lost_since is None:
                     lost_since = time.monotonic()
-                    click.echo(f"kvstate top: {exc}; waiting for it (Ctrl-C to stop)", err=True)
+                    click.echo(
+                        f"kvstate top: {describe(exc)}; waiting for it (Ctrl-C to stop)", err=True
+                    )
                 trouble = (
                     f"Redis unreachable for {time.monotonic() - lost_since:.0f}s "
                     "(showing the last counts); retrying"

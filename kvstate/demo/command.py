@@ -20,6 +20,7 @@ from kvstate.demo.queues import ENV_AUTHKEY, authkey
 from kvstate.demo.router import Options
 from kvstate.demo.run import run_router, run_worker
 from kvstate.errors import KVStateError
+from kvstate.ops.durations import Duration, fmt_ms
 from kvstate.store import ENV_NAMESPACE, ENV_URL, URL_SOURCE, redact
 
 __all__ = ["EXIT_ERROR", "demo"]
@@ -173,32 +174,33 @@ def _require_ucx() -> None:
 )
 @click.option(
     "--lease",
-    type=click.FloatRange(min=0.1),
-    help=f"Engine lease in seconds [default: {KILL_LEASE:g} with --kill-prefill-after, "
-    f"else {LEASE:g}].",
+    type=Duration(minimum=0.1),
+    help=f"Engine lease (2s, or 2 for seconds) [default: {fmt_ms(int(KILL_LEASE * 1000))} "
+    f"with --kill-prefill-after, else {fmt_ms(int(LEASE * 1000))}].",
 )
 @click.option(
     "--room-ttl",
-    type=click.FloatRange(min=1.0),
-    help="Room key TTL in seconds "
-    f"[default: {KILL_ROOM_TTL:g} with --kill-prefill-after, else {DEMO_ROOM_TTL:g}; "
-    "at least --hold + 60].",
+    type=Duration(minimum=1.0),
+    help="Room key TTL "
+    f"[default: {fmt_ms(int(KILL_ROOM_TTL * 1000))} with --kill-prefill-after, else "
+    f"{fmt_ms(int(DEMO_ROOM_TTL * 1000))}; at least --hold + 1m].",
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=1.0),
-    default=30.0,
+    type=Duration(minimum=1.0),
+    default="30s",
     show_default=True,
     help="Bootstrap, waiting and transfer timeouts of the workers' rooms "
-    "(raised to --hold + 30 when that is longer).",
+    "(raised to --hold + 30s when that is longer).",
 )
 @click.option(
     "--hold",
-    type=click.FloatRange(min=0.0),
+    type=Duration(),
     default=0.0,
-    metavar="SECONDS",
-    help="Keep each room in WaitingForInput this long before its transfer, so "
-    "`kvstate ls` / `show` can catch it (rooms otherwise live ~50 ms).",
+    metavar="DURATION",
+    help="Keep each room in WaitingForInput this long (30s, or 30 for seconds) before "
+    "its transfer, so `kvstate ls` / `show` can catch it (rooms otherwise live ~50 ms). "
+    "The run then takes about --requests / --inflight x --hold.",
 )
 @click.option("--seed", type=int, help="Seed for rooms, lengths, workers and faults.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")

@@ -26,6 +26,7 @@ from kvstate.demo.summary import (
     console,
     print_summary,
     run_audit,
+    run_keys,
     summary,
     take_transfer_counters,
     traces_kept,
@@ -112,10 +113,19 @@ def _banner(
         f"shows where its time went, for {fmt_ms(int(store.options.trace_ttl * 1000))} "
         "after its clear"
     )
+    waves = -(-opts.requests // opts.inflight)  # rooms go in waves of --inflight
     if cfg.hold:
-        say(f"  each room waits {cfg.hold:g} s in WaitingForInput before its transfer (--hold)")
+        say(
+            f"  each room waits {fmt_ms(int(cfg.hold * 1000))} in WaitingForInput before its "
+            f"transfer (--hold): {opts.requests} rooms, {opts.inflight} at a time, take at "
+            f"least {fmt_ms(int(waves * cfg.hold * 1000))}"
+        )
     else:
-        say("  rooms live ~50 ms: add --hold 30 to keep each one visible for 30 s")
+        say(
+            f"  rooms live ~50 ms: --hold 30s keeps each one visible for 30 s, and then "
+            f"{opts.requests} rooms, {opts.inflight} at a time, take at least "
+            f"{fmt_ms(waves * 30_000)} (--requests {opts.inflight} --hold 30s: 30s)"
+        )
 
 
 def run_router(
@@ -179,21 +189,23 @@ def _checked(
     counters: dict[str, dict[str, Any]] = {}
     left: list[str] | None = None
     traces: int | None = None
+    others = 0
     waited = 0.0
     audit: dict[str, Any] = {"result": "skipped (interrupted)"}
     try:
         after = store.command_counts() if before else {}
         counters = take_transfer_counters(store, rtr)
         wait = cfg.room_ttl + cfg.lease + 5 if rtr.killed else cfg.lease + 2
-        left, waited = wait_for_no_keys(store, wait)
-        traces = traces_kept(store)
+        mine = run_keys(store, rtr)  # a shared namespace holds others' keys too
+        left, waited, others = wait_for_no_keys(store, wait, mine)
+        traces = traces_kept(store, mine)
         if not rtr.interrupted:
-            audit = run_audit(store)
+            audit = run_audit(store, mine)
     except KeyboardInterrupt:
         audit = {"result": f"skipped ({signal.Signals(signals.last).name})"}
     cut = signal.Signals(signals.last).name if signals.last and not rtr.interrupted else None
     return summary(
-        opts, cfg, rtr, seconds, before, after, left, waited, audit, counters, cut, traces
+        opts, cfg, rtr, seconds, before, after, left, waited, audit, counters, cut, traces, others
     )
 
 

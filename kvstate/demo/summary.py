@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,40 +34,68 @@ _PATHS = {"CMA": "CMA (process_vm_writev, same host)", "UCX": "UCX puts"}
 _CMA_OFF = ("0", "n", "no", "false", "off")
 
 
-def _keys_left(store: Store) -> list[str]:
-    """Every key of the namespace except those kept on purpose: the ledger (a record of
+def run_keys(store: Store, rtr: Router) -> Callable[[str], bool]:
+    """Whether a key is this run's: a room it dispatched, or one of its engines'
+    registrations, stats and address indexes. A namespace shared with other runs or
+    engines (`--namespace`, `$KVSTATE_NAMESPACE`) holds keys that are not, and the
+    verdict must not count them (issue 31)."""
+    k = store.keys
+    rooms = set(rtr.tracks)
+    engines = set(rtr.prefills + rtr.decodes)
+    addrs = set(rtr.addrs.values())
+    named = {k.engine(e) for e in engines} | {k.transfer_stats(e) for e in engines}
+    named |= {k.addr(a) for a in addrs} | {k.engines_at(a) for a in addrs}
+
+    def mine(key: str) -> bool:
+        parsed = k.parse_room_key(key)
+        return parsed.room in rooms if parsed is not None else key in named
+
+    return mine
+
+
+def _keys_left(store: Store, mine: Callable[[str], bool]) -> tuple[list[str], int]:
+    """The run's keys still there except those kept on purpose: the ledger (a record of
     leaks), the failed rooms' marks (kept past clear() with their own TTL, for a side
     that joins late) and the room traces that have their TTL (kvstate.trace: they
-    outlive ``clear()`` by design; one without a TTL would be a leak, and is counted)."""
+    outlive ``clear()`` by design; one without a TTL would be a leak, and is counted);
+    and how many keys of the namespace are not the run's (not counted)."""
     k = store.keys
-    found = [key for key in store.scan(k.all_pattern) if key != k.ledger and not k.is_mark(key)]
+    every = [key for key in store.scan(k.all_pattern) if key != k.ledger and not k.is_mark(key)]
+    found = [key for key in every if mine(key)]
     traces = [key for key in found if k.is_trace(key)]
     ttls = store.execute([store.key_ttl(key) for key in traces]) if traces else []
     kept = {key for key, ttl in zip(traces, ttls, strict=True) if int(ttl) > 0}
-    return sorted(key for key in found if key not in kept)
+    return sorted(key for key in found if key not in kept), len(every) - len(found)
 
 
-def traces_kept(store: Store) -> int:
+def traces_kept(store: Store, mine: Callable[[str], bool]) -> int:
     """How many room traces the run left for ``kvstate trace ROOM`` (each with its TTL)."""
-    return sum(1 for key in store.scan(store.keys.all_pattern) if store.keys.is_trace(key))
+    k = store.keys
+    return sum(1 for key in store.scan(k.all_pattern) if k.is_trace(key) and mine(key))
 
 
-def wait_for_no_keys(store: Store, limit: float) -> tuple[list[str], float]:
-    """The keys still there once none are, or after ``limit`` s; and the seconds waited."""
+def wait_for_no_keys(
+    store: Store, limit: float, mine: Callable[[str], bool]
+) -> tuple[list[str], float, int]:
+    """The run's keys still there once none are, or after ``limit`` s; the seconds
+    waited; and the namespace's keys that are not the run's."""
     t0 = time.monotonic()
-    left = _keys_left(store)
+    left, others = _keys_left(store, mine)
     while left and time.monotonic() - t0 < limit:
         time.sleep(0.25)
-        left = _keys_left(store)
-    return left, time.monotonic() - t0
+        left, others = _keys_left(store, mine)
+    return left, time.monotonic() - t0, others
 
 
-def run_audit(store: Store) -> dict[str, Any]:
+def run_audit(store: Store, mine: Callable[[str], bool]) -> dict[str, Any]:
+    """The audit of the namespace, its findings on the run's keys (and the server's
+    settings) only."""
     try:
         from kvstate.ops.audit import Auditor
     except ImportError:
         return {"result": "n/a"}
     report = Auditor(store, grace=0.0).run()
+    report.findings = [f for f in report.findings if f.room is None and not f.side or mine(f.key)]
     doc: dict[str, Any] = report.to_json()
     kinds = sorted({f["kind"] for f in doc["findings"]})
     doc["result"] = (
@@ -180,6 +209,7 @@ def summary(
     counters: dict[str, dict[str, Any]],
     cut: str | None = None,
     traces: int | None = None,
+    others: int = 0,
 ) -> dict[str, Any]:
     """The run as one JSON document: what ``--json`` prints and the table is made of.
     ``left`` is None when a signal (``cut``, or the one that interrupted the run) stopped
@@ -233,6 +263,8 @@ def summary(
         "transfer_counters": counters,
         "keys_left": None if left is None else len(left),
         "keys_left_sample": (left or [])[:10],
+        # keys of the namespace that are not this run's (a shared namespace): not counted
+        "other_keys": others,
         # room traces kept on purpose, each with its TTL (not counted in keys_left)
         "traces_kept": traces,
         "waited_for_keys_s": round(waited, 2),
@@ -356,6 +388,12 @@ def print_summary(doc: dict[str, Any]) -> None:
                 if doc["waited_for_keys_s"] >= 0.5
                 else ""
             ),
+        )
+    if doc.get("other_keys"):
+        t.add_row(
+            "other keys",
+            f"{doc['other_keys']} in namespace {doc['redis']['namespace']} are not this run's "
+            "(another run or engine shares it): not counted",
         )
     if doc.get("traces_kept"):
         example = doc["rooms"][0]["room"] if doc["rooms"] else "ROOM"

@@ -76,9 +76,15 @@ class Finding:
     left: str = ""
     resolved: str = ""
     target: tuple[str, ...] = ()  # what a fix acts on (tracker member; peer, incarnation)
+    advice: str = ""  # what --fix does about this one, when not what its kind says
 
     def __post_init__(self) -> None:
         finding_kind(self.kind)  # every kind is in the table
+
+    @property
+    def hint(self) -> str:
+        """What ``--fix`` would do about this finding (the CLI's ``fix`` column)."""
+        return self.advice or finding_kind(self.kind).hint
 
     @property
     def part(self) -> tuple[Side, str]:
@@ -106,6 +112,7 @@ class Finding:
             "fixed": self.fixed,
             "left": self.left,
             "resolved": self.resolved,
+            "hint": self.hint,
         }
 
 
@@ -144,9 +151,32 @@ def _delete_then_abort(key: str, room: int | RoomKey | None) -> str:
         room = room.room
     then = "" if room is None else f", then kvstate abort {room}"
     return (
-        f"no kvstate code wrote it, so nothing repairs it: look at it (redis-cli TYPE "
+        f"no kvstate code wrote it, so --fix leaves it: look at it (redis-cli TYPE "
         f"{key}), delete it (redis-cli DEL {key}){then}"
     )
+
+
+WRONG_TYPE_HINT = "--fix leaves it: delete it after a look, then kvstate abort ROOM"
+
+
+def _fields_of(side: str, engine: str, fields: dict[str, Any]) -> list[str]:
+    """The room-hash fields a participant's clear takes besides its member: a sender's
+    transfer infos, a receiver's acks and the infos it published."""
+    out = []
+    for name in sorted(fields):
+        f = schema.parse_room_field(name)
+        if f is None or f.kind in schema.SIDES:
+            continue
+        mine = (
+            (f.kind == "xfer" and f.engine == engine)
+            if side == "tx"
+            else (
+                (f.kind == "xfer" and f.peer == engine) or (f.kind == "ack" and f.engine == engine)
+            )
+        )
+        if mine:
+            out.append(name)
+    return out
 
 
 def _about(kind: str, p: Participant, detail: str) -> Finding:
@@ -280,15 +310,19 @@ class Auditor:
                 for key, got in zip(chunk, types, strict=True):
                     if got not in (want, "none"):
                         wrong.add(key)
+                        parsed = self.keys.parse_room_key(key)
                         f = Finding(
                             "corrupt",
                             key,
                             f"this {name} is a {got}, not a {want}: "
-                            + _delete_then_abort(key, self.keys.parse_room_key(key)),
+                            + _delete_then_abort(key, parsed),
                             status=WRONG_TYPE,
-                            left="left: no kvstate code wrote it; delete it after a look",
                         )
-                        _locate(f, self.keys.parse_room_key(key))
+                        _locate(f, parsed)
+                        f.advice = WRONG_TYPE_HINT.replace(
+                            ", then kvstate abort ROOM",
+                            "" if f.room is None else f", then kvstate abort {f.room}",
+                        )
                         report.findings.append(f)
             groups[kind] = [k for k in keys if k not in wrong]
 
@@ -371,9 +405,9 @@ class Auditor:
     def _participants(self, parts: list[Participant], now: int, report: Report) -> None:
         for p in parts:
             if p.status == WRONG_TYPE:
-                report.findings.append(
-                    _about("corrupt", p, f"not a hash: {_delete_then_abort(p.key, p.room)}")
-                )
+                f = _about("corrupt", p, f"not a hash: {_delete_then_abort(p.key, p.room)}")
+                f.advice = WRONG_TYPE_HINT.replace("ROOM", str(p.room))
+                report.findings.append(f)
                 continue
             bad = [] if not p.valid or p.terminal else p.corrupt_fields
             if not p.valid or bad:
@@ -521,13 +555,16 @@ class Auditor:
             chunk = [p for x in rooms[start : start + BATCH] if (p := self.keys.parse_room_key(x))]
             read = s.execute([s.room_fields(p.room) for p in chunk], partial=True)
             orphans: list[tuple[RoomKey, str, list[tuple[Side, str]]]] = []
+            hashes: list[tuple[RoomKey, dict[str, Any]]] = []
             for p, fields in zip(chunk, read, strict=True):
                 if isinstance(fields, KVStateError):
                     continue  # not a hash: no_ttl / the operator's look, not this check
+                hashes.append((p, fields))
                 for name in sorted(fields):
                     owners = _owners(name)
                     if owners and not any(schema.member(*o) in fields for o in owners):
                         orphans.append((p, name, owners))
+            self._stale_members(hashes, report)
             exists = s.execute(
                 [
                     s.key_exists(self.keys.participant(p.room, *o))
@@ -552,6 +589,36 @@ class Auditor:
                 )
                 f.target = (name,)
                 report.findings.append(f)
+
+    def _stale_members(self, rooms: list[tuple[RoomKey, dict[str, Any]]], report: Report) -> None:
+        """Members of a room hash whose participant hash is gone: ``show`` marks them
+        red, ``abort`` finds nothing to fail there, and no clear will take them. One
+        batch of EXISTS for the rooms given."""
+        s = self.store
+        listed = [
+            (p, fields, m)
+            for p, fields in rooms
+            for name in sorted(fields)
+            if (m := schema.parse_member(name)) is not None
+        ]
+        keys = [self.keys.participant(p.room, m.side, m.engine) for p, _, m in listed]
+        found = s.execute([s.key_exists(k) for k in keys]) if keys else []
+        for (p, fields, m), key, n in zip(listed, keys, found, strict=True):
+            if int(n):
+                continue
+            name = schema.member(m.side, m.engine)
+            f = Finding(
+                "stale_member",
+                p.key,
+                f"lists {name}, whose hash {key} is gone (deleted, or expired while the "
+                "room hash was kept alive): abort finds nothing to fail there and no "
+                "clear will take the listing",
+                room=p.room,
+                side=m.side,
+                engine=m.engine,
+            )
+            f.target = (name, *_fields_of(m.side, m.engine, fields))
+            report.findings.append(f)
 
     # -- repairs -----------------------------------------------------------------
     def _fix(self, report: Report) -> None:
@@ -594,12 +661,17 @@ class Auditor:
         """The longest TTL left on the room hash, its listed participants and
         ``also``: what a repair gives the keys it writes. The store's TTL (--room-ttl)
         only when none of them has one."""
+        return self._room_ttl(room, also)[0]
+
+    def _room_ttl(self, room: int, also: Sequence[str] = ()) -> tuple[int, bool]:
+        """(``_room_ttl_ms``, whether it is the room's: False when no key of the room
+        has a TTL and it is the store's, --room-ttl)."""
         s = self.store
         k = self.keys
         keys = [k.room_hash(room), *also]
         keys += [k.participant(room, *p) for m in s.members(room) if (p := schema.parse_member(m))]
-        ttls = [int(t) for t in s.execute([s.key_ttl(key) for key in keys])]
-        return max((t for t in ttls if t > 0), default=s.ttl_ms)
+        ttls = [int(t) for t in s.execute([s.key_ttl(key) for key in keys]) if int(t) > 0]
+        return (max(ttls), True) if ttls else (s.ttl_ms, False)
 
     def _store_for(self, room: int | None, also: Sequence[str] = ()) -> Store:
         """The store, with the room's remaining TTL as the TTL its scripts write."""
@@ -621,11 +693,16 @@ class Auditor:
     def _fix_no_ttl(self, f: Finding) -> None:
         s = self.store
         if f.key == self.keys.ledger:
-            ttl = LEDGER_TTL_MS
+            ttl, why = LEDGER_TTL_MS, " (the ledger's)"
         elif f.room is not None:
-            ttl = self._room_ttl_ms(f.room)
+            ttl, room_s = self._room_ttl(f.room)
+            why = (
+                " (the room's remaining TTL)"
+                if room_s
+                else " (--room-ttl: no key of the room has a TTL to match)"
+            )
         else:
-            ttl = s.ttl_ms
+            ttl, why = s.ttl_ms, " (--room-ttl)"
         now = int(s.execute([s.key_ttl(f.key)])[0])
         if now != -1:  # only keys that still have no TTL
             f.resolved = (
@@ -633,9 +710,7 @@ class Auditor:
             )
             return
         s.execute([s.set_ttl(f.key, ttl)])
-        f.fixed = f"set a TTL of {fmt_ms(ttl)}" + (
-            " (the room's remaining TTL)" if f.room is not None else ""
-        )
+        f.fixed = f"set a TTL of {fmt_ms(ttl)}{why}"
 
     def _fix_stuck(self, f: Finding) -> None:
         s = self.store
@@ -705,6 +780,26 @@ class Auditor:
             f.room, f"{f.side}:{f.engine} held a corrupt status; failed by kvstate audit"
         )
         f.fixed = f"aborted room {f.room}: {n} participant(s) failed"
+
+    def _fix_stale_member(self, f: Finding) -> None:
+        """Drop the listing (and the fields the participant's own clear would have
+        taken), after a fresh look that its hash is still gone. (A participant of that
+        engine created for the room in between, a reused room id, would lose its
+        listing: the next audit names it ``unindexed`` and --fix lists it again.)"""
+        s = self.store
+        assert f.room is not None
+        key = self.keys.participant(f.room, *f.part)
+        if int(s.execute([s.key_exists(key)])[0]):
+            f.resolved = "its participant appeared meanwhile"
+            return
+        dropped = s.execute([s.drop_room_fields(f.room, *f.target)])[0]
+        if int(dropped):
+            extra = len(f.target) - 1
+            f.fixed = f"removed {f.target[0]} from the room hash" + (
+                f" with {extra} field(s) its clear would have taken" if extra else ""
+            )
+        else:
+            f.resolved = "the listing was removed meanwhile"
 
     def _fix_unindexed(self, f: Finding) -> None:
         s = self.store

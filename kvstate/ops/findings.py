@@ -92,6 +92,15 @@ KINDS: tuple[FindingKind, ...] = (
         fix="adds it back to the room hash, with the room's remaining TTL",
     ),
     FindingKind(
+        "stale_member",
+        check="a room hash lists a participant whose hash is gone (deleted by hand, or "
+        "expired while the room hash was kept alive): `show` marks it, `abort` finds "
+        "nothing to fail there, and no clear will take the listing",
+        hint="--fix removes the listing",
+        fix="removes the listing and the fields the participant's clear would have "
+        "taken (its transfer infos or acks), only if its hash is still gone",
+    ),
+    FindingKind(
         "corrupt",
         check="a participant whose `status`, or a number the scripts read (`peers`, "
         "`bound`, `infos_v`, `timeouts_ms`, `since_ms`/`created_ms`), does not parse (no "
@@ -100,8 +109,9 @@ KINDS: tuple[FindingKind, ...] = (
         "the ledger)",
         hint="--fix aborts its room",
         fix="aborts its room, as `kvstate abort ROOM` does (a garbage value is failed "
-        "like any other); a key of the wrong type is left: no kvstate code wrote it, "
-        "delete it after a look, then `kvstate abort ROOM` for a room's",
+        "like any other); a key of the wrong type is left (its `fix` hint says so): no "
+        "kvstate code wrote it, delete it after a look, then `kvstate abort ROOM` for a "
+        "room's",
     ),
     FindingKind(
         "server_setting",

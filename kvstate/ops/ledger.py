@@ -328,6 +328,7 @@ class Monitor:
         audit_interval: float = 60.0,
         slack: float = 0.5,
         on_entry: Callable[[Entry], None] | None = None,
+        after_sweep: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.interval = interval
@@ -338,6 +339,7 @@ class Monitor:
         self.audit_interval = audit_interval
         self.slack_ms = int(slack * 1000)
         self.on_entry = on_entry
+        self.after_sweep = after_sweep  # more reads of a good sweep (the ended rooms)
         self.known: dict[str, Seen] = {}
         self._gone: dict[str, Seen] = {}
         self._last_audit = float("-inf")
@@ -383,6 +385,8 @@ class Monitor:
         for e in entries:
             if self.on_entry is not None:
                 self.on_entry(e)
+        if self.after_sweep is not None:
+            self.after_sweep()
         return entries
 
     def _expired(self, expired: set[str], current: dict[str, Participant], now: int) -> list[Entry]:
@@ -434,18 +438,35 @@ class Monitor:
         self._last_audit = time.monotonic()
         self.metrics.set_findings(self.audit())
 
-    def run(self, stop: threading.Event | None = None, duration: float | None = None) -> None:
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        duration: float | None = None,
+        *,
+        on_down: Callable[[KVStateError], None] | None = None,
+        on_back: Callable[[float, int], None] | None = None,
+    ) -> None:
         """Sweep every ``interval`` until ``stop`` is set or ``duration`` passes.
-        A Redis outage is logged and retried, never fatal: the monitor outlives it."""
+        A Redis outage is retried, never fatal: the monitor outlives it. Its first
+        failed sweep is told to ``on_down`` (the error), the first good one after it to
+        ``on_back`` (seconds down, sweeps failed); both log by default."""
         stop = stop or threading.Event()
         end = None if duration is None else time.monotonic() + duration
+        down_since: float | None = None
+        failed = 0
         try:
             while not stop.is_set():
                 try:
                     self.sweep()
                     self._maybe_audit()
+                    if down_since is not None:
+                        (on_back or _log_back)(time.monotonic() - down_since, failed)
+                        down_since, failed = None, 0
                 except KVStateError as exc:
-                    log.warning("monitor sweep failed: %s", exc)
+                    if down_since is None:
+                        down_since = time.monotonic()
+                        (on_down or _log_down)(exc)
+                    failed += 1
                     self.events.healthy = False
                     if self.metrics is not None:
                         self.metrics.sweep_failed()  # drops the audit's gauges too:
@@ -460,3 +481,11 @@ class Monitor:
                 stop.wait(wait)
         finally:
             self.events.close()
+
+
+def _log_down(exc: KVStateError) -> None:
+    log.warning("monitor sweep failed: %s; retrying every sweep", exc)
+
+
+def _log_back(seconds: float, failed: int) -> None:
+    log.warning("Redis is back after %.1f s (%d failed sweep(s))", seconds, failed)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import platform
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from importlib import metadata
 from typing import Any
 
 from prometheus_client import (
@@ -33,6 +35,8 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
+    Info,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -47,8 +51,21 @@ from kvstate.store import Store
 
 log = logging.getLogger(__name__)
 
+PHASES = ("bootstrap", "waiting_for_input", "transfer", "until_clear")
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 LOCAL_ENGINE = "this-process"  # the label of transfers observed in the exporting process
 _REAPED_MEMORY = 100_000  # rooms remembered so a room is counted once, not per participant
+
+
+def build_info() -> dict[str, str]:
+    """What ``kvstate_build_info`` labels: kvstate's release, Python's, redis-py's."""
+    out = {"python": platform.python_version()}
+    for label, dist in (("version", "kvstate"), ("redis_py", "redis")):
+        try:
+            out[label] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[label] = "unknown"
+    return out
 
 
 def read_transfer_totals(store: Store) -> dict[str, TransferTotals]:
@@ -152,6 +169,19 @@ class Metrics:
             "Unix time of the monitor's last sweep that succeeded",
             registry=r,
         )
+        self.phases = Histogram(
+            "kvstate_room_phase_seconds",
+            "How long traced rooms spent in each phase (bootstrap, waiting_for_input, "
+            "transfer, until_clear), by the room's outcome; each room once it ended",
+            ["phase", "outcome"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        for phase in PHASES:
+            for outcome in ("success", "failed"):
+                self.phases.labels(phase, outcome)
+        self.build = Info("kvstate_build", "The monitor's kvstate release", registry=r)
+        self.build.info(build_info())
         self.sweep_failures = Counter(
             "kvstate_monitor_sweep_failures",
             "Monitor sweeps that failed (Redis unreachable, stalled or refusing)",
@@ -161,6 +191,12 @@ class Metrics:
         for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(standard)
         self._reaped_rooms: OrderedDict[int, None] = OrderedDict()
+        # every label the counters count under, at 0 from the start: a dashboard panel
+        # of a healthy system shows 0, not "No data", and increase() sees the first reap
+        for status in (*STATUSES, "unknown"):
+            self.reaped.labels(status)
+            for side in SIDES:
+                self.participants_reaped.labels(side, status)
 
     def sweep_succeeded(self) -> None:
         """A sweep read Redis and set the gauges: the monitor is up."""
@@ -176,6 +212,12 @@ class Metrics:
         self.sweep_failures.inc()
         for gauge in (self.participants, self.inflight, self.engines, self.findings):
             gauge.clear()
+
+    def observe_room(self, phases: Iterable[tuple[str, float]], failed: bool) -> None:
+        """One ended room's phases (label, seconds) into ``kvstate_room_phase_seconds``."""
+        outcome = "failed" if failed else "success"
+        for phase, seconds in phases:
+            self.phases.labels(phase, outcome).observe(seconds)
 
     def set_census(self, census: Census) -> None:
         """Replace the participant gauges (labels absent from the census go to 0)."""

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvstate import schema
-from kvstate.codec import TransferInfo
 from kvstate.errors import CorruptStateError
 from kvstate.keys import ROOT, namespace_of
 from kvstate.poll import KVPoll
 from kvstate.schema import Side
 from kvstate.store import Call, Store
+
+if TYPE_CHECKING:  # the codec (msgpack, numpy) loads when a transfer info is decoded
+    from kvstate.codec import TransferInfo
 
 BATCH = 500
 # Upper bounds (ms) of the age buckets that `top` and the metrics share.
@@ -426,6 +428,8 @@ def _participant_keys(store: Store, room: int, members: list[str]) -> list[str]:
 def _decode_info(key: str, name: str, receiver: str, raw: bytes) -> TransferInfo | str:
     """One transfer info of the room hash, or why it does not decode."""
     try:
+        from kvstate.codec import TransferInfo  # only `show` decodes: see above
+
         return TransferInfo.decode(receiver, raw, key, name)
     except CorruptStateError as exc:
         return str(exc)

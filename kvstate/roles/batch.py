@@ -5,14 +5,18 @@ into the rank; what participants learned (bindings) is handed back to it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstate.errors import KVStateError, NotReadyError
 from kvstate.poll import KVPoll, PollResults
-from kvstate.roles.contract import Bound, Lookups, Step, StepInput
-from kvstate.store import Call
+from kvstate.registry import EngineInfo
+from kvstate.roles.contract import Bound, LookupKey, Lookups, Step, StepInput
+from kvstate.store import Call, Store
+
+log = logging.getLogger(__name__)
 
 # what begin_many / finish_many may answer for a room; any other status is not ready
 READY = {
@@ -52,6 +56,39 @@ def plan(
         out.rooms.append((room, p, len(out.calls) + at))
         out.calls += more
     return out
+
+
+def lookups(
+    parts: Iterable[Step],
+    cluster: bool,
+    read: Callable[[LookupKey], list[EngineInfo]],
+    clearing: bool = False,
+) -> Lookups:
+    """The registry reads the participants need, each made once (one per address, or
+    named group). For a clear (``clearing``), a read that fails is logged and left out:
+    the fields it would name expire with their key."""
+    out: Lookups = {}
+    for p in parts:
+        key = p.lookup_key(cluster, clearing)
+        if key is None or key in out:
+            continue
+        try:
+            out[key] = read(key)
+        except KVStateError as exc:
+            if not clearing:
+                raise
+            log.warning("could not read the prefill engines at %s: %s", key[0], exc)
+    return out
+
+
+def run(store: Store, batch: Plan) -> tuple[PollResults, list[Bound]]:
+    """Send the batch, one round trip per node, and answer it (``answer``)."""
+    try:
+        replies = store.execute(batch.calls, partial=True)
+    except BaseException:
+        lost(batch)  # bindings in that batch did not run (or not whole)
+        raise
+    return answer(batch, replies)
 
 
 def lost(batch: Plan) -> None:
@@ -98,4 +135,4 @@ def not_ready(room: int, op: str, status: KVPoll) -> NotReadyError:
     )
 
 
-__all__ = ["READY", "Plan", "answer", "lost", "not_ready", "plan"]
+__all__ = ["READY", "Plan", "answer", "lookups", "lost", "not_ready", "plan", "run"]

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
 
 from kvstate.codec import is_int
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
@@ -28,19 +26,19 @@ from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.roles import batch
-from kvstate.roles.contract import Bound, LookupKey, Lookups, Step
+from kvstate.roles.contract import Bound, LookupKey, Step
 from kvstate.roles.lease import Lease
 from kvstate.roles.peers import PeerWatch
 from kvstate.roles.predecessor import clear_predecessor
 from kvstate.roles.receiver import KVReceiver
 from kvstate.roles.sender import KVSender
+from kvstate.roles.table import Participants
 from kvstate.stats import TransferRecorder
 from kvstate.store import Store, one_call
 from kvstate.tp import Route
-from transports.base import Transport, TransportError
+from transports.base import Transport
 
 log = logging.getLogger(__name__)
-_P = TypeVar("_P", KVSender, KVReceiver)
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 
 # Managers of this process, so that a fork can mark them unusable in the child: the
@@ -109,10 +107,8 @@ class KVManager:
         self.registry = Registry(store)
         self.forked = False  # this copy lives in a forked child: it may not act
         self.closed = False
-        self._lock = threading.Lock()
-        self._live: dict[int, Step] = {}
+        self._parts = Participants(self.engine)
         self._peers = PeerWatch(self.engine)
-        self._registrations: dict[tuple[str, str], EngineInfo] = {}
         self.info = EngineInfo(
             engine=self.engine,
             role=role,
@@ -153,8 +149,7 @@ class KVManager:
     @property
     def live_rooms(self) -> list[int]:
         """The rooms of this rank's participants not cleared yet."""
-        with self._lock:
-            return sorted(self._live)
+        return self._parts.rooms()
 
     def check_usable(self, new: bool = False) -> None:
         """Refuse use of a closed manager or from a forked child, and (``new``) new
@@ -179,11 +174,19 @@ class KVManager:
             )
 
     # -- participants --------------------------------------------------------------
-    def sender(self, room: object, required_receivers: int | None = 1) -> KVSender:
+    def sender(
+        self,
+        room: object,
+        required_receivers: int | None = 1,
+        trace_context: str | None = None,
+    ) -> KVSender:
         """A sender waiting for ``required_receivers`` receivers to publish their pages;
         None: as many as they declare (``receivers_per_sender`` on their side: a decode
-        of another tensor-parallel size, ``kvstate.tp``)."""
-        return self._keep(KVSender(self, room, required_receivers))
+        of another tensor-parallel size, ``kvstate.tp``). ``trace_context``: the serving
+        request's W3C traceparent (checked by ``kvstate.trace.traceparent``), kept in a
+        traced room's trace (no round trip added) so its OpenTelemetry spans link to the
+        request's trace."""
+        return self._parts.keep(KVSender(self, room, required_receivers, trace_context))
 
     def receiver(
         self,
@@ -192,6 +195,7 @@ class KVManager:
         required_senders: int | None = None,
         senders: Iterable[str] | Mapping[str, Route] | None = None,
         receivers_per_sender: int = 0,
+        trace_context: str | None = None,
     ) -> KVReceiver:
         """A receiver bound to the prefill engines at ``bootstrap_addr`` as they register
         (or to those named in ``senders``). It needs an ack from ``required_senders`` of
@@ -204,18 +208,18 @@ class KVManager:
         ``receivers_per_sender`` declares how many receivers each of them waits for
         (``kvstate.tp.routes`` and ``receivers_per_sender`` compute both)."""
         check_room(room)
-        routes = None
-        if isinstance(senders, Mapping):
-            routes = {check_name(s, "sender engine"): r for s, r in senders.items()}
-            for r in routes.values():
-                if not isinstance(r, Route):
-                    raise InvalidValueError(
-                        f"a sender's route must be a kvstate.tp.Route, got {r!r}"
-                    )
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
-        return self._keep(
+        routes = dict(senders) if isinstance(senders, Mapping) else None
+        return self._parts.keep(
             KVReceiver(
-                self, room, bootstrap_addr, names, required_senders, routes, receivers_per_sender
+                self,
+                room,
+                bootstrap_addr,
+                names,
+                required_senders,
+                routes,
+                receivers_per_sender,
+                trace_context,
             )
         )
 
@@ -232,20 +236,9 @@ class KVManager:
         senders must not finish then (design rule 3)."""
         return self.heartbeat.lapsed()
 
-    def _keep(self, p: _P) -> _P:
-        with self._lock:
-            self._live[p.room] = p
-        return p
-
     def forget(self, part: Step) -> None:
         """A participant cleared: the batches and the heartbeat no longer see it."""
-        with self._lock:
-            if self._live.get(part.room) is part:
-                del self._live[part.room]
-
-    def _parts(self) -> list[Step]:
-        with self._lock:
-            return list(self._live.values())
+        self._parts.forget(part)
 
     def prefill_engines(self, key: LookupKey) -> list[EngineInfo]:
         """The live prefill engines at an address (or among named ones), read fresh for
@@ -266,15 +259,7 @@ class KVManager:
     def peer(self, engine: str, incarnation: str) -> EngineInfo:
         """A receiver's registration (endpoint, layout), cached per incarnation."""
         self.check_usable()
-        with self._lock:
-            info = self._registrations.get((engine, incarnation))
-        if info is None:
-            info = self.registry.get(engine)
-            if info is None or (incarnation and info.incarnation != incarnation):
-                raise TransportError(f"receiver {engine} (incarnation {incarnation}) is gone")
-            with self._lock:
-                self._registrations[(engine, incarnation)] = info
-        return info
+        return self._peers.registration(self.registry, engine, incarnation)
 
     # -- a scheduler step's calls --------------------------------------------------
     def poll_many(self, rooms: Iterable[object]) -> PollResults:
@@ -321,15 +306,9 @@ class KVManager:
         cleared again; rooms without a live participant here are skipped (a clear is
         idempotent). Raises StateConnectionError when no node answered."""
         self.check_usable()
-        todo: list[Step] = []
-        for room in rooms:
-            r = check_room(room)
-            with self._lock:
-                p = self._live.get(r)
-            if p is not None and not p.cleared:
-                todo.append(p)
+        todo = [p for r in rooms if (p := self._parts.get(check_room(r))) is not None]
         sent = [p for p in todo if p.create_sent]
-        lookups = self._lookups(sent, clearing=True)
+        lookups = batch.lookups(sent, self.store.cluster, self.prefill_engines, clearing=True)
         try:
             errors = self.store.clear_many([p.clear_calls(lookups) for p in sent])
         except KVStateError as exc:
@@ -345,23 +324,6 @@ class KVManager:
                 p.after_clear()
                 self.forget(p)
         return dict(failed)
-
-    def _lookups(self, parts: Iterable[Step], clearing: bool = False) -> Lookups:
-        """The registry reads a batch's participants need, one per address (or named
-        group). For a clear, a read that fails is logged and left out (the fields it
-        would name expire with their key)."""
-        lookups: Lookups = {}
-        for p in parts:
-            key = p.lookup_key(self.store.cluster, clearing)
-            if key is None or key in lookups:
-                continue
-            try:
-                lookups[key] = self.prefill_engines(key)
-            except KVStateError as exc:
-                if not clearing:
-                    raise
-                log.warning("%s: could not read %s: %s", self.engine, key[0], exc)
-        return lookups
 
     @one_call
     def _many(
@@ -379,35 +341,20 @@ class KVManager:
                 f"{op}_many is for a {'decode' if side == 'rx' else 'prefill'} manager's "
                 f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
             )
-        parts: list[tuple[int, Step | None]] = []
-        for room in rooms:
-            r = check_room(room)
-            with self._lock:
-                p = self._live.get(r)
-            if p is not None and p.cleared:
-                p = None
-            if p is None and op != "poll":
-                raise KVStateError(
-                    f"room {r}: {self.engine} has no live participant for it; {op}_many "
-                    "takes the rooms of this manager's senders or receivers (not cleared)"
-                )
-            parts.append((r, p))
+        parts = self._parts.resolve(rooms, op)
         lapsed = self.lease_lapsed() if op == "finish" else ""  # once for the batch
-        lookups = self._lookups(p for _, p in parts if p is not None)
+        found = batch.lookups(
+            (p for _, p in parts if p is not None), self.store.cluster, self.prefill_engines
+        )
         plan = batch.plan(
             op,
             parts,
-            lookups,
+            found,
             lapsed,
             pages or {},
             lambda r: self.store.poll(r, self.side, self.engine),
         )
-        try:
-            replies = self.store.execute(plan.calls, partial=True)
-        except BaseException:
-            batch.lost(plan)  # bindings in that batch did not run (or not whole)
-            raise
-        out, bound = batch.answer(plan, replies)
+        out, bound = batch.run(self.store, plan)
         for b in bound:
             self._peers.watch(b)
         for _, p in parts:
@@ -424,11 +371,13 @@ class KVManager:
         mark); returns how many failed."""
         self.check_usable()
         addr = check_name(bootstrap_addr, "bootstrap_addr")
-        return self._peers.fail_peer(self.store, self._parts(), addr, reason, engine, incarnation)
+        return self._peers.fail_peer(
+            self.store, self._parts.all(), addr, reason, engine, incarnation
+        )
 
     def _beat(self, registry: Registry) -> None:
         """After each renewal: the peer watch, on the lease's own store."""
-        self._peers.check(registry, self._parts())
+        self._peers.check(registry, self._parts.all())
 
     def _lease_taken(self, claim: Claim, store: Store) -> None:
         """Another process registered this name after our lease lapsed (we stalled):
@@ -439,7 +388,7 @@ class KVManager:
             f"({self.info.host}, pid {self.info.pid}) stopped renewing it"
         )
         log.error("%s", reason)
-        mine = [p for p in self._parts() if p.create_sent and not p.cleared]
+        mine = [p for p in self._parts.all() if p.create_sent and not p.cleared]
         store.execute(
             [store.update(p.room, p.side, self.engine, KVPoll.Failed, reason) for p in mine],
             partial=True,
@@ -454,6 +403,9 @@ class KVManager:
         if self.forked:
             return
         self.heartbeat.close(self.recorder.close if self.recorder is not None else lambda: None)
+
+
+__all__ = ["ROLES", "KVManager", "open_managers"]
 
 
 __all__ = ["ROLES", "KVManager", "open_managers"]

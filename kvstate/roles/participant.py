@@ -25,6 +25,7 @@ from kvstate.keys import Side, check_room
 from kvstate.poll import KVPoll
 from kvstate.roles.contract import Bound, LookupKey, Lookups, Rank, StepInput
 from kvstate.store import Call, Status, one_call
+from kvstate.trace import traceparent
 
 log = logging.getLogger(__name__)
 STATE_LOST = (
@@ -52,6 +53,17 @@ def participant_call(
     return checked
 
 
+def checked_context(context: str) -> str:
+    """A serving request's trace context, as ``kvstate.trace.traceparent`` reads it."""
+    checked = traceparent(context)
+    if checked is None:
+        raise InvalidArgumentError(
+            f"trace_context must be a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>), "
+            f"got {context!r}; kvstate.trace.traceparent() filters a header"
+        )
+    return checked
+
+
 def check_reason(reason: object) -> str:
     """Reasons are text in Redis: None (SGLang passes it) reads as 'no reason given';
     anything else that is not text is refused before anything is sent."""
@@ -68,7 +80,14 @@ class Participant:
 
     side: Side
 
-    def __init__(self, mgr: Rank, room: object, peers: int, fields: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        mgr: Rank,
+        room: object,
+        peers: int,
+        fields: dict[str, Any],
+        trace_context: str | None = None,
+    ) -> None:
         mgr.check_usable(new=True)
         if mgr.side != self.side:
             raise KVStateError(f"a {mgr.role} manager cannot make a {type(self).__name__}")
@@ -92,6 +111,8 @@ class Participant:
         self._cleared = False
         self._status = KVPoll.Bootstrapping
         self._reason = ""
+        # the serving request's W3C traceparent, kept in a traced room's trace (issue 31)
+        self.trace_context = None if trace_context is None else checked_context(trace_context)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} room={self.room} engine={self.engine} {self._status.name}>"
@@ -170,7 +191,12 @@ class Participant:
         if self._created:
             return []
         self._create_sent = True
-        return [self.store.create(self.room, self.side, self.engine, self._fields)]
+        calls = [self.store.create(self.room, self.side, self.engine, self._fields)]
+        if self.trace_context and self.store.traced(self.room):  # same batch, same slot
+            calls.append(
+                self.store.trace_context(self.room, self.side, self.engine, self.trace_context)
+            )
+        return calls
 
     def _poll_call(self) -> Call:
         return self.store.poll(self.room, self.side, self.engine)

@@ -1,4 +1,5 @@
-"""The peer watch: a rank's heartbeat fails the rooms bound to a peer engine that died
+"""The rank's peers: their registrations (read once per incarnation, for a sender's
+writes), and the watch: a rank's heartbeat fails the rooms bound to a peer engine that died
 (its lease lapsed, or it restarted under a new incarnation), both ways: on the decode
 side the receivers bound to a dead prefill engine, on the prefill side the senders
 writing to a dead decode engine (design.md, API: "Its heartbeat watches the peers")."""
@@ -11,9 +12,10 @@ from collections.abc import Iterable, Sequence
 
 from kvstate.errors import CorruptStateError, KVStateError
 from kvstate.poll import KVPoll
-from kvstate.registry import Registry
+from kvstate.registry import EngineInfo, Registry
 from kvstate.roles.contract import Bound, Step
 from kvstate.store import Store
+from transports.base import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,20 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._watched: set[tuple[str, str, str]] = set()  # (peer engine, addr, incarnation)
         self._misses: dict[tuple[str, str], int] = {}  # (engine, incarnation) -> checks missing
+        self._registrations: dict[tuple[str, str], EngineInfo] = {}
+
+    def registration(self, registry: Registry, engine: str, incarnation: str) -> EngineInfo:
+        """A receiver's registration (endpoint, layout) for a sender's writes, read once
+        per incarnation; TransportError when that incarnation is gone (the room fails)."""
+        with self._lock:
+            info = self._registrations.get((engine, incarnation))
+        if info is None:
+            info = registry.get(engine)
+            if info is None or (incarnation and info.incarnation != incarnation):
+                raise TransportError(f"receiver {engine} (incarnation {incarnation}) is gone")
+            with self._lock:
+                self._registrations[(engine, incarnation)] = info
+        return info
 
     def watch(self, bound: Bound) -> None:
         """A receiver bound these prefill engines at ``bound.addr``: watch them."""

@@ -42,6 +42,7 @@ class KVReceiver(Participant):
         required_senders: int | None,
         routes: dict[str, Route] | None = None,
         receivers_per_sender: int = 0,
+        trace_context: str | None = None,
     ) -> None:
         if required_senders is not None and (not is_int(required_senders) or required_senders < 1):
             raise InvalidValueError(
@@ -49,6 +50,9 @@ class KVReceiver(Participant):
             )
         if senders is not None and not senders:
             raise InvalidValueError("senders, when given, must name at least one prefill engine")
+        for r in (routes or {}).values():
+            if not isinstance(r, Route):
+                raise InvalidValueError(f"a sender's route must be a kvstate.tp.Route, got {r!r}")
         if not is_int(receivers_per_sender) or receivers_per_sender < 0:
             raise InvalidValueError(
                 f"receivers_per_sender must be an int >= 0, got {receivers_per_sender!r}"
@@ -57,7 +61,7 @@ class KVReceiver(Participant):
         required = required_senders or (len(senders) if senders else 0)  # 0: not known
         self._binding = Binding(self.bootstrap_addr, senders, required, receivers_per_sender)
         self._routes = routes or {}
-        super().__init__(mgr, room, required, {schema.PEER_ADDR: bootstrap_addr})
+        super().__init__(mgr, room, required, {schema.PEER_ADDR: bootstrap_addr}, trace_context)
 
     @property
     def senders(self) -> list[str]:

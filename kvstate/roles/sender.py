@@ -31,7 +31,13 @@ class KVSender(Participant):
 
     side: Side = "tx"
 
-    def __init__(self, mgr: Rank, room: object, required_receivers: int | None = 1) -> None:
+    def __init__(
+        self,
+        mgr: Rank,
+        room: object,
+        required_receivers: int | None = 1,
+        trace_context: str | None = None,
+    ) -> None:
         if required_receivers is not None and (
             not is_int(required_receivers) or required_receivers < 1
         ):
@@ -39,7 +45,7 @@ class KVSender(Participant):
                 f"required_receivers must be an int >= 1 or None (as many as the "
                 f"receivers declare), got {required_receivers!r}"
             )
-        super().__init__(mgr, room, required_receivers or 0, {})
+        super().__init__(mgr, room, required_receivers or 0, {}, trace_context)
         # None: the receivers declare how many they are (kvstate.tp: a decode of another
         # TP size); learned from their infos when they published before this existed
         self._counted = required_receivers is not None

@@ -40,6 +40,7 @@ from kvstate.store.plain import (
 from kvstate.store.redis_server import (
     UNIX_PATH_MAX,
     RedisServer,
+    bundled_binary,
     find_binary,
     find_redis_server,
     log_tail,
@@ -72,6 +73,7 @@ __all__ = [
     "Subscription",
     "command_call",
     "connect",
+    "bundled_binary",
     "find_binary",
     "find_redis_server",
     "log_tail",

@@ -193,6 +193,25 @@ class Admin(Executor):
             raise
         return True
 
+    def password_unused(self) -> bool:
+        """Whether the password this store was given is one the server never asks for:
+        a default user without a password lets every connection in, and redis-py drops
+        AUTH's "called without any password configured" answer (redis-cli prints it).
+        Asked once (connect()), with AUTH's one-argument form, on one primary; an ACL
+        user's password (a user name given) is always checked by the server."""
+        client = self._primary(None)
+        kwargs = client.connection_pool.connection_kwargs
+        password, user = kwargs.get("password"), kwargs.get("username")
+        if not password or user not in (None, "", "default"):
+            return False
+        try:
+            client.execute_command("AUTH", password)  # type: ignore[no-untyped-call,unused-ignore]
+        except (redis.AuthenticationError, redis.ResponseError) as exc:
+            return "without any password configured" in str(exc)
+        except redis.RedisError:  # refused or unreachable: connect()'s PING says so
+            return False
+        return False
+
     def command_counts(self) -> dict[str, int]:
         """Calls per command since each server started (INFO commandstats), summed over
         every primary: two readings bracket what a run cost Redis."""

@@ -18,7 +18,7 @@ from kvstate.errors import CorruptStateError, InvalidArgumentError
 from kvstate.keys import Keys, Side
 from kvstate.poll import KVPoll
 from kvstate.store.connection import Options
-from kvstate.trace import sampled
+from kvstate.trace import context_entry, sampled
 
 # s: the shortest life of a room's failure mark (docs/design.md, Data model): a
 # participant joining late waits at most its bootstrap timeout, 300 s by default
@@ -370,6 +370,14 @@ class Calls:
 
     def untrack(self, tracker: str, member: str) -> Call:
         return self._command("ZREM", tracker, args=[member])
+
+    def trace_context(self, room: int, side: Side, engine: str, context: str) -> Call:
+        """Append a serving request's trace context to the room's trace, only to a trace
+        that exists (RPUSHX: never creates a key, design rule 1): a plain command sent
+        in the participant's create batch, after its create, so no round trip of its
+        own (the room's slot). ``context`` is a checked ``traceparent``."""
+        entry = context_entry(side, engine, context)
+        return self._command("RPUSHX", self.keys.trace(room), args=[entry])
 
     # -- the demo's bookkeeping --------------------------------------------------------
     def unmark_aborted(self, room: int) -> Call:

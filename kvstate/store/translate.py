@@ -33,6 +33,7 @@ from redis.exceptions import (
 )
 
 from kvstate.errors import (
+    AuthenticationFailedError,
     ClosedError,
     CorruptStateError,
     InvalidArgumentError,
@@ -131,12 +132,12 @@ class Translating:
         one: a KVStateError already, or no Redis error at all)."""
         if isinstance(exc, AuthenticationError):
             if "NOAUTH" in str(exc) or "required" in str(exc):
-                return StateConnectionError(
+                return AuthenticationFailedError(
                     f"Redis at {self.url} requires a password and none was given: set "
                     f"${ENV_PASSWORD}, or put it in the URL (redis://:PASSWORD@HOST:PORT; "
                     f"{URL_SOURCE})"
                 )
-            return StateConnectionError(
+            return AuthenticationFailedError(
                 f"authentication to Redis at {self.url} failed: check the user and password "
                 f"(the URL's, else ${ENV_PASSWORD})"
             )

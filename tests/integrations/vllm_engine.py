@@ -7,13 +7,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tests.integrations.vllm_rig import Spec, Workers, plan, vllm_config
+from tests.integrations.vllm_rig import Spec, Workers, dp_configs, plan, vllm_config
 
 
 class Engine:
     """EngineCore's loop around vLLM's v1 Scheduler; what came out, per request."""
 
-    def __init__(self, spec: Spec, wait: bool = True) -> None:
+    def __init__(self, spec: Spec, wait: bool = True, config: Any = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -21,34 +21,39 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.spec = spec
-        self.config = vllm_config(spec)
+        self.config = config or vllm_config(spec)
         configs, sched_config = plan(spec, self.config)
         for c in (*configs, sched_config):
             c.hash_block_size = spec.block_size
-        self.workers = Workers(spec, configs)  # register_kv_caches runs there, as in vLLM
-        if wait:
-            self.workers.ready()
-        self.scheduler = Scheduler(
-            vllm_config=self.config,
-            kv_cache_config=sched_config,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=spec.block_size,
-            hash_block_size=spec.block_size,
-            log_stats=True,
-        )
+        self.workers = Workers(spec, self.config, configs)  # register_kv_caches runs there
+        try:
+            if wait:
+                self.workers.ready()
+            self.scheduler = Scheduler(
+                vllm_config=self.config,
+                kv_cache_config=sched_config,
+                structured_output_manager=StructuredOutputManager(self.config),
+                block_size=spec.block_size,
+                hash_block_size=spec.block_size,
+                log_stats=True,
+            )
+        except BaseException:  # an engine that cannot start leaves no worker behind
+            self.workers.kill()
+            raise
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(spec.block_size, sha256)
-        self.aggregator = KVOutputAggregator(spec.tp)
+        self.aggregator = KVOutputAggregator(spec.world)
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self.params: dict[str, dict[str, Any]] = {}
-        self.bytes_verified = [0] * spec.tp
+        self.bytes_verified = [0] * spec.world
         self.mismatches: list[str] = []
         self.steps = 0
         self.preempted = 0
         self.first_computed: dict[str, int] = {}  # tokens a request had when first run
         self.dead = False
         self.meta: Any = None
+        self.kv_stats: list[Any] = []  # SchedulerStats that carried connector stats
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, params: Any = None) -> None:
         from vllm.sampling_params import SamplingParams
@@ -58,6 +63,30 @@ class Engine:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         self.tokens[rid] = []
         self.scheduler.add_request(Request(rid, list(prompt), sp, None, block_hasher=self.hasher))
+
+    def submit(
+        self, external_id: str, prompt: list[int], max_tokens: int, params: Any = None
+    ) -> str:
+        """A request as vLLM's front end hands it over: an EngineCoreRequest whose id
+        vLLM's InputProcessor assigns (a random suffix, unless
+        VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1), made a Request by vLLM. Returns the
+        id the engine knows it by."""
+        import time
+
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.input_processor import InputProcessor
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": dict(params)} if params else None
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        core = EngineCoreRequest(
+            external_id, list(prompt), None, sp, None, time.time(), None, None, None
+        )
+        InputProcessor.assign_request_id(core)
+        self.tokens[core.request_id] = []
+        self.scheduler.add_request(Request.from_engine_core_request(core, self.hasher))
+        return str(core.request_id)
 
     def abort(self, rid: str) -> None:
         from vllm.v1.request import RequestStatus
@@ -78,8 +107,12 @@ class Engine:
             self.bytes_verified[rank] = verified
             self.mismatches += bad
         mros = [o for o, _ in outs]
-        mro = self.aggregator.aggregate(mros, 0) if len(mros) > 1 else mros[0]
+        last = self.spec.world - self.spec.tp  # the last stage's first rank samples
+        mro = self.aggregator.aggregate(mros, last) if len(mros) > 1 else mros[0]
         for client in self.scheduler.update_from_output(so, mro).values():
+            stats = client.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.kv_stats.append(stats)  # what vLLM's stat loggers get
             for o in client.outputs:
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
@@ -120,8 +153,12 @@ class Engine:
 
 
 def start(specs: list[Spec]) -> list[Engine]:
-    """Engines whose ranks start side by side (start-up is mostly imports)."""
-    engines = [Engine(s, wait=False) for s in specs]
+    """Engines whose ranks start side by side (start-up is mostly imports); a spec of
+    ``dp`` data-parallel engines starts them all (vLLM's copies of its config)."""
+    engines = []
+    for s in specs:
+        configs = dp_configs(s) if s.dp > 1 else [None]
+        engines += [Engine(s, wait=False, config=c) for c in configs]
     try:
         for e in engines:
             e.workers.ready()

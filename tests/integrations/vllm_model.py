@@ -57,13 +57,17 @@ class _Req:
 
 
 class Model:
-    """One TP rank's emulated forward over the caches vLLM allocated."""
+    """One worker's emulated forward over the caches vLLM allocated: its layers (global
+    indices: a pipeline stage holds some) and its global KV heads."""
 
-    def __init__(self, kv_caches: dict[str, Any], layers: list[str], block_size: int, rank: int):
-        self.caches = [kv_caches[n] for n in layers]
+    def __init__(
+        self, kv_caches: dict[str, Any], layers: list[int], block_size: int, heads: list[int]
+    ):
+        self.layers = layers
+        self.caches = [kv_caches[f"model.layers.{i}.self_attn.attn"] for i in layers]
         self.block_size = block_size
-        h = self.caches[0].shape[1]
-        self.heads = list(range(rank * h, (rank + 1) * h))
+        assert self.caches[0].shape[1] == len(heads), (self.caches[0].shape, heads)
+        self.heads = heads
         self.content = self.caches[0].shape[-1]
         self.reqs: dict[str, _Req] = {}
         self.bytes_verified = 0
@@ -80,7 +84,7 @@ class Model:
         hashes = prefix_hashes(r.tokens[:upto])
         blocks, offs = self._slots(r, 0, upto)
         ok = True
-        for layer, cache in enumerate(self.caches):
+        for layer, cache in zip(self.layers, self.caches, strict=True):
             got = cache[blocks, :, offs, :]
             want = pattern(hashes, layer, self.heads, self.content)
             self.bytes_verified += got.numel() * got.element_size()
@@ -93,7 +97,7 @@ class Model:
     def _write(self, r: _Req, lo: int, hi: int) -> None:
         hashes = prefix_hashes(r.tokens[:hi])[lo:]
         blocks, offs = self._slots(r, lo, hi)
-        for layer, cache in enumerate(self.caches):
+        for layer, cache in zip(self.layers, self.caches, strict=True):
             cache[blocks, :, offs, :] = pattern(hashes, layer, self.heads, self.content)
 
     def forward(self, so: Any, all_ok: Any) -> tuple[list[str], list[list[int]]]:

@@ -1,8 +1,9 @@
 """A vLLM 0.34 engine on CPU, built from vLLM's own parts: its VllmConfig, its KV
 cache planning (layout resolution, get_kv_cache_configs), its v1 Scheduler with its KV
-cache manager and block pool, and per TP rank a worker process that runs vLLM's
-distributed init on gloo, its KV transfer group, ``allocate_kv_cache`` and the CPU
-model runner's KV connector glue. Only the forward pass is emulated (vllm_model.py).
+cache manager and block pool, and per worker (TP rank x pipeline stage) a process that
+runs vLLM's distributed init on gloo (across the data-parallel engines too, when there
+are several), its KV transfer group, ``allocate_kv_cache`` and the CPU model runner's
+KV connector glue. Only the forward pass is emulated (vllm_model.py).
 
 The test process holds the schedulers (one ``Engine`` per vLLM engine) and acts as the
 router; each step is EngineCore.step(): schedule -> every rank's worker -> vLLM's
@@ -40,26 +41,60 @@ MAX_LEN = 128  # tokens: the longest request (blocks x block_size must cover it)
 
 @dataclass
 class Spec:
-    """One engine: role, connector and the cache geometry."""
+    """One engine: role, connector, parallelism and the cache geometry."""
 
     role: str  # kv_producer | kv_consumer
     engine_id: str
     url: str
     model_dir: str
     tp: int = 1
+    pp: int = 1
+    dp: int = 1  # data-parallel engines of this deployment (dp_configs)
     layout: str | None = None  # VLLM_KV_CACHE_LAYOUT; None: the backends' choice
     mla: bool = False
     blocks: int = 48
     block_size: int = 4
     chunk: int = 64  # max_num_batched_tokens
+    max_seqs: int = 8
+    inflight_loads: int | None = None  # max_num_inflight_kv_loads
     prefix_caching: bool = True
     policy: str = "recompute"  # kv_load_failure_policy
     connector: str = "KVStateConnector"
+    kv_buffer_device: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def kv_heads(self) -> int:
+        """The model's KV heads (its config.json)."""
+        cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
+        return int(cfg["num_key_value_heads"])
+
+    @property
     def layers(self) -> list[str]:
-        return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        return [layer_name(i) for i in range(LAYERS)]
+
+    def stage_layers(self, stage: int) -> list[int]:
+        """The layers pipeline stage ``stage`` holds (vLLM's own partition)."""
+        from vllm.distributed.utils import get_pp_indices
+
+        lo, hi = get_pp_indices(LAYERS, stage, self.pp)
+        return list(range(lo, hi))
+
+    def heads(self, rank: int) -> list[int]:
+        """The global KV heads TP rank ``rank`` holds (MLA: the one latent)."""
+        if self.mla:
+            return [0]
+        n = self.kv_heads
+        first = rank * n // self.tp
+        return [first + k for k in range(max(1, n // self.tp))]
+
+
+def layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -78,8 +113,9 @@ def module_redis(tmp_path_factory: Any) -> Iterator[str]:
     proc.stop()
 
 
-def write_model(path: Path) -> str:
-    """A config.json vLLM's ModelConfig reads without a hub (no weights are loaded)."""
+def write_model(path: Path, kv_heads: int = HEADS) -> str:
+    """A config.json vLLM's ModelConfig reads without a hub (no weights are loaded):
+    ``kv_heads`` below HEADS is GQA."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(
         json.dumps(
@@ -89,7 +125,7 @@ def write_model(path: Path) -> str:
                 "hidden_size": HEADS * HEAD_SIZE,
                 "intermediate_size": 64,
                 "num_attention_heads": HEADS,
-                "num_key_value_heads": HEADS,
+                "num_key_value_heads": kv_heads,
                 "num_hidden_layers": LAYERS,
                 "vocab_size": 1024,
                 "max_position_embeddings": 4096,
@@ -120,6 +156,10 @@ def vllm_config(spec: Spec) -> Any:
     model = ModelConfig(
         model=spec.model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=MAX_LEN
     )
+    buffer = {} if spec.kv_buffer_device is None else {"kv_buffer_device": spec.kv_buffer_device}
+    dp = {}
+    if spec.dp > 1:
+        dp = {"data_parallel_size": spec.dp, "data_parallel_master_ip": "127.0.0.1"}
     return VllmConfig(
         model_config=model,
         cache_config=CacheConfig(
@@ -128,13 +168,16 @@ def vllm_config(spec: Spec) -> Any:
             num_gpu_blocks_override=spec.blocks,
         ),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
+            max_num_seqs=spec.max_seqs,
+            max_num_inflight_kv_loads=spec.inflight_loads,
             max_num_batched_tokens=spec.chunk,
             max_model_len=MAX_LEN,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
-        parallel_config=ParallelConfig(tensor_parallel_size=spec.tp),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=spec.tp, pipeline_parallel_size=spec.pp, **dp
+        ),
         kv_transfer_config=KVTransferConfig(
             kv_connector=spec.connector,
             kv_connector_module_path=module,
@@ -142,14 +185,35 @@ def vllm_config(spec: Spec) -> Any:
             engine_id=spec.engine_id,
             kv_connector_extra_config=extra,
             kv_load_failure_policy=spec.policy,  # type: ignore[arg-type]
+            **buffer,
         ),
         device_config=DeviceConfig(device="cpu"),
     )
 
 
-def layer_specs(spec: Spec) -> dict[str, Any]:
-    """What the model's attention layers report on one rank (heads split over TP; an
-    MLA latent is one head, replicated)."""
+def dp_configs(spec: Spec) -> list[Any]:
+    """One config per data-parallel engine, as vLLM makes them: copies of the one
+    config (the rendezvous ports it picked included), each with its rank and its
+    KV connector engine_id suffixed ``_dp<rank>``."""
+    import copy
+
+    from vllm.v1.engine.utils import _apply_dp_identity_suffix
+
+    base = vllm_config(spec)
+    out = []
+    for rank in range(spec.dp):
+        config = copy.deepcopy(base)
+        config.parallel_config.data_parallel_rank = rank
+        config.parallel_config.data_parallel_rank_local = rank
+        _apply_dp_identity_suffix(config, rank)
+        out.append(config)
+    return out
+
+
+def layer_specs(spec: Spec, stage: int = 0) -> dict[str, Any]:
+    """What the model's attention layers report on one worker of pipeline stage
+    ``stage`` (heads split over TP, replicated when fewer than the ranks; an MLA latent
+    is one head, replicated)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
@@ -160,11 +224,11 @@ def layer_specs(spec: Spec) -> dict[str, Any]:
     else:
         one = FullAttentionSpec(
             block_size=spec.block_size,
-            num_kv_heads=HEADS // spec.tp,
+            num_kv_heads=len(spec.heads(0)),
             head_size=HEAD_SIZE,
             dtype=torch.float16,
         )
-    return {name: one for name in spec.layers}
+    return {layer_name(i): one for i in spec.stage_layers(stage)}
 
 
 def plan(spec: Spec, config: Any) -> tuple[list[Any], Any]:
@@ -176,13 +240,13 @@ def plan(spec: Spec, config: Any) -> tuple[list[Any], Any]:
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
     register_all_kvcache_specs(config)
-    specs = [layer_specs(spec) for _ in range(spec.tp)]
+    specs = [layer_specs(spec, rank // spec.tp) for rank in range(spec.world)]
     saved = os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
     if spec.layout:
         os.environ["VLLM_KV_CACHE_LAYOUT"] = spec.layout
     try:  # the backends on this rank accept any layout (as FlexAttention's does)
         layout = resolve_kv_cache_layout(
-            config, [ALL_LAYOUTS] * spec.tp, [s for one in specs for s in one.values()]
+            config, [ALL_LAYOUTS] * spec.world, [s for one in specs for s in one.values()]
         )
     finally:
         os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
@@ -190,7 +254,7 @@ def plan(spec: Spec, config: Any) -> tuple[list[Any], Any]:
             os.environ["VLLM_KV_CACHE_LAYOUT"] = saved
     groups = get_global_kv_cache_groups(config, specs)
     memory = 1 << 30
-    configs = get_kv_cache_configs(config, specs, [memory] * spec.tp, groups)
+    configs = get_kv_cache_configs(config, specs, [memory] * spec.world, groups)
     for c in configs:
         c.kv_cache_layout = layout.name
     sched = generate_scheduler_kv_cache_config(configs)
@@ -198,9 +262,12 @@ def plan(spec: Spec, config: Any) -> tuple[list[Any], Any]:
     return configs, sched
 
 
-def worker_main(spec: Spec, kv_cache_config: Any, rank: int, rendezvous: str, conn: Any) -> None:
-    """One TP rank: vLLM's distributed init (gloo), KV transfer group, allocation and
-    connector glue; then scheduler outputs in, model runner outputs out."""
+def worker_main(
+    spec: Spec, config: Any, kv_cache_config: Any, rank: int, rendezvous: str, conn: Any
+) -> None:
+    """One worker (world rank ``rank``: TP rank ``rank % tp`` of stage ``rank // tp``):
+    vLLM's distributed init (gloo), KV transfer group, allocation and connector glue;
+    then scheduler outputs in, model runner outputs out."""
     try:
         import torch
         from vllm.config import set_current_vllm_config
@@ -217,29 +284,30 @@ def worker_main(spec: Spec, kv_cache_config: Any, rank: int, rendezvous: str, co
 
         from tests.integrations.vllm_model import Model
 
-        config = vllm_config(spec)
         record_kv_cache_layout(config.cache_config, kv_cache_config.kv_cache_layout)
         with set_current_vllm_config(config):
             ps.init_distributed_environment(
-                world_size=spec.tp,
+                world_size=spec.world,
                 rank=rank,
                 distributed_init_method=rendezvous,
                 local_rank=rank,
                 backend="gloo",
             )
-            ps.ensure_model_parallel_initialized(spec.tp, 1)
+            ps.ensure_model_parallel_initialized(spec.tp, spec.pp)
             layout = KVCacheLayout[kv_cache_config.kv_cache_layout]
             caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
             glue = None  # another connector's worker side (NIXL's needs NIXL): not run
             if spec.connector == "KVStateConnector":
                 ensure_kv_transfer_initialized(config, kv_cache_config)
                 glue = get_kv_connector(config, caches)
-        model = Model(caches, spec.layers, spec.block_size, rank if not spec.mla else 0)
-        group = ps.get_tp_group().cpu_group
+        stage_layers = spec.stage_layers(rank // spec.tp)
+        model = Model(caches, stage_layers, spec.block_size, spec.heads(rank % spec.tp))
+        groups = [g.cpu_group for g in (ps.get_tp_group(), ps.get_pp_group()) if g.world_size > 1]
 
         def all_ok(flags: list[bool]) -> list[bool]:
+            """Every worker of this engine agrees (TP, then pipeline stages)."""
             t = torch.tensor([0 if f else 1 for f in flags], dtype=torch.int64)
-            if spec.tp > 1:
+            for group in groups:
                 torch.distributed.all_reduce(t, group=group)
             return [int(v) == 0 for v in t.tolist()]
 
@@ -252,6 +320,8 @@ def worker_main(spec: Spec, kv_cache_config: Any, rank: int, rendezvous: str, co
         if msg == "stop":
             with set_current_vllm_config(config):
                 ensure_kv_transfer_shutdown()
+                ps.destroy_model_parallel()  # its groups' shared memory too
+                ps.destroy_distributed_environment()
             conn.send(("bye", None))
             return
         try:
@@ -280,17 +350,19 @@ class WorkerDied(RuntimeError):
 
 
 class Workers:
-    """An engine's TP ranks, one spawned process each (vLLM's multiproc executor's job)."""
+    """An engine's workers, one spawned process each (vLLM's multiproc executor's job)."""
 
-    def __init__(self, spec: Spec, configs: list[Any]) -> None:
+    def __init__(self, spec: Spec, config: Any, configs: list[Any]) -> None:
         ctx = mp.get_context("forkserver")  # ranks fork from one process that imported vLLM
         ctx.set_forkserver_preload(PRELOAD)
         rendezvous = f"file://{tempfile.mkdtemp(prefix='vllm-rig-')}/gloo"
         self.conns, self.procs = [], []
-        for rank in range(spec.tp):
+        for rank in range(spec.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=worker_main, args=(spec, configs[rank], rank, rendezvous, child), daemon=True
+                target=worker_main,
+                args=(spec, config, configs[rank], rank, rendezvous, child),
+                daemon=True,
             )
             p.start()
             self.conns.append(parent)

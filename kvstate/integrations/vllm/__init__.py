@@ -9,10 +9,14 @@ may be left out). Tested with vLLM 0.34.0. The package, by concept:
 
 - ``settings``: ``kv_connector_extra_config`` (Redis URL, namespace, lease and
   timeouts) and the names both engines derive (engines, ranks, rooms);
-- ``layout``: which bytes of vLLM's KV cache are one block's, checked against the
-  ``KVCacheConfig`` at start-up;
-- ``scheduler``: requests -> rooms, aborts from the scheduler;
-- ``worker``: one TP rank's rooms and pages;
+- ``layout``: which bytes of vLLM's KV cache are one block's and how a block splits
+  into KV heads, checked against the ``KVCacheConfig`` at start-up;
+- ``handoff``: what a prefill hands the decode with a request, whether the decode can
+  take it, and which prefill workers each decode rank reads from (heterogeneous TP,
+  MLA, pipeline stages);
+- ``scheduler``: requests -> rooms, aborts and holds from the scheduler;
+- ``worker``: one worker's rooms and pages;
+- ``metrics``: ``KVConnectorStats`` and the ``vllm:kvstate_*`` Prometheus metrics;
 - ``connector``: the class vLLM instantiates, dispatching to the two halves.
 """
 

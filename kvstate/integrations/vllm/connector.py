@@ -12,9 +12,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstate.errors import VLLMConfigError
+from kvstate.integrations.vllm.metrics import KVStateConnectorStats, KVStatePromMetrics
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata, SchedulerSide
 from kvstate.integrations.vllm.settings import Settings, engine_name
-from kvstate.integrations.vllm.worker import WorkerSide
+from kvstate.integrations.vllm.worker import WorkerSide, check_parallel
 
 
 class KVStateConnector(KVConnectorBase_V1):
@@ -34,6 +35,7 @@ class KVStateConnector(KVConnectorBase_V1):
         engine_id = str(cfg.engine_id or "vllm")
         self.engine = engine_name(engine_id)
         self.producer = cfg.kv_role == "kv_producer"
+        check_parallel(vllm_config, self.producer)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -67,6 +69,9 @@ class KVStateConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Any) -> None:
+        self.sched.on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -110,6 +115,25 @@ class KVStateConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()
+
+    # -- stats (both sides: the scheduler counts its fallbacks) ----------------------
+    def get_kv_connector_stats(self) -> KVStateConnectorStats | None:
+        side = self._worker or self._sched
+        return side.get_stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStateConnectorStats:
+        return KVStateConnectorStats(data=data) if data is not None else KVStateConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVStatePromMetrics:
+        return KVStatePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -1,5 +1,6 @@
 """Which bytes of vLLM's KV cache are one block's, as buffers kvstate's transport can
-register (each a run of equal pages, page ``i`` = block ``i``).
+register (each a run of equal pages, page ``i`` = block ``i``), and how each page splits
+into KV heads.
 
 vLLM 0.34 hands ``register_kv_caches`` one view per layer, ``[blocks, heads, tokens,
 content]`` (K and V side by side in ``content``; MLA one latent), over one backing
@@ -12,8 +13,11 @@ block's bytes are a few runs at a fixed stride from block to block:
 
 Each view's shape and strides are checked against the ``KVCacheConfig`` (its block
 count and page size) before anything registers, so a view kvstate would misread is
-refused here, at start-up, never moved as wrong bytes. Both engines must use the same
-layout and geometry: ``signature()`` travels with each request (see scheduler.py).
+refused here, at start-up, never moved as wrong bytes. Each run also gets its
+``Geometry``: its name (the layer, so that a pipeline stage's layers meet the decode's
+by name) and its page as ``outer`` blocks of ``heads`` equal chunks, read from the
+view's strides and checked byte by byte, which is what lets engines of different
+tensor-parallel sizes move parts of pages (handoff.py decides when they may).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvstate.errors import LayoutRefusedError
+from transports.base import Geometry
 
 SUPPORTED = (
     "vLLM 0.34's per-layer [blocks, heads, tokens, content] views as "
@@ -33,17 +40,27 @@ SUPPORTED = (
 )
 
 
+# Layouts whose every run holds whole heads side by side, so a page splits into KV
+# heads (LHBNC keeps each head in a run of its own: a page is one head there).
+SPLITS_HEADS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
+BLOCK_OUTER = ("BLHNC", "BLNHC", "BHLNC")
+
+
 @dataclass(frozen=True)
 class Buffer:
-    """One registered run: a 1-D uint8 tensor over the bytes of ``num_blocks`` pages."""
+    """One registered run: a 1-D uint8 tensor over the bytes of ``num_blocks`` pages,
+    and what a page holds (``Geometry``: its name, how it splits into heads)."""
 
     tensor: Any
     page_bytes: int
+    geometry: Geometry
 
 
 @dataclass(frozen=True, eq=False)
 class _View:
-    """A view's block footprint: block ``b`` covers [ptr + b*stride, ptr + b*stride + hi)."""
+    """A view's block footprint: block ``b`` covers [ptr + b*stride, ptr + b*stride + hi).
+    ``sub`` is the view itself ([blocks, ...]); its heads are dim ``head_dim``, or,
+    when that dim was split off (heads outside blocks), it is head ``head`` alone."""
 
     name: str
     storage: Any
@@ -52,6 +69,9 @@ class _View:
     stride: int
     hi: int
     dense: bool  # the page's bytes are exactly [ptr, ptr + hi)
+    sub: Any = None
+    head_dim: int | None = None
+    head: int = 0
 
 
 def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -62,7 +82,30 @@ def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
     return str(name or "unresolved")
 
 
-def _spec(kv_cache_config: Any) -> Any:
+def is_mla(spec: Any) -> bool:
+    """An MLA latent cache (one latent per token, the same on every TP rank)."""
+    return any(c.__name__ == "MLAAttentionSpec" for c in type(spec).__mro__)
+
+
+def head_split(layout: str, spec: Any) -> str:
+    """Why this engine's pages cannot be split by KV heads ('' when they can): what
+    engines of different tensor-parallel sizes need unless each rank holds as many
+    heads on both sides (MLA: the whole latent)."""
+    if layout not in SPLITS_HEADS:
+        return (
+            f"KV cache layout {layout} keeps each KV head in a run of its own, so a page "
+            f"cannot be split by heads (layouts that can: {', '.join(SPLITS_HEADS)})"
+        )
+    slots = getattr(spec, "num_head_slots", None)
+    if slots is not None and slots != getattr(spec, "num_kv_heads", slots):
+        return f"the KV cache packs {spec.num_kv_heads} KV heads into {slots} head slots"
+    if getattr(spec, "page_size_padded", None):
+        return "the KV cache pads its pages"
+    return ""
+
+
+def spec_of(kv_cache_config: Any) -> Any:
+    """The one KV cache group's spec, or LayoutRefusedError."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) != 1:
         raise LayoutRefusedError(
@@ -78,24 +121,12 @@ def _spec(kv_cache_config: Any) -> Any:
     return spec
 
 
-def signature(vllm_config: Any, kv_cache_config: Any) -> str:
-    """What must be equal on both engines for page ``i`` here to mean page ``i`` there:
-    layout, spec kind, block geometry, dtype, layers and TP size."""
-    spec = _spec(kv_cache_config)
-    layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    dtype = str(getattr(spec, "dtype", "?")).replace("torch.", "")
-    return (
-        f"{layout_name(vllm_config, kv_cache_config)} {type(spec).__name__} "
-        f"{layers} layers x {spec.block_size} tokens x {spec.num_heads} heads x "
-        f"{spec.state_content_size_bytes} B ({dtype}), page {spec.page_size_bytes} B, TP {tp}"
-    )
-
-
 def buffers(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: str) -> list[Buffer]:
     """The runs to register, in a fixed order (layers as the KVCacheConfig lists
-    them), or LayoutRefusedError naming the layout and what kvstate supports."""
-    spec = _spec(kv_cache_config)
+    them), each with its Geometry, or LayoutRefusedError naming the layout and what
+    kvstate supports. A layout that splits pages by heads (``head_split``) whose pages
+    here do not split into equal chunks of whole heads is refused too."""
+    spec = spec_of(kv_cache_config)
     num_blocks = int(kv_cache_config.num_blocks)
     order = [n for t in kv_cache_config.kv_cache_tensors for n in t.layers]
     names = sorted(kv_caches, key=lambda n: (order.index(n) if n in order else len(order), n))
@@ -109,8 +140,23 @@ def buffers(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: str) -> 
         seen.add(key)
         views += _footprints(name, _check(name, t, spec, num_blocks, layout), layout)
     runs = _runs(views, layout)
-    _check_disjoint(runs, layout)
-    return [_buffer(v, start, stride, num_blocks, layout) for v, start, stride in runs]
+    _check_disjoint([(vs[0], start, stride) for vs, start, stride in runs], layout)
+    mla = is_mla(spec)
+    split = not mla and not head_split(layout, spec)
+    out = []
+    for vs, start, stride in runs:
+        geometry = _geometry(vs, start, stride, mla)
+        if geometry is None:
+            if split:
+                raise _refuse(
+                    vs[0].name,
+                    layout,
+                    "its pages do not split into equal chunks of whole KV heads, which "
+                    "engines of different tensor_parallel_size need",
+                )
+            geometry = Geometry(_name(vs))
+        out.append(_buffer(vs[0], start, stride, num_blocks, layout, geometry))
+    return out
 
 
 def _refuse(name: str, layout: str, what: str) -> LayoutRefusedError:
@@ -153,27 +199,39 @@ def _footprints(name: str, t: Any, layout: str) -> list[_View]:
     e = t.element_size()
     stride = t.stride(0) * e
     outer = [d for d in range(1, t.dim()) if t.shape[d] > 1 and t.stride(d) * e >= stride]
-    subs = [t]
+    # [blocks, (kernel blocks,) heads, tokens, content]: (view, its heads dim or None
+    # once split off, the head it then holds)
+    subs: list[tuple[Any, int | None, int]] = [(t, t.dim() - 3, 0)]
     for d in sorted(outer, reverse=True):
-        subs = [s.select(d, i) for s in subs for i in range(t.shape[d])]
+        subs = [_select(s, hd, h, d, i) for s, hd, h in subs for i in range(t.shape[d])]
     out = []
     storage = t.untyped_storage()
-    for s in subs:
+    for s, hd, h in subs:
         hi = e + sum((n - 1) * st * e for n, st in zip(s.shape[1:], s.stride()[1:], strict=True))
         if hi > stride:
             raise _refuse(name, layout, f"blocks overlap (block stride {stride} B, page {hi} B)")
         dense = s[0].numel() * e == hi
-        out.append(_View(name, storage, storage.data_ptr(), s.data_ptr(), stride, hi, dense))
+        out.append(
+            _View(name, storage, storage.data_ptr(), s.data_ptr(), stride, hi, dense, s, hd, h)
+        )
     return out
 
 
-def _runs(views: list[_View], layout: str) -> list[tuple[_View, int, int]]:
-    """(a view of the storage, first address, block stride) of each run. A dense view
-    whose page fills its stride is a run of its own; views whose pages interleave
-    within one stride (block-outer layouts) share the run that stride covers."""
-    runs: list[tuple[_View, int, int]] = []
+def _select(t: Any, hd: int | None, h: int, d: int, i: int) -> tuple[Any, int | None, int]:
+    """``t.select(d, i)`` and where its heads are now: dim ``hd`` moved down by one if
+    ``d`` was before it, or gone (head ``i`` alone) if ``d`` was the heads dim."""
+    if hd == d:
+        return t.select(d, i), None, i
+    return t.select(d, i), None if hd is None else hd - (d < hd), h
+
+
+def _runs(views: list[_View], layout: str) -> list[tuple[list[_View], int, int]]:
+    """(the views in it, first address, block stride) of each run. A dense view whose
+    page fills its stride is a run of its own; views whose pages interleave within one
+    stride (block-outer layouts) share the run that stride covers."""
+    runs: list[tuple[list[_View], int, int]] = []
     loose = [v for v in views if not (v.dense and v.hi == v.stride)]
-    runs += [(v, v.ptr, v.stride) for v in views if v.dense and v.hi == v.stride]
+    runs += [([v], v.ptr, v.stride) for v in views if v.dense and v.hi == v.stride]
     loose.sort(key=lambda v: (v.base, v.stride, v.ptr))
     for (_, stride), group in itertools.groupby(loose, key=lambda v: (v.base, v.stride)):
         members = list(group)
@@ -185,10 +243,12 @@ def _runs(views: list[_View], layout: str) -> list[tuple[_View, int, int]]:
                 raise _refuse(
                     here[-1].name, layout, f"pages of one block span {end - start} B > {stride} B"
                 )
-            runs.append((here[0], start, stride))
+            runs.append((here, start, stride))
             members = [v for v in members if v.ptr >= start + stride]
     position = {id(v): i for i, v in enumerate(views)}
-    return sorted(runs, key=lambda r: (position[id(r[0])], r[1]))
+    for vs, _, _ in runs:
+        vs.sort(key=lambda v: position[id(v)])
+    return sorted(runs, key=lambda r: (position[id(r[0][0])], r[1]))
 
 
 def _check_disjoint(runs: list[tuple[_View, int, int]], layout: str) -> None:
@@ -198,7 +258,63 @@ def _check_disjoint(runs: list[tuple[_View, int, int]], layout: str) -> None:
             raise _refuse(b, layout, f"its bytes overlap those of layer {a}")
 
 
-def _buffer(view: _View, start: int, stride: int, num_blocks: int, layout: str) -> Buffer:
+def _name(views: list[_View]) -> str:
+    """A run's name: its layer (and head, when heads lie outside blocks), or the first
+    and last of the layers a block-outer run holds."""
+    v = views[0]
+    if len(views) > 1:
+        return f"{v.name}..{views[-1].name}"
+    return v.name if v.head_dim is not None else f"{v.name}#h{v.head}"
+
+
+def _geometry(views: list[_View], start: int, page: int, mla: bool) -> Geometry | None:
+    """The run's page as ``outer`` blocks of ``heads`` equal chunks, one per head: the
+    chunk read from the strides (what lies inside the heads dimension), then every
+    byte of a page checked to belong to the head that split says (None if not). A
+    page of one head (heads outside blocks) or an MLA latent is not split (heads 0)."""
+    name = _name(views)
+    if mla or any(v.head_dim is None for v in views):
+        return Geometry(name)
+    v0 = views[0]
+    hd = v0.head_dim
+    assert hd is not None
+    e = v0.sub.element_size()
+    heads = int(v0.sub.shape[hd])
+    hs = v0.sub.stride(hd) * e
+    inner = [d for d in range(1, v0.sub.dim()) if d != hd and v0.sub.stride(d) * e < hs]
+    chunk = int(np.prod([v0.sub.shape[d] for d in inner], dtype=np.int64)) * e
+    if len(views) > 1 and views[1].ptr - v0.ptr < hs:  # layers inside heads (BHLNC)
+        chunk *= len(views)
+    if chunk <= 0 or page % (heads * chunk):
+        return None
+    owner = np.full(page, -1, dtype=np.int32)
+    for v in views:
+        if v.head_dim != hd or v.sub.dim() != v0.sub.dim():
+            return None
+        offs = np.full((1,) * (v.sub.dim() - 1), v.ptr - start, dtype=np.int64)
+        head = np.zeros_like(offs)
+        for d in range(1, v.sub.dim()):
+            shape = [1] * (v.sub.dim() - 1)
+            shape[d - 1] = int(v.sub.shape[d])
+            idx = np.arange(v.sub.shape[d], dtype=np.int64).reshape(shape)
+            offs = offs + idx * v.sub.stride(d) * e
+            if d == hd:
+                head = head + idx
+        offs, head = np.broadcast_arrays(offs, head)
+        at = (offs.reshape(-1, 1) + np.arange(e)).ravel()
+        if at.min() < 0 or at.max() >= page or (owner[at] >= 0).any():
+            return None
+        owner[at] = np.repeat(head.ravel(), e)
+    outer = page // (heads * chunk)
+    want = np.tile(np.repeat(np.arange(heads, dtype=np.int32), chunk), outer)
+    if not np.array_equal(owner, want):
+        return None
+    return Geometry(name, heads, outer)
+
+
+def _buffer(
+    view: _View, start: int, stride: int, num_blocks: int, layout: str, geometry: Geometry
+) -> Buffer:
     import torch
 
     nbytes = stride * num_blocks
@@ -206,7 +322,18 @@ def _buffer(view: _View, start: int, stride: int, num_blocks: int, layout: str) 
         raise _refuse(view.name, layout, "its blocks run past the end of its allocation")
     flat = torch.empty(0, dtype=torch.uint8, device=view.storage.device)
     flat.set_(view.storage, start - view.base, (nbytes,), (1,))
-    return Buffer(flat, stride)
+    return Buffer(flat, stride, geometry)
 
 
-__all__ = ["SUPPORTED", "Buffer", "LayoutRefusedError", "buffers", "layout_name", "signature"]
+__all__ = [
+    "BLOCK_OUTER",
+    "SPLITS_HEADS",
+    "SUPPORTED",
+    "Buffer",
+    "LayoutRefusedError",
+    "buffers",
+    "head_split",
+    "is_mla",
+    "layout_name",
+    "spec_of",
+]

@@ -2,31 +2,54 @@
 workers must do with them (KVStateConnectorMetadata).
 
 Prefill: a request that finishes with ``do_remote_decode`` keeps its blocks
-(``request_finished`` -> True) and hands the router ``kvstate_room``, the prefill
-engine's name and its KV cache signature; its workers hold the blocks as the room's
-senders until the room concludes, then report ``finished_sending``.
+(``request_finished`` -> True) and hands the router ``kvstate_room`` (derived from the
+engine, the request id and a fresh nonce, ``kvstate_nonce``: a request id used again is
+a new room), the prefill engine's name and its KV facts (handoff.py); its workers hold
+the blocks as the room's senders until the room concludes, then report
+``finished_sending``.
 
 Decode: a request carrying those params loads its prompt asynchronously
-(``get_num_new_matched_tokens``); ``update_state_after_alloc`` gives its workers the
-blocks to publish. A request that ends before its load concluded (an abort), or that
-needs nothing loaded (a full local prefix hit, another KV cache layout or TP size),
-aborts its room from here, so the prefill frees its blocks on its next step.
+(``get_num_new_matched_tokens``) when handoff.py says the two engines can move its KV;
+``update_state_after_alloc`` gives its workers the blocks to publish. A request that ends
+before its load concluded (an abort), or that needs nothing loaded (a full local prefix
+hit, or KV this engine cannot take: then it is computed here, with a WARNING once per
+prefill engine and reason, and counted), aborts its room from here, so the prefill
+frees its blocks on its next step.
+
+Holds: while a request waits in the decode's queue, its room is held
+(``Store.hold_many``, renewed every ``HOLD_EVERY`` s for ``HOLD_FOR`` s), so that the
+prefill's ``bootstrap_timeout`` does not free blocks a queued request will still load.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvstate.errors import KVStateError
-from kvstate.integrations.vllm.layout import signature
-from kvstate.integrations.vllm.settings import Settings, room_of
+from kvstate.integrations.vllm.handoff import KVFacts, refusal
+from kvstate.integrations.vllm.metrics import KVStateConnectorStats
+from kvstate.integrations.vllm.settings import Settings, new_nonce, room_of
 from kvstate.store import Store, connect
 
 log = logging.getLogger(__name__)
+HOLD_EVERY = 2.0  # s between two renewals of the decode queue's holds
+HOLD_FOR = 8.0  # s each renewal holds the queued rooms for
+
+
+@dataclass(frozen=True)
+class Load:
+    """One decode request's load: its room, the prefill engine and its facts, the
+    blocks to publish."""
+
+    room: int
+    remote: str
+    facts: KVFacts
+    blocks: list[int]
 
 
 @dataclass
@@ -34,7 +57,7 @@ class KVStateConnectorMetadata(KVConnectorMetadata):
     """One step's work for every worker: rooms to publish into (decode) or to send
     (prefill), each with the request's block ids, and loads to abort (with why)."""
 
-    recv: dict[str, tuple[int, str, list[int]]] = field(default_factory=dict)
+    recv: dict[str, Load] = field(default_factory=dict)
     send: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     abort: dict[str, str] = field(default_factory=dict)
 
@@ -55,12 +78,16 @@ class SchedulerSide:
         self.engine = engine
         self.engine_id = engine_id
         self.producer = producer
-        self.signature = signature(vllm_config, kv_cache_config) if kv_cache_config else ""
+        self.facts = KVFacts.of(vllm_config, kv_cache_config) if kv_cache_config else None
+        self.stats = KVStateConnectorStats()
         self._store: Store | None = None
-        self._recv: dict[str, tuple[int, str, list[int]]] = {}
+        self._recv: dict[str, Load] = {}
         self._send: dict[str, tuple[int, list[int]]] = {}
         self._aborts: dict[str, str] = {}
         self._loading: dict[str, int] = {}  # decode requests whose load has not concluded
+        self._queued: dict[str, int] = {}  # decode requests waiting: their rooms are held
+        self._held_at = 0.0
+        self._warned: set[tuple[str, str]] = set()
 
     def _state(self) -> Store:
         if self._store is None:
@@ -77,15 +104,25 @@ class SchedulerSide:
             log.warning("room %s: abort (%s) failed: %s", room, reason, exc)
 
     def _refusal(self, params: dict[str, Any]) -> str:
-        """Why this engine cannot take the prefill's pages as they are ('' if it can)."""
-        theirs = params.get("kvstate_kv")
-        if theirs == self.signature:
-            return ""
-        return (
-            f"prefill {params.get('remote_engine_id')} has KV cache [{theirs}], decode "
-            f"{self.engine} [{self.signature}]: run both with the same layout, model and "
-            "tensor_parallel_size"
-        )
+        """Why this engine cannot take the prefill's pages ('' if it can)."""
+        assert self.facts is not None
+        remote = str(params.get("remote_engine_id"))
+        theirs = KVFacts.from_params(params.get("kvstate_kv"))
+        return refusal(remote, theirs, self.engine, self.facts)
+
+    def _fall_back(self, request: Any, remote: str, why: str) -> None:
+        """A request computed here because its KV cannot come: counted, and a WARNING
+        the first time a prefill engine sends one for that reason."""
+        self.stats.record("num_recompute_fallbacks")
+        if (remote, why) not in self._warned:
+            self._warned.add((remote, why))
+            log.warning(
+                "decode %s computes requests from prefill %s itself (first: %s): %s",
+                self.engine,
+                remote,
+                request.request_id,
+                why,
+            )
 
     # -- decode ---------------------------------------------------------------------
     @staticmethod
@@ -94,6 +131,12 @@ class SchedulerSide:
         if params and params.get("do_remote_prefill") and params.get("kvstate_room") is not None:
             return dict(params)
         return None
+
+    def on_new_request(self, request: Any) -> None:
+        """A decode request to load from a prefill waits in the queue: hold its room."""
+        params = None if self.producer else self._remote(request)
+        if params is not None:
+            self._queued[request.request_id] = int(params["kvstate_room"])
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -110,15 +153,23 @@ class SchedulerSide:
         params = self._remote(request)
         if params is None:
             return
+        self._queued.pop(request.request_id, None)
         request.kv_transfer_params["do_remote_prefill"] = False  # one load per request
         room = int(params["kvstate_room"])
+        remote = str(params["remote_engine_id"])
         if num_external_tokens <= 0:
-            why = self._refusal(params) or "decode has the whole prompt cached"
-            log.info("request %s: not loading room %s: %s", request.request_id, room, why)
+            why = self._refusal(params)
+            if why:
+                self._fall_back(request, remote, why)
+            else:
+                why = "decode has the whole prompt cached"
+                log.info("request %s: not loading room %s: %s", request.request_id, room, why)
             self._abort(room, f"request {request.request_id} loads nothing: {why}")
             return
+        facts = KVFacts.from_params(params.get("kvstate_kv"))
+        assert facts is not None  # _refusal accepted them
         ids = list(blocks.get_unhashed_block_ids())
-        self._recv[request.request_id] = (room, str(params["remote_engine_id"]), ids)
+        self._recv[request.request_id] = Load(room, remote, facts, ids)
         self._loading[request.request_id] = room
 
     def _decode_finished(self, request: Any) -> None:
@@ -126,6 +177,7 @@ class SchedulerSide:
         room, so the prefill frees its blocks: through the workers' receivers when they
         have one (a load that concluded meanwhile is left alone), else from here."""
         rid = request.request_id
+        self._queued.pop(rid, None)
         why = f"request {rid} ended on decode engine {self.engine}"
         room = self._loading.pop(rid, None)
         if room is not None and self._recv.pop(rid, None) is None:
@@ -136,6 +188,17 @@ class SchedulerSide:
         if room is not None:
             self._abort(room, why)
 
+    def _hold(self) -> None:
+        """Renew the holds of the queued requests' rooms (at most every HOLD_EVERY s)."""
+        now = time.monotonic()
+        if not self._queued or now - self._held_at < HOLD_EVERY:
+            return
+        self._held_at = now
+        try:
+            self._state().hold_many(self._queued.values(), HOLD_FOR)
+        except KVStateError as exc:  # the prefill's bootstrap timeout stays the bound
+            log.warning("%s: holding queued rooms failed: %s", self.engine, exc)
+
     def update_connector_output(self, connector_output: Any) -> None:
         """Loads the workers concluded leave the pending set."""
         for req_id in connector_output.finished_recving or ():
@@ -143,6 +206,7 @@ class SchedulerSide:
 
     # -- both -------------------------------------------------------------------
     def build_connector_meta(self) -> KVStateConnectorMetadata:
+        self._hold()
         meta = KVStateConnectorMetadata(recv=self._recv, send=self._send, abort=self._aborts)
         self._recv, self._send, self._aborts = {}, {}, {}
         return meta
@@ -161,15 +225,21 @@ class SchedulerSide:
             "FINISHED_STOPPED",
         ):
             return False, None  # aborted (or failed) on prefill: nothing to hand over
-        room = room_of(self.engine_id, request.request_id)
+        assert self.facts is not None
+        nonce = new_nonce()
+        room = room_of(self.engine_id, request.request_id, nonce)
         self._send[request.request_id] = (room, list(block_ids))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "kvstate_room": room,
+            "kvstate_nonce": nonce,
             "remote_engine_id": self.engine,
-            "kvstate_kv": self.signature,
+            "kvstate_kv": self.facts.params(),
         }
+
+    def get_stats(self) -> KVStateConnectorStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
         if self._store is not None:
@@ -177,4 +247,4 @@ class SchedulerSide:
             self._store = None
 
 
-__all__ = ["KVStateConnectorMetadata", "SchedulerSide"]
+__all__ = ["KVStateConnectorMetadata", "Load", "SchedulerSide"]

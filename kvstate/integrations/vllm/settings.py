@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
+from kvstate.defaults import LEASE, WAITING_TIMEOUT
 from kvstate.errors import VLLMConfigError
 from kvstate.keys import MAX_ROOM
 
 CONNECTOR = "KVStateConnector"
 # seconds a prefill rank's send of one request may take before the room fails
 TRANSFER_TIMEOUT = 60.0
+# seconds a prefill rank holds a request's blocks for a decode that never publishes its
+# pages (NixlConnector's kv_lease_duration is 30 s too); a decode holding the request in
+# its queue keeps them longer (scheduler.py: Holds)
+BOOTSTRAP_TIMEOUT = 30.0
 _TIMES = {
     "lease": LEASE,
     "bootstrap_timeout": BOOTSTRAP_TIMEOUT,
@@ -31,7 +36,9 @@ class Settings:
 
     ``bootstrap_timeout`` bounds how long a prefill rank holds a request's blocks for a
     decode that never publishes its pages (the decode engine died before it scheduled
-    the request, or the router never sent it); ``waiting_timeout`` how long a room may
+    the request, or the router never sent it) and does not hold the request in its
+    queue either (a decode renews its hold on queued requests every few seconds);
+    ``waiting_timeout`` how long a room may
     wait between publish and transfer; ``lease`` how soon a dead peer engine's rooms
     fail (about twice the lease)."""
 
@@ -76,15 +83,24 @@ def engine_name(engine_id: str) -> str:
     return f"vllm@{engine_id}"
 
 
-def rank_name(engine: str, rank: int) -> str:
-    """One TP rank of an engine: the kvstate engine (lease, participants) it runs."""
-    return f"{engine}.tp{rank}"
+def rank_name(engine: str, rank: int, stage: int = 0, stages: int = 1) -> str:
+    """One worker of an engine, TP rank ``rank`` of pipeline stage ``stage`` (of
+    ``stages``): the kvstate engine (lease, participants) it runs."""
+    return f"{engine}.tp{rank}" if stages == 1 else f"{engine}.pp{stage}.tp{rank}"
 
 
-def room_of(engine_id: str, request_id: str) -> int:
-    """A room id both engines derive from the prefill engine and its request id, so
-    two requests never share one (a client cannot pick it)."""
-    digest = hashlib.blake2b(f"{engine_id}\0{request_id}".encode(), digest_size=8).digest()
+def new_nonce() -> str:
+    """A per-request nonce: a request id used again (after an abort of the earlier
+    request, or with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1) gets a new room, so the
+    earlier room's failure mark is not its own."""
+    return secrets.token_hex(8)
+
+
+def room_of(engine_id: str, request_id: str, nonce: str = "") -> int:
+    """The room of one request: derived from the prefill engine, its request id and the
+    request's nonce, so that two requests never share one (a client cannot pick it)."""
+    key = f"{engine_id}\0{request_id}\0{nonce}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
     return int.from_bytes(digest, "big") % MAX_ROOM
 
 
@@ -93,6 +109,7 @@ __all__ = [
     "Settings",
     "VLLMConfigError",
     "engine_name",
+    "new_nonce",
     "rank_name",
     "room_of",
 ]

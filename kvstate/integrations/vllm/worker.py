@@ -1,31 +1,36 @@
-"""The connector's worker side: one TP rank's rooms and pages.
+"""The connector's worker side: one rank's rooms and pages.
 
-Each rank registers as its own kvstate engine (``vllm@<engine_id>.tp<rank>``, at the
-address ``vllm@<engine_id>`` shared by the engine's ranks) with a lease on the Redis
-clock. Rank *i* of the decode binds to rank *i* of the prefill: both engines must run
-the same TP size (checked at start-up against the live engines of the other role, and
-with every request through the KV cache signature).
+Each worker registers as its own kvstate engine (``vllm@<engine_id>.tp<rank>``, or
+``.pp<stage>.tp<rank>`` on a pipeline-parallel prefill, at the address
+``vllm@<engine_id>`` shared by the engine's workers) with a lease on the Redis clock,
+and its KV buffers with their ``Geometry`` (names, heads per page: layout.py). A decode
+rank's receiver reads from the prefill workers ``kvstate.tp`` routes it to (handoff.py:
+every head it holds from one prefill rank, on every pipeline stage; prefill ranks no
+decode rank reads from get a dummy route), and declares how many decode ranks each
+serves; a prefill worker's sender waits for as many (``required_receivers=None``).
 
 Per step (``get_finished``, called once per step by vLLM's worker glue): one
 ``poll_many`` over every pending room of this rank, pages pushed into rooms whose
 decode published, one ``clear_many`` for the rooms that concluded. A room kvstate
 cannot read (listed in ``.errors`` for another reason than a connection) fails its
-request alone.
+request alone. What happened is counted for vLLM's stats (metrics.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
 
 from kvstate.errors import KVStateError, StateConnectionError, VLLMConfigError
-from kvstate.integrations.vllm.layout import buffers, layout_name
+from kvstate.integrations.vllm.handoff import KVFacts, plan
+from kvstate.integrations.vllm.layout import BLOCK_OUTER, buffers, layout_name
+from kvstate.integrations.vllm.metrics import KVStateConnectorStats
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata
 from kvstate.integrations.vllm.settings import Settings, rank_name
 from kvstate.poll import KVPoll, PollResults
-from kvstate.registry import Registry
 from kvstate.roles import KVManager, KVReceiver, KVSender
 from kvstate.store import Store, connect
 from transports.base import Transport
@@ -34,17 +39,31 @@ log = logging.getLogger(__name__)
 DONE = (KVPoll.Success, KVPoll.Failed)
 
 
-def tp_rank() -> int:
-    """This process's tensor-parallel rank (0 outside a TP group)."""
-    from vllm.distributed import parallel_state
+def parallel_ranks() -> tuple[int, int]:
+    """This process's (tensor-parallel rank, pipeline stage): (0, 0) outside groups."""
+    from vllm.distributed import parallel_state as ps
 
-    if parallel_state.model_parallel_is_initialized():
-        return int(parallel_state.get_tensor_model_parallel_rank())
-    return 0
+    if ps.model_parallel_is_initialized():
+        return int(ps.get_tensor_model_parallel_rank()), int(ps.get_pp_group().rank_in_group)
+    return 0, 0
+
+
+def check_parallel(vllm_config: Any, producer: bool) -> None:
+    """Refuse at start-up what kvstate does not move: a pipeline-parallel decode (a
+    prefill writes each of its layers into one decode worker per TP rank; NixlConnector
+    refuses it too)."""
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if pp > 1 and not producer:
+        raise VLLMConfigError(
+            f"pipeline_parallel_size {pp} on a decode (kv_consumer) engine: KVStateConnector "
+            "moves a prefill's KV into one decode worker per TP rank holding every layer; "
+            "run the decode with pipeline_parallel_size 1 (a prefill may use pipeline "
+            "parallelism)"
+        )
 
 
 class WorkerSide:
-    """One TP rank: registration, the rooms of its requests, the pages."""
+    """One worker: registration, the rooms of its requests, the pages."""
 
     def __init__(
         self,
@@ -59,30 +78,58 @@ class WorkerSide:
         self.settings = settings
         self.engine = engine
         self.producer = producer
-        self.tp = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.rank = tp_rank()
-        self.name = rank_name(engine, self.rank)
+        parallel = vllm_config.parallel_config
+        self.tp = int(parallel.tensor_parallel_size)
+        self.pp = int(parallel.pipeline_parallel_size)
+        self.rank, self.stage = parallel_ranks()
+        self.name = rank_name(engine, self.rank, self.stage, self.pp)
+        self.facts: KVFacts | None = None
+        self.stats = KVStateConnectorStats()
         self.store: Store | None = None
         self.mgr: KVManager | None = None
         self.transport: Transport | None = None
         self._sending: dict[str, tuple[KVSender, list[int]]] = {}
         self._loading: dict[str, tuple[KVReceiver, list[int]]] = {}
         self._refused: set[str] = set()  # loads that failed before their room existed
+        self._dropped: set[str] = set()  # loads the decode's own scheduler aborted
         self._load_errors: set[int] = set()
         self._unclear: set[int] = set()  # concluded rooms whose clear must be retried
 
     # -- start-up -------------------------------------------------------------------
+    def _check_device(self, kv_caches: dict[str, Any]) -> None:
+        """``kv_buffer_device`` must name the device the KV cache lives on: kvstate moves
+        it from there (UCX registers device memory), it never stages it through host
+        buffers, so another value is refused rather than ignored."""
+        asked = str(getattr(self.vllm_config.kv_transfer_config, "kv_buffer_device", "") or "")
+        devices = sorted({str(t.device.type) for t in kv_caches.values()})
+        if asked and devices != [asked]:
+            raise VLLMConfigError(
+                f"kv_buffer_device={asked!r}, but the KV cache is on {'/'.join(devices)}: "
+                "KVStateConnector moves the KV cache where it lives (its UCX transport "
+                "registers device memory) and does not stage it through host buffers; "
+                f"leave kv_buffer_device unset or set it to {devices[0]!r}"
+            )
+
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """Check the caches and the peers, register the pages, start the lease."""
+        """Check the caches, register the pages with their geometry, start the lease."""
         from transports.ucx import UCXTransport
 
+        self._check_device(kv_caches)
         layout = layout_name(self.vllm_config, self.kv_cache_config)
+        if self.pp > 1 and layout in BLOCK_OUTER:
+            raise VLLMConfigError(
+                f"pipeline_parallel_size {self.pp} with KV cache layout {layout}: a block "
+                "there holds every layer of a stage in one run, which cannot meet the "
+                "decode's layers by name; use a layer-outer layout (LBHNC, LBNHC)"
+            )
         runs = buffers(kv_caches, self.kv_cache_config, layout)
+        self.facts = KVFacts.of(self.vllm_config, self.kv_cache_config)
         self.store = connect(self.settings.redis_url, self.settings.namespace)
-        self._check_peers(self.store)
         transport = UCXTransport()
         try:
-            transport.register_buffers([b.tensor for b in runs], [b.page_bytes for b in runs])
+            transport.register_buffers(
+                [b.tensor for b in runs], [b.page_bytes for b in runs], [b.geometry for b in runs]
+            )
             s = self.settings
             self.mgr = KVManager(
                 self.store,
@@ -94,32 +141,22 @@ class WorkerSide:
                 bootstrap_timeout=s.bootstrap_timeout,
                 waiting_timeout=s.waiting_timeout,
                 transfer_timeout=s.transfer_timeout,
-                ranks=self.tp,
+                ranks=self.tp * self.pp,
             )
         except BaseException:
             transport.close()
             raise
         self.transport = transport
+        g = runs[0].geometry
         log.info(
-            "%s: %d KV runs registered (layout %s, %d blocks)",
+            "%s: %d KV runs registered (layout %s, %d blocks, %s heads x %s a page)",
             self.name,
             len(runs),
             layout,
             self.kv_cache_config.num_blocks,
+            g.heads or "whole",
+            g.outer,
         )
-
-    def _check_peers(self, store: Store) -> None:
-        """Refuse to start beside a live vLLM engine of the other role whose TP size
-        differs: kvstate moves rank i's pages to rank i only."""
-        other = "decode" if self.producer else "prefill"
-        for info in Registry(store).all():
-            if info.engine.startswith("vllm@") and info.role == other and info.ranks != self.tp:
-                raise VLLMConfigError(
-                    f"{self.name} runs tensor_parallel_size {self.tp}, but {other} engine "
-                    f"{info.engine} (live in namespace {store.namespace!r}) runs "
-                    f"{info.ranks}; kvstate moves rank i's blocks to rank i: start prefill "
-                    "and decode engines with the same tensor_parallel_size"
-                )
 
     # -- per step -------------------------------------------------------------------
     def start(self, meta: KVStateConnectorMetadata) -> None:
@@ -129,20 +166,25 @@ class WorkerSide:
         if mgr is None:
             return
         for req_id, (room, blocks) in meta.send.items():
-            self._sending[req_id] = (mgr.sender(room), blocks)
+            self._sending[req_id] = (mgr.sender(room, required_receivers=None), blocks)
         pages: dict[object, object] = {}
-        for req_id, (room, remote, blocks) in meta.recv.items():
+        for req_id, load in meta.recv.items():
             try:
-                rcv = mgr.receiver(room, remote, senders=[rank_name(remote, self.rank)])
+                assert self.facts is not None
+                p = plan(load.remote, load.facts, self.facts, self.rank)
+                rcv = mgr.receiver(
+                    load.room, load.remote, senders=p.senders, receivers_per_sender=p.per_sender
+                )
             except KVStateError as exc:
                 log.warning("request %s: load refused: %s", req_id, exc)
                 self._refused.add(req_id)
-                self._load_errors.update(blocks)
+                self._load_errors.update(load.blocks)
                 continue
-            self._loading[req_id] = (rcv, blocks)
-            pages[room] = np.asarray(blocks, dtype=np.int64)
+            self._loading[req_id] = (rcv, load.blocks)
+            pages[load.room] = np.asarray(load.blocks, dtype=np.int64)
         for req_id, reason in meta.abort.items():
             if req_id in self._loading:
+                self._dropped.add(req_id)
                 rcv = self._loading[req_id][0]
                 try:
                     rcv.abort(reason)
@@ -193,6 +235,8 @@ class WorkerSide:
             elif snd.status == KVPoll.WaitingForInput:
                 self._send(snd, blocks)
             if snd.room in bad or snd.status in DONE:
+                if snd.room in bad or snd.status == KVPoll.Failed:
+                    self._count_failure(snd)
                 sent.add(req_id)
                 done.append(snd.room)
                 del self._sending[req_id]
@@ -202,18 +246,36 @@ class WorkerSide:
             if rcv.room in bad or rcv.status in DONE:
                 if rcv.room in bad or rcv.status == KVPoll.Failed:
                     self._load_errors.update(blocks)
+                    if req_id not in self._dropped:
+                        self.stats.record("num_failed_transfers")
+                self._dropped.discard(req_id)
                 loaded.add(req_id)
                 done.append(rcv.room)
                 del self._loading[req_id]
         self._clear(mgr, done)
         return sent, loaded
 
+    def _count_failure(self, snd: KVSender) -> None:
+        """A prefill room that failed: blocks freed because no decode came (its
+        bootstrap timeout), or a send that failed (a decode that aborted its own
+        request is neither)."""
+        reason = snd.reason or ""
+        if reason.startswith("bootstrap timeout"):
+            self.stats.record("num_kv_expired_reqs")
+        elif reason.startswith("transfer failed"):
+            self.stats.record("num_failed_transfers")
+
     def _send(self, snd: KVSender, blocks: list[int]) -> None:
         """Push the request's pages (the tail the decode asked for: it may have the
         head cached); a failure fails the room, which send() records."""
+        assert self.transport is not None
         try:
             want = max((len(i.kv_indices) for i in snd.transfer_infos().values()), default=0)
-            snd.send(np.asarray(blocks[len(blocks) - want :], dtype=np.int64))
+            moved, t0 = self.transport.stats.bytes_moved, time.perf_counter()
+            status = snd.send(np.asarray(blocks[len(blocks) - want :], dtype=np.int64))
+            nbytes = self.transport.stats.bytes_moved - moved
+            if status == KVPoll.Success and nbytes:  # a dummy route moves nothing
+                self.stats.record_transfer(time.perf_counter() - t0, nbytes)
         except StateConnectionError as exc:  # the room stays; the next step looks again
             log.warning("room %s: send interrupted: %s", snd.room, exc)
         except KVStateError as exc:  # e.g. a receiver's infos kvstate cannot read
@@ -241,6 +303,9 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_stats(self) -> KVStateConnectorStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
     def shutdown(self) -> None:
         """Fail and clear what this rank still holds (the other side learns it on its
         next poll), then drop the lease."""
@@ -263,4 +328,4 @@ class WorkerSide:
         self.mgr = self.transport = self.store = None
 
 
-__all__ = ["WorkerSide", "tp_rank"]
+__all__ = ["WorkerSide", "check_parallel", "parallel_ranks"]
