@@ -411,8 +411,10 @@ class Auditor:
                 continue
             bad = [] if not p.valid or p.terminal else p.corrupt_fields
             if not p.valid or bad:
+                # the field the time is read from: since_ms once written, else created_ms
+                when = schema.SINCE_MS if schema.SINCE_MS in p.fields else schema.CREATED_MS
                 what = (
-                    f"status {_cut(p.status)!r}"
+                    f"status {_cut(p.status)!r} / {when} {_cut(p.fields.get(when))!r}"
                     if not p.valid
                     else ", ".join(f"{name} {_cut(p.fields.get(name))!r}" for name in bad)
                 )

@@ -11,8 +11,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvstate import schema
 from kvstate.errors import CorruptStateError
 from kvstate.keys import ROOT, namespace_of
@@ -342,12 +340,16 @@ def moves(info: TransferInfo) -> str:
 
 def run_count(kv: Any) -> int:
     """How many runs of consecutive pages the page indices make."""
+    import numpy as np  # with the decoded pages it counts (`ls` loads no numpy)
+
     return 0 if not kv.size else int(np.count_nonzero(np.diff(kv) != 1)) + 1
 
 
 def page_ranges(kv: Any, most: int | None = None) -> list[list[int]]:
     """The page indices as runs of consecutive pages, in order: [[first, last], ...];
     the first ``most`` of them (all when None)."""
+    import numpy as np  # with the decoded pages it reads (`ls` loads no numpy)
+
     if not kv.size:
         return []
     breaks = np.flatnonzero(np.diff(kv) != 1)[: None if most is None else most] + 1
