@@ -29,8 +29,8 @@ from kvstate.keys import parse_room_text
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.views import (
     WRONG_TYPE,
-    Participant,
     RoomView,
+    StoredParticipant,
     fmt_ranges,
     info_json,
     room_view,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # decoded by the views when `show` needs them (msgpack, numpy
 MAX_REASON = 1000  # characters of an operator's --reason
 
 
-def _participants_table(parts: list[Participant], with_room: bool) -> Table:
+def _participants_table(parts: list[StoredParticipant], with_room: bool) -> Table:
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     if with_room:
         t.add_column("room", justify="right")
@@ -218,7 +218,7 @@ class _Filter:
     engine: str | None
     min_age_ms: int | None
 
-    def matches(self, p: Participant) -> bool:
+    def matches(self, p: StoredParticipant) -> bool:
         return (
             (not self.statuses or p.status in self.statuses)
             and (self.side is None or p.side == self.side)
@@ -227,7 +227,7 @@ class _Filter:
         )
 
 
-def _by_room(parts: list[Participant]) -> list[Participant]:
+def _by_room(parts: list[StoredParticipant]) -> list[StoredParticipant]:
     """Oldest room first, a room's participants together (senders, then receivers):
     sides created a millisecond apart must not be split by another room's rows."""
     oldest: dict[int, int] = {}
