@@ -12,11 +12,8 @@ from rich.text import Text
 
 from kvstate.cli.app import (
     DURATION,
-    EXIT_FINDINGS,
-    EXIT_OK,
     PERIOD,
     Ctx,
-    Failure,
     common,
     empty_json,
     empty_namespace_note,
@@ -27,6 +24,7 @@ from kvstate.cli.output import console, emit_json, name_width, status_style, sty
 from kvstate.cli.watch import watching
 from kvstate.keys import parse_room_text
 from kvstate.ops.durations import fmt_ms
+from kvstate.ops.exits import EXIT_FINDINGS, EXIT_OK, CommandError
 from kvstate.ops.views import (
     WRONG_TYPE,
     RoomView,
@@ -318,7 +316,7 @@ def _ls(store: Store, wanted: _Filter, limit: int, as_json: bool) -> int:
     default="aborted by operator (kvstate abort)",
     show_default=True,
     callback=lambda ctx, param, value: _short_reason(value),
-    help=f"Failure reason both sides will see (at most {MAX_REASON} characters).",
+    help=f"CommandError reason both sides will see (at most {MAX_REASON} characters).",
 )
 @click.option(
     "--pre-emptive",
@@ -407,13 +405,13 @@ def _short_reason(reason: str) -> str:
 def _refuse_what_abort_cannot_reach(room: int, view: RoomView) -> None:
     """Say, before anything is written, what an abort of this room cannot get past."""
     if not view.members and view.participants:
-        raise Failure(
+        raise CommandError(
             f"room {room} has participants its room hash does not list; "
             "run `kvstate audit --fix` to re-index them, then abort again"
         )
     for p in view.participants:
         if p.status == WRONG_TYPE:
-            raise Failure(
+            raise CommandError(
                 f"room {room}: {p.key} is not a hash (no kvstate code wrote it), so abort "
                 f"cannot fail it; nothing written. Delete it (redis-cli DEL {p.key}), "
                 "then abort again"
