@@ -33,6 +33,12 @@ import click
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import KVStateError, RedisServerError
 from kvstate.ops.durations import Duration
+from kvstate.ops.exits import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_PIPE_CLOSED,
+    CommandError,
+)
 from kvstate.ops.views import holds_keys, namespaces
 from kvstate.store import (
     EMBEDDED,
@@ -46,24 +52,11 @@ from kvstate.store import (
     redact,
 )
 
-EXIT_OK = 0
-EXIT_FINDINGS = 1
-EXIT_ERROR = 2
-EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE  # 141: stdout's reader went away
 # click >= 8.2 raises this for a group called without a command (8.1 prints the help)
 _NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
 DEMO_RECORD = "kvstate-demo-*.json"  # written by a running `kvstate demo`, removed at exit
 
 # --------------------------------------------------------------------------- plumbing
-
-
-class Failure(click.ClickException):
-    """One clear line on stderr, exit status 2."""
-
-    exit_code = EXIT_ERROR
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"kvstate: error: {self.format_message()}", err=True)
 
 
 DURATION = Duration()
@@ -112,7 +105,7 @@ class Ctx:
         except (ValueError, TypeError) as exc:  # redis-py reading the URL's query string
             if isinstance(exc, KVStateError):
                 raise
-            raise Failure(
+            raise CommandError(
                 f"Redis URL {redact(self.url or '')} was refused ({exc}); check "
                 "its query parameters (socket_timeout=SECONDS, ssl_ca_certs=PATH; "
                 "a Cluster is redis+cluster://)"
@@ -123,7 +116,7 @@ class Ctx:
         """No URL given: use a running `kvstate demo`'s embedded server, if any."""
         record = running_demo()
         if record is None:
-            raise Failure(
+            raise CommandError(
                 f"no Redis URL: pass --url redis://HOST:PORT or set {ENV_URL}, or start "
                 "`kvstate demo` (inspecting commands never start an embedded server; it "
                 "would be empty)"
@@ -279,7 +272,7 @@ class KVGroup(click.Group):
             pipe_closed()
         except (KVStateError, OSError) as exc:
             obj = ctx.find_object(Ctx)
-            raise Failure(scrub(describe(exc), obj.secrets if obj else [])) from None
+            raise CommandError(scrub(describe(exc), obj.secrets if obj else [])) from None
 
 
 def now_stamp() -> str:

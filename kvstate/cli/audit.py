@@ -7,22 +7,13 @@ import sys
 import click
 from rich.table import Table
 
-from kvstate.cli.app import (
-    DURATION,
-    EXIT_FINDINGS,
-    EXIT_OK,
-    Ctx,
-    common,
-    empty_json,
-    empty_namespace_note,
-    main,
-    opened,
-)
+from kvstate.cli.app import DURATION, Ctx, common, empty_json, empty_namespace_note, main, opened
 from kvstate.cli.output import ROWS, console, cut, emit_json, more, styled
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import CorruptStateError, KVStateError
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor, Report, acl_refused
 from kvstate.ops.durations import fmt_ms
+from kvstate.ops.exits import EXIT_FINDINGS, EXIT_OK
 from kvstate.ops.ledger import Entry, Ledger
 from kvstate.store import Store
 

@@ -16,20 +16,11 @@ from urllib.parse import urlsplit
 import click
 from rich.table import Table
 
-from kvstate.cli.app import (
-    EXIT_ERROR,
-    EXIT_FINDINGS,
-    EXIT_OK,
-    Ctx,
-    common,
-    describe,
-    main,
-    opened,
-    scrub,
-)
+from kvstate.cli.app import Ctx, common, describe, main, opened, scrub
 from kvstate.cli.output import console, cut, emit_json, styled
 from kvstate.errors import KVStateError, PermissionDeniedError
 from kvstate.ops.audit import acl_refused
+from kvstate.ops.exits import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK
 from kvstate.ops.ledger import NOTIFY_SETTING, Ledger
 from kvstate.ops.libraries import survey
 from kvstate.store import ENV_URL, LIBRARY_NAME, Store

@@ -8,18 +8,10 @@ from typing import Any
 import click
 from rich.table import Table
 
-from kvstate.cli.app import (
-    EXIT_FINDINGS,
-    EXIT_OK,
-    Ctx,
-    common,
-    empty_json,
-    empty_namespace_note,
-    main,
-    opened,
-)
+from kvstate.cli.app import Ctx, common, empty_json, empty_namespace_note, main, opened
 from kvstate.cli.output import ROWS, console, cut, emit_json, more, name_width, styled
 from kvstate.ops.durations import fmt_ms
+from kvstate.ops.exits import EXIT_FINDINGS, EXIT_OK
 from kvstate.ops.views import Census, scan_participants
 from kvstate.registry import EngineInfo, Registry
 

@@ -16,8 +16,9 @@ import sys
 import click
 from rich.table import Table
 
-from kvstate.cli.app import EXIT_FINDINGS, EXIT_OK, Ctx, Failure, common, main, opened
+from kvstate.cli.app import Ctx, common, main, opened
 from kvstate.cli.output import console, emit_json, styled
+from kvstate.ops.exits import EXIT_FINDINGS, EXIT_OK, CommandError
 from kvstate.ops.libraries import LibraryState, Survey, survey
 from kvstate.store import LIBRARY_NAME, LIBRARY_VERSION
 
@@ -120,7 +121,7 @@ def prune(obj: Ctx, dry_run: bool, force: bool) -> None:
         for note in s.notes:
             click.echo(f"note: {note}", err=True)
         if s.unknown and not force:
-            raise Failure(
+            raise CommandError(
                 f"{s.unknown} live engine(s) did not say which library they use: nothing "
                 "removed. Run as a user that may read every namespace, or pass --force"
             )

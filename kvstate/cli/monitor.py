@@ -13,7 +13,6 @@ from kvstate.cli.app import (
     DURATION,
     PERIOD,
     Ctx,
-    Failure,
     Stopper,
     common,
     describe,
@@ -25,6 +24,7 @@ from kvstate.errors import AuthenticationFailedError, KVStateError, StateConnect
 from kvstate.ops import otel
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor
 from kvstate.ops.durations import fmt_ms
+from kvstate.ops.exits import CommandError
 from kvstate.ops.ledger import Entry, Monitor
 from kvstate.ops.metrics import Metrics
 from kvstate.store import Store
@@ -122,7 +122,7 @@ def monitor(
         if exporter is not None:
             exporter.close()  # what is queued goes out
     if gone:
-        raise Failure(gone[0])
+        raise CommandError(gone[0])
     sys.exit(stopper.exit_code)
 
 
@@ -148,7 +148,7 @@ def _connect(
         except StateConnectionError as exc:
             why = obj.gone()
             if why is not None:
-                raise Failure(why) from None
+                raise CommandError(why) from None
             metrics.sweep_failed()
             if down_since is None:
                 down_since = time.monotonic()

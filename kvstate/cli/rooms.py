@@ -12,11 +12,8 @@ from rich.text import Text
 
 from kvstate.cli.app import (
     DURATION,
-    EXIT_FINDINGS,
-    EXIT_OK,
     PERIOD,
     Ctx,
-    Failure,
     common,
     empty_json,
     empty_namespace_note,
@@ -27,10 +24,11 @@ from kvstate.cli.output import ROWS, console, cut, emit_json, more, name_width, 
 from kvstate.cli.watch import watching
 from kvstate.keys import parse_room_text
 from kvstate.ops.durations import fmt_ms
+from kvstate.ops.exits import EXIT_FINDINGS, EXIT_OK, CommandError
 from kvstate.ops.views import (
     WRONG_TYPE,
-    Participant,
     RoomView,
+    StoredParticipant,
     fmt_ranges,
     info_json,
     room_view,
@@ -46,7 +44,7 @@ if TYPE_CHECKING:  # decoded by the views when `show` needs them (msgpack, numpy
 MAX_REASON = 1000  # characters of an operator's --reason
 
 
-def _participants_table(parts: list[Participant], with_room: bool) -> Table:
+def _participants_table(parts: list[StoredParticipant], with_room: bool) -> Table:
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     if with_room:
         t.add_column("room", justify="right")
@@ -239,7 +237,7 @@ class _Filter:
     engine: str | None
     min_age_ms: int | None
 
-    def matches(self, p: Participant) -> bool:
+    def matches(self, p: StoredParticipant) -> bool:
         return (
             (not self.statuses or p.status in self.statuses)
             and (self.side is None or p.side == self.side)
@@ -248,7 +246,7 @@ class _Filter:
         )
 
 
-def _by_room(parts: list[Participant]) -> list[Participant]:
+def _by_room(parts: list[StoredParticipant]) -> list[StoredParticipant]:
     """Oldest room first, a room's participants together (senders, then receivers):
     sides created a millisecond apart must not be split by another room's rows."""
     oldest: dict[int, int] = {}
@@ -340,7 +338,7 @@ def _ls(store: Store, wanted: _Filter, limit: int, as_json: bool) -> int:
     default="aborted by operator (kvstate abort)",
     show_default=True,
     callback=lambda ctx, param, value: _short_reason(value),
-    help=f"Failure reason both sides will see (at most {MAX_REASON} characters).",
+    help=f"CommandError reason both sides will see (at most {MAX_REASON} characters).",
 )
 @click.option(
     "--pre-emptive",
@@ -429,18 +427,18 @@ def _short_reason(reason: str) -> str:
 def _refuse_what_abort_cannot_reach(room: int, view: RoomView) -> None:
     """Say, before anything is written, what an abort of this room cannot get past."""
     if view.corrupt:
-        raise Failure(
+        raise CommandError(
             f"room {room}: {view.corrupt[0]}, so abort cannot read the room; nothing "
             "written. Look at it, delete it (redis-cli DEL KEY), then abort again"
         )
     if not view.members and view.participants:
-        raise Failure(
+        raise CommandError(
             f"room {room} has participants its room hash does not list; "
             "run `kvstate audit --fix` to re-index them, then abort again"
         )
     for p in view.participants:
         if p.status == WRONG_TYPE:
-            raise Failure(
+            raise CommandError(
                 f"room {room}: {p.key} is not a hash (no kvstate code wrote it), so abort "
                 f"cannot fail it; nothing written. Delete it (redis-cli DEL {p.key}), "
                 "then abort again"

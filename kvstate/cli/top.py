@@ -14,11 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvstate.cli.app import (
-    EXIT_FINDINGS,
-    EXIT_OK,
     PERIOD,
     Ctx,
-    Failure,
     Stopper,
     common,
     describe,
@@ -29,6 +26,7 @@ from kvstate.cli.app import (
 )
 from kvstate.cli.output import console, emit_json, status_style, styled
 from kvstate.errors import KVStateError
+from kvstate.ops.exits import EXIT_FINDINGS, EXIT_OK, CommandError
 from kvstate.ops.views import AGE_BUCKETS, STATUSES, Census, scan_participants
 from kvstate.registry import Registry
 from kvstate.store import Store
@@ -136,7 +134,7 @@ def _live_top(
             except KVStateError as exc:
                 why = gone()
                 if why is not None:
-                    raise Failure(why) from None
+                    raise CommandError(why) from None
                 if lost_since is None:
                     lost_since = time.monotonic()
                     click.echo(

@@ -15,10 +15,11 @@ from rich.table import Table
 from rich.text import Text
 
 from kvstate import schema
-from kvstate.cli.app import EXIT_FINDINGS, EXIT_OK, Ctx, common, main, opened
+from kvstate.cli.app import Ctx, common, main, opened
 from kvstate.cli.output import ROWS, console, cut, emit_json, more, status_style, styled
 from kvstate.keys import parse_room_text
 from kvstate.ops.durations import fmt_ms
+from kvstate.ops.exits import EXIT_FINDINGS, EXIT_OK
 from kvstate.ops.timeline import Timeline, read_timeline
 from kvstate.trace import TraceEntry, sampled
 

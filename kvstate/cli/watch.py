@@ -18,9 +18,10 @@ from typing import NoReturn
 
 import click
 
-from kvstate.cli.app import Ctx, Failure, Stopper, describe
+from kvstate.cli.app import Ctx, Stopper, describe
 from kvstate.errors import KVStateError
 from kvstate.ops.durations import fmt_ms
+from kvstate.ops.exits import CommandError
 from kvstate.store import Store
 
 
@@ -52,7 +53,7 @@ def watching(
             except KVStateError as exc:
                 why = obj.gone()
                 if why is not None:
-                    raise Failure(why) from None
+                    raise CommandError(why) from None
                 if lost_since is None:
                     lost_since = time.monotonic()
                     click.echo(

@@ -9,7 +9,6 @@ import importlib.util
 import os
 import secrets
 from collections.abc import Iterator
-from typing import Any
 
 import click
 
@@ -21,11 +20,11 @@ from kvstate.demo.router import Options
 from kvstate.demo.run import run_router, run_worker
 from kvstate.errors import KVStateError
 from kvstate.ops.durations import Duration, fmt_ms
+from kvstate.ops.exits import EXIT_ERROR, CommandError
 from kvstate.store import ENV_NAMESPACE, ENV_URL, URL_SOURCE, redact
 
 __all__ = ["EXIT_ERROR", "demo"]
 
-EXIT_ERROR = 2
 KILL_LEASE = 2.0  # s: with --kill-prefill-after, so the killed worker's rooms fail soon
 KILL_ROOM_TTL = 8.0  # s: and their keys expire within the run
 NO_UCX = (
@@ -68,13 +67,6 @@ def _size(value: str) -> int:
     return n
 
 
-class _Failure(click.ClickException):
-    exit_code = EXIT_ERROR
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"kvstate demo: error: {self.format_message()}", err=True)
-
-
 @contextlib.contextmanager
 def _errors(url: str | None) -> Iterator[None]:
     try:
@@ -83,14 +75,14 @@ def _errors(url: str | None) -> Iterator[None]:
         text = str(exc).replace(URL_SOURCE, f"--url or ${ENV_URL}")
         if url:
             text = text.replace(url, redact(url))
-        raise _Failure(text) from None
+        raise CommandError(text, prog="kvstate demo") from None
 
 
 def _require_ucx() -> None:
     """UCX is an extra (``kvstate[ucx]``): say how to get it before any worker starts,
     rather than let each one fail with a traceback."""
     if importlib.util.find_spec("ucxx") is None:
-        raise _Failure(NO_UCX)
+        raise CommandError(NO_UCX, prog="kvstate demo")
 
 
 @click.command()

@@ -36,7 +36,7 @@ from kvstate.ops.findings import NAMES as FINDING_KINDS
 from kvstate.ops.findings import kind as finding_kind
 from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger
 from kvstate.ops.libraries import survey
-from kvstate.ops.views import BATCH, WRONG_TYPE, Participant, read_participants
+from kvstate.ops.views import BATCH, WRONG_TYPE, StoredParticipant, read_participants
 from kvstate.poll import KVPoll
 from kvstate.registry import Registry
 from kvstate.schema import Side
@@ -179,7 +179,7 @@ def _fields_of(side: str, engine: str, fields: dict[str, Any]) -> list[str]:
     return out
 
 
-def _about(kind: str, p: Participant, detail: str) -> Finding:
+def _about(kind: str, p: StoredParticipant, detail: str) -> Finding:
     return Finding(
         kind,
         p.key,
@@ -402,7 +402,7 @@ class Auditor:
                     _locate(f, self.keys.parse_room_key(key))
                     report.findings.append(f)
 
-    def _participants(self, parts: list[Participant], now: int, report: Report) -> None:
+    def _participants(self, parts: list[StoredParticipant], now: int, report: Report) -> None:
         for p in parts:
             if p.status == WRONG_TYPE:
                 f = _about("corrupt", p, f"not a hash: {_delete_then_abort(p.key, p.room)}")
@@ -455,7 +455,7 @@ class Auditor:
                     )
                 )
 
-    def _dead_engines(self, parts: list[Participant], report: Report) -> None:
+    def _dead_engines(self, parts: list[StoredParticipant], report: Report) -> None:
         """Receivers bound to a peer whose lease is gone or whose incarnation changed
         (dead_engine), and participants whose own engine holds no lease (dead_owner):
         nobody will ever move them again. At most one of the two per participant."""
@@ -494,7 +494,7 @@ class Auditor:
             if f is not None:
                 report.findings.append(f)
 
-    def _unindexed(self, parts: list[Participant], report: Report) -> None:
+    def _unindexed(self, parts: list[StoredParticipant], report: Report) -> None:
         """Participants missing from their room hash: `kvstate abort` and
         `show` find a room through that index, so they cannot reach these."""
         s = self.store

@@ -48,7 +48,7 @@ from typing import Any
 from kvstate import schema
 from kvstate.errors import KVStateError
 from kvstate.ops.metrics import Metrics
-from kvstate.ops.views import Census, Participant, scan_participants
+from kvstate.ops.views import Census, StoredParticipant, scan_participants
 from kvstate.registry import Registry
 from kvstate.store import Store, Subscription, command_call
 
@@ -142,7 +142,7 @@ class Seen:
     deadline_ms: int | None  # server clock; None when the key had no TTL
 
     @classmethod
-    def of(cls, p: Participant) -> Seen:
+    def of(cls, p: StoredParticipant) -> Seen:
         deadline = p.now_ms + p.pttl_ms if p.pttl_ms >= 0 else None
         return cls(p.room, p.side, p.engine, p.status or "unknown", p.created_ms, deadline)
 
@@ -389,7 +389,9 @@ class Monitor:
             self.after_sweep()
         return entries
 
-    def _expired(self, expired: set[str], current: dict[str, Participant], now: int) -> list[Entry]:
+    def _expired(
+        self, expired: set[str], current: dict[str, StoredParticipant], now: int
+    ) -> list[Entry]:
         """Entries for the participants whose expiry event arrived; forgets them (from
         ``current`` too: one that expired right after the SCAN read it)."""
         entries: list[Entry] = []
@@ -410,7 +412,7 @@ class Monitor:
         age = None if seen.created_ms is None else max(0, now - seen.created_ms)
         return Entry("expired", seen.room, seen.side, seen.engine, seen.status, age, key, how)
 
-    def _export(self, participants: Iterable[Participant], entries: list[Entry]) -> None:
+    def _export(self, participants: Iterable[StoredParticipant], entries: list[Entry]) -> None:
         m = self.metrics
         assert m is not None
         m.set_census(Census.of(participants))

@@ -46,8 +46,9 @@ def _int(value: str | None) -> int | None:
 
 
 @dataclass(frozen=True)
-class Participant:
-    """One participant hash as read at ``now_ms`` (server clock)."""
+class StoredParticipant:
+    """One participant as stored in Redis, read at ``now_ms`` (server clock) by the
+    operator tools (not ``kvstate.roles.Participant``, the engine's side of a room)."""
 
     key: str
     room: int
@@ -147,10 +148,10 @@ def _text(raw: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
 
 
-def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[Participant]:
+def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[StoredParticipant]:
     """HGETALL + PTTL of participant keys, in batches (one round trip per node each);
     keys that are gone, or not participant keys, are left out."""
-    out: list[Participant] = []
+    out: list[StoredParticipant] = []
     for start in range(0, len(keys), BATCH):
         chunk = keys[start : start + BATCH]
         try:
@@ -170,7 +171,9 @@ def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[Pa
             if not h or parsed is None or part is None:
                 continue
             side, engine = part
-            out.append(Participant(key, parsed.room, side, engine, _text(h), int(pttl), now_ms))
+            out.append(
+                StoredParticipant(key, parsed.room, side, engine, _text(h), int(pttl), now_ms)
+            )
     return out
 
 
@@ -178,7 +181,7 @@ def _reads(store: Store, key: str) -> list[Call]:
     return [store.read_hash(key), store.key_ttl(key)]
 
 
-def scan_participants(store: Store) -> Iterator[Participant]:
+def scan_participants(store: Store) -> Iterator[StoredParticipant]:
     """Every participant of the namespace (SCAN, never KEYS), batch by batch."""
     now = store.server_time_ms()
     batch: list[str] = []
@@ -201,7 +204,7 @@ class Census:
     inflight_by_engine: dict[str, dict[tuple[str, str], int]] = field(default_factory=dict)
     total: int = 0
 
-    def add(self, p: Participant) -> None:
+    def add(self, p: StoredParticipant) -> None:
         self.total += 1
         k = (p.side, p.status if p.valid else "corrupt")
         self.by_status[k] = self.by_status.get(k, 0) + 1
@@ -220,7 +223,7 @@ class Census:
         }
 
     @classmethod
-    def of(cls, participants: Iterable[Participant]) -> Census:
+    def of(cls, participants: Iterable[StoredParticipant]) -> Census:
         c = cls()
         for p in participants:
             c.add(p)
@@ -241,7 +244,7 @@ class RoomView:
     room: int
     now_ms: int
     members: list[str]
-    participants: list[Participant]
+    participants: list[StoredParticipant]
     infos: dict[str, dict[str, TransferInfo | str]]  # sender -> receiver -> info or error
     acks: dict[str, list[str]]  # receiver -> senders that acked
     aborted: str | None = None  # the abort mark's reason, if the room was aborted
