@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from kvstate.demo import demo, expected_pages
 from kvstate.demo.outcome import Track
+from kvstate.ops import reads
 from tests.helpers import DEMO_SMALL as SMALL
 from tests.helpers import demo_command as _command
 from tests.helpers import demo_env as _env
@@ -322,7 +323,7 @@ def test_the_store_operations_the_demo_uses(redis_url: str) -> None:
         stats = store.keys.transfer_stats("prefill-0")
         assert list(store.scan(stats)) == [stats]
         before = store.command_counts()
-        store.execute([store.unmark_aborted(7), drop_call(store, "prefill-0")])
+        store.execute([reads.unmark(store.keys, 7), drop_call(store, "prefill-0")])
         assert store.command_counts().get("del", 0) == before.get("del", 0) + 2
         assert list(store.scan(store.keys.all_pattern)) == []
     finally:

@@ -30,6 +30,7 @@ from redis.retry import Retry
 import kvstate
 from kvstate import KVPoll
 from kvstate.errors import KVStateError, StateConnectionError
+from kvstate.ops import reads
 from kvstate.roles import STATE_LOST
 from kvstate.store import Store
 from kvstate.store.connection import Options
@@ -130,7 +131,7 @@ def two_sender_room(
         gone = store.execute(
             [
                 store._command("EXISTS", store.keys.participant(room, "rx", d.engine)),
-                store.acks_of(room, d.engine),
+                reads.acks_of(store.keys, room, d.engine),
             ]
         )
         assert gone == [0, []], f"room {room}: the cleared receiver or its acks came back"
@@ -145,7 +146,7 @@ def two_sender_room(
         assert s2.begin_transfer() == KVPoll.Transferring
         assert s2.finish_transfer() == KVPoll.Success
         assert rcv.poll() == KVPoll.Success, f"room {room}: receiver lost an ack"
-        acks = store.execute([store.acks_of(room, d.engine)])[0]
+        acks = store.execute([reads.acks_of(store.keys, room, d.engine)])[0]
         assert acks == sorted([p1.engine, p2.engine])
     for part in (s1, rcv, s2):
         part.clear()

@@ -27,6 +27,7 @@ import kvstate
 from kvstate import KVPoll, schema
 from kvstate.codec import TransferInfo
 from kvstate.errors import CorruptStateError, KVStateError, NotReadyError
+from kvstate.ops import reads
 from kvstate.store import Call, Store
 from tests.helpers import PREFILL_ADDR, snapshot
 
@@ -368,7 +369,7 @@ def _call(store: Store, p: kvstate.KVManager, room: int, op: str) -> Callable[[]
     key = s.keys.room_hash(room)
 
     def infos() -> object:  # what a sender's transfer_infos() decodes
-        raw = s.execute([s.room_fields(room)])[0]
+        raw = s.execute([reads.room_fields(s.keys, room)])[0]
         field = schema.xfer_field(SENDER, RECEIVER)
         return field in raw and TransferInfo.decode(RECEIVER, raw[field], key, field)
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 import kvstate
 from kvstate.cli import main
 from kvstate.registry import EngineInfo, Registry
-from kvstate.store import functions, scripts
+from kvstate.store import command_call, functions, scripts
 from kvstate.testing import RedisProcess
 from tests.helpers import redis_major
 
@@ -90,7 +90,7 @@ def test_versions_in_use_and_stale_then_pruned(server) -> None:
         assert not by_name[OLD_NAME]["stale"]
         result, doc = run_json("--url", proc.url, "audit")
         assert "stale_library" not in {f["kind"] for f in doc["findings"]}, doc
-    other.execute([other.delete(other.keys.engine("old-prefill"))])  # that engine is gone
+    other.execute([command_call("DEL", other.keys.engine("old-prefill"))])  # that engine is gone
     result, doc = run_json("--url", proc.url, "functions", "ls")
     assert result.exit_code == 1
     assert [lib["name"] for lib in doc["libraries"] if lib["stale"]] == [OLD_NAME]

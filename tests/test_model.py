@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 import kvstate
 from kvstate import KVPoll
 from kvstate.errors import KVStateError, ManagerClosedError, NotReadyError
-from kvstate.store import Store
+from kvstate.store import Store, command_call
 from tests.helpers import assert_every_key_has_ttl, room_keys
 
 ROOMS = 1  # per example: one room, many orders
@@ -102,7 +102,7 @@ class RoomMachine(RuleBasedStateMachine):
             for r in self.rooms:
                 keys = room_keys(self.store, r, marks=True)
                 if keys:
-                    self.store.execute([self.store.delete(*keys)])
+                    self.store.execute([command_call("DEL", *keys)])
 
     # -- helpers ----------------------------------------------------------------------
     def _mgr(self, s: str) -> kvstate.KVManager:
@@ -219,7 +219,7 @@ class RoomMachine(RuleBasedStateMachine):
         self.lapsed = "pending"
         self.p.heartbeat.stop()
         self.p.heartbeat._until = 0.0  # the monotonic clock past the lease
-        self.store.execute([self.store.delete(self.store.keys.engine(self.p.engine))])
+        self.store.execute([command_call("DEL", self.store.keys.engine(self.p.engine))])
         if "rx" not in self.closed:  # the decode's heartbeat, once it sees it
             self.d.fail_peer(
                 self.addr, f"peer {self.p.engine} lost its lease", engine=self.p.engine

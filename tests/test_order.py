@@ -30,7 +30,8 @@ from kvstate.errors import (
     ManagerClosedError,
     NotReadyError,
 )
-from kvstate.store import MARK_MIN_TTL, Store
+from kvstate.ops import reads
+from kvstate.store import MARK_MIN_TTL, Store, command_call
 from tests.helpers import (
     PREFILL_ADDR,
     keys_of,
@@ -54,7 +55,7 @@ def ready_room(
 
 
 def mark_of(store: Store, room: int) -> tuple[str | None, int]:
-    reason, pttl = store.execute(store.abort_mark(room))
+    reason, pttl = store.execute(reads.mark_of(store.keys, room))
     return (None if reason is None else reason.decode()), int(pttl)
 
 
@@ -377,7 +378,7 @@ def test_a_corrupt_room_fails_alone_in_every_batch(store: Store) -> None:
         assert set(errors) == {bad} and isinstance(errors[bad], CorruptStateError)
         assert p.clear_many([r for r in rooms if r != bad]) == {}
         assert all(room_keys(store, r) == [] for r in rooms if r != bad)
-        store.execute([store.delete(*room_keys(store, bad))])
+        store.execute([command_call("DEL", *room_keys(store, bad))])
         p.clear_many([bad])
 
 

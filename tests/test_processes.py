@@ -7,6 +7,7 @@ import signal
 
 import kvstate
 from kvstate import KVPoll, schema
+from kvstate.ops import reads
 from kvstate.store import Store
 from tests import workers
 from tests.helpers import keys_of, room_keys, scaled, wait_for
@@ -63,7 +64,7 @@ def test_racing_processes_end_in_the_merged_state(store: Store, state_url: str, 
         rx4, rx5 = (store.execute([store.poll(acked, "rx", r)])[0] for r in ("rx-4", "rx-5"))
         assert rx4.status == KVPoll.Success  # exactly 4 acks arrived
         assert rx5.status == KVPoll.Bootstrapping  # 4 of 5: not yet
-        acks = store.execute([store.acks_of(acked, "rx-5")])[0]
+        acks = store.execute([reads.acks_of(store.keys, acked, "rx-5")])[0]
         assert acks == sorted(racers)
     for room in rooms:
         store.clear(room, "tx", "shared")

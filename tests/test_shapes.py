@@ -26,6 +26,7 @@ import redis
 import kvstate
 from kvstate import KVPoll
 from kvstate.errors import ForkedManagerError, KVStateError
+from kvstate.ops import reads
 from kvstate.store import Store
 from tests import workers
 from tests.helpers import assert_every_key_has_ttl, keys_of, room_keys, scaled, wait_for
@@ -163,7 +164,7 @@ def test_tp_ranks_registering_late_in_random_order(
         assert all(st == "Success" for st, _ in out.values()), out
         assert wait_for(lambda: set(d.poll_many(list(rcvs)).values()) == {KVPoll.Success}, 10.0)
         for r in rcvs:
-            acks = store.execute([store.acks_of(r, d.engine)])[0]
+            acks = store.execute([reads.acks_of(store.keys, r, d.engine)])[0]
             assert acks == sorted(engines)
             rcvs[r].clear()
     report("tp-ranks", ranks=ranks, order=[engines[i] for i in order], rooms=len(rcvs))

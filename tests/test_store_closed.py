@@ -11,6 +11,7 @@ import pytest
 import kvstate
 from kvstate import KVPoll
 from kvstate.errors import ClosedError, KVStateError
+from kvstate.ops import reads
 from kvstate.ops.ledger import Monitor
 from kvstate.store import Store
 from tests.helpers import PREFILL_ADDR, managers, snapshot
@@ -34,7 +35,7 @@ def test_every_call_on_a_closed_store_raises_closed_error(state_url: str) -> Non
         store.close()
         calls: dict[str, Callable[[], object]] = {
             "ping": store.ping,
-            "execute": lambda: store.execute([store.read_hash(snd.key)]),
+            "execute": lambda: store.execute([reads.hash_of(snd.key)]),
             "scan": lambda: list(store.scan(store.keys.all_pattern)),
             "nodes": store.nodes,
             "server_time_ms": store.server_time_ms,

@@ -17,6 +17,7 @@ import kvstate
 from kvstate import schema
 from kvstate.cli import main
 from kvstate.errors import InvalidOptionError, InvalidURLError
+from kvstate.ops import reads
 from kvstate.ops.audit import Auditor
 from kvstate.ops.timeline import read_timeline
 from kvstate.poll import KVPoll
@@ -236,7 +237,7 @@ def test_trace_outlives_clear_with_its_ttl(store_url: str) -> None:
     key = store.keys.trace(42)
     assert keys_of(store, store.keys.room_prefix(42) + "*", traces=True) == [key]
     assert room_keys(store, 42) == []  # what "no key left" means: the trace is kept
-    assert 0 < int(store.execute([store.key_ttl(key)])[0]) <= 30_000
+    assert 0 < int(store.execute([reads.ttl_of(key)])[0]) <= 30_000
     assert_every_key_has_ttl(store)
     report = Auditor(store, grace=0.0).run()
     assert [f.key for f in report.findings if key in f.key] == []

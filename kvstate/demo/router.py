@@ -43,6 +43,7 @@ from kvstate.demo.messages import (
 from kvstate.demo.outcome import ABORT_KINDS, Track
 from kvstate.demo.queues import Inbox, PipeOut, RemoteQueues
 from kvstate.errors import KVStateError
+from kvstate.ops import reads
 from kvstate.store import Store
 
 __all__ = ["Interrupted", "Options", "Router", "Signals"]
@@ -322,7 +323,7 @@ class Router:
                         # Both sides finished between the check and the abort, which then
                         # failed nobody but left its mark: take the mark back (no side of
                         # this room will be created again), or it is a key left behind.
-                        self.store.execute([self.store.unmark_aborted(room)])
+                        self.store.execute([reads.unmark(self.store.keys, room)])
                     continue
                 except KVStateError:  # the room kept changing: try again next tick
                     pass

@@ -16,6 +16,7 @@ import numpy as np
 from kvstate.demo.messages import WorkerConfig
 from kvstate.demo.outcome import ABORT_KINDS, OUTCOMES
 from kvstate.demo.router import Options, Router
+from kvstate.ops import reads
 from kvstate.ops.metrics import read_transfer_totals
 from kvstate.stats import drop_call
 from kvstate.store import Store, redact
@@ -63,7 +64,7 @@ def _keys_left(store: Store, mine: Callable[[str], bool]) -> tuple[list[str], in
     every = [key for key in store.scan(k.all_pattern) if key != k.ledger and not k.is_mark(key)]
     found = [key for key in every if mine(key)]
     traces = [key for key in found if k.is_trace(key)]
-    ttls = store.execute([store.key_ttl(key) for key in traces]) if traces else []
+    ttls = store.execute([reads.ttl_of(key) for key in traces]) if traces else []
     kept = {key for key, ttl in zip(traces, ttls, strict=True) if int(ttl) > 0}
     return sorted(key for key in found if key not in kept), len(every) - len(found)
 

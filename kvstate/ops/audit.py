@@ -31,6 +31,7 @@ from kvstate.errors import (
     StateConnectionError,
 )
 from kvstate.keys import RoomKey
+from kvstate.ops import reads
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.findings import NAMES as FINDING_KINDS
 from kvstate.ops.findings import kind as finding_kind
@@ -299,7 +300,7 @@ class Auditor:
             for start in range(0, len(keys), BATCH):
                 chunk = keys[start : start + BATCH]
                 try:
-                    types = s.execute([s.key_type(k) for k in chunk])
+                    types = s.execute([reads.type_of(k) for k in chunk])
                 except PermissionDeniedError:
                     if not any("TYPE is not allowed" in n for n in report.notes):
                         report.notes.append(
@@ -395,7 +396,7 @@ class Auditor:
         s = self.store
         for start in range(0, len(all_keys), BATCH):
             chunk = all_keys[start : start + BATCH]
-            ttls = s.execute([s.key_ttl(key) for key in chunk])
+            ttls = s.execute([reads.ttl_of(key) for key in chunk])
             for key, ttl in zip(chunk, ttls, strict=True):
                 if int(ttl) == -1:
                     f = Finding("no_ttl", key, "key has no TTL: nothing will ever reap it")
@@ -505,7 +506,7 @@ class Auditor:
             # reading the participant and its index must not read as "unindexed"
             calls = []
             for p in chunk:
-                calls += [s.key_exists(p.key), s.is_member(p.room, p.side, p.engine)]
+                calls += [reads.exists(p.key), reads.listed(s.keys, p.room, p.side, p.engine)]
             raw = s.execute(calls, transaction=True, partial=True)
             for i, p in enumerate(chunk):
                 if isinstance(raw[2 * i + 1], KVStateError):
@@ -524,7 +525,7 @@ class Auditor:
         s = self.store
         if not trackers:
             return
-        members_raw = s.execute([s.tracked(t) for t in trackers], partial=True)
+        members_raw = s.execute([reads.members_of(t) for t in trackers], partial=True)
         pairs = [
             (t, m.decode("utf-8", "replace"))
             for t, ms in zip(trackers, members_raw, strict=True)
@@ -534,7 +535,7 @@ class Auditor:
         for start in range(0, len(pairs), BATCH):
             chunk = pairs[start : start + BATCH]
             keys = [self.keys.tracked_key(m) for _, m in chunk]
-            exists = iter(s.execute([s.key_exists(k) for k in keys if k is not None]))
+            exists = iter(s.execute([reads.exists(k) for k in keys if k is not None]))
             for (tracker, member), key in zip(chunk, keys, strict=True):
                 if key is not None and int(next(exists)):
                     continue
@@ -555,7 +556,7 @@ class Auditor:
         s = self.store
         for start in range(0, len(rooms), BATCH):
             chunk = [p for x in rooms[start : start + BATCH] if (p := self.keys.parse_room_key(x))]
-            read = s.execute([s.room_fields(p.room) for p in chunk], partial=True)
+            read = s.execute([reads.room_fields(s.keys, p.room) for p in chunk], partial=True)
             orphans: list[tuple[RoomKey, str, list[tuple[Side, str]]]] = []
             hashes: list[tuple[RoomKey, dict[str, Any]]] = []
             for p, fields in zip(chunk, read, strict=True):
@@ -569,7 +570,7 @@ class Auditor:
             self._stale_members(hashes, report)
             exists = s.execute(
                 [
-                    s.key_exists(self.keys.participant(p.room, *o))
+                    reads.exists(self.keys.participant(p.room, *o))
                     for p, _, owners in orphans
                     for o in owners
                 ]
@@ -604,7 +605,7 @@ class Auditor:
             if (m := schema.parse_member(name)) is not None
         ]
         keys = [self.keys.participant(p.room, m.side, m.engine) for p, _, m in listed]
-        found = s.execute([s.key_exists(k) for k in keys]) if keys else []
+        found = s.execute([reads.exists(k) for k in keys]) if keys else []
         for (p, fields, m), key, n in zip(listed, keys, found, strict=True):
             if int(n):
                 continue
@@ -672,7 +673,7 @@ class Auditor:
         k = self.keys
         keys = [k.room_hash(room), *also]
         keys += [k.participant(room, *p) for m in s.members(room) if (p := schema.parse_member(m))]
-        ttls = [int(t) for t in s.execute([s.key_ttl(key) for key in keys]) if int(t) > 0]
+        ttls = [int(t) for t in s.execute([reads.ttl_of(key) for key in keys]) if int(t) > 0]
         return (max(ttls), True) if ttls else (s.ttl_ms, False)
 
     def _store_for(self, room: int | None, also: Sequence[str] = ()) -> Store:
@@ -705,13 +706,13 @@ class Auditor:
             )
         else:
             ttl, why = s.ttl_ms, " (--room-ttl)"
-        now = int(s.execute([s.key_ttl(f.key)])[0])
+        now = int(s.execute([reads.ttl_of(f.key)])[0])
         if now != -1:  # only keys that still have no TTL
             f.resolved = (
                 "it is gone" if now == -2 else f"it got a TTL meanwhile ({fmt_ms(now)} left)"
             )
             return
-        s.execute([s.set_ttl(f.key, ttl)])
+        s.execute([reads.expire(f.key, ttl)])
         f.fixed = f"set a TTL of {fmt_ms(ttl)}{why}"
 
     def _fix_stuck(self, f: Finding) -> None:
@@ -726,7 +727,7 @@ class Auditor:
     def _fix_orphan_tracker(self, f: Finding) -> None:
         s = self.store
         (member,) = f.target
-        n = s.execute([s.untrack(f.key, member)])[0]
+        n = s.execute([reads.untrack(f.key, member)])[0]
         if int(n):
             f.fixed = f"removed {member} from the tracker"
         else:
@@ -738,9 +739,9 @@ class Auditor:
         (name,) = f.target
         owners = _owners(name)
         keys = [s.keys.participant(f.room, *o) for o in owners]
-        if any(int(n) for n in s.execute([s.key_exists(k) for k in keys])):
+        if any(int(n) for n in s.execute([reads.exists(k) for k in keys])):
             f.resolved = "a participant it names appeared meanwhile"
-        elif int(s.execute([s.drop_room_fields(f.room, name)])[0]):
+        elif int(s.execute([reads.drop_room_fields(s.keys, f.room, name)])[0]):
             f.fixed = f"deleted the field {name!r}"
         else:
             f.resolved = "the field was deleted meanwhile"
@@ -791,10 +792,10 @@ class Auditor:
         s = self.store
         assert f.room is not None
         key = self.keys.participant(f.room, *f.part)
-        if int(s.execute([s.key_exists(key)])[0]):
+        if int(s.execute([reads.exists(key)])[0]):
             f.resolved = "its participant appeared meanwhile"
             return
-        dropped = s.execute([s.drop_room_fields(f.room, *f.target)])[0]
+        dropped = s.execute([reads.drop_room_fields(s.keys, f.room, *f.target)])[0]
         if int(dropped):
             extra = len(f.target) - 1
             f.fixed = f"removed {f.target[0]} from the room hash" + (
@@ -808,15 +809,15 @@ class Auditor:
         assert f.room is not None
         side, engine = f.part
         member = schema.member(side, engine)
-        exists = s.execute([s.key_exists(f.key)])[0]
+        exists = s.execute([reads.exists(f.key)])[0]
         if not int(exists):
             f.resolved = "it was cleared meanwhile"
             return
         ttl = self._room_ttl_ms(f.room, also=[f.key])
         s.execute(
             [
-                s.index_member(f.room, side, engine),
-                s.set_ttl(self.keys.room_hash(f.room), ttl),
+                reads.relist(s.keys, f.room, side, engine),
+                reads.expire(self.keys.room_hash(f.room), ttl),
             ],
             transaction=True,
         )

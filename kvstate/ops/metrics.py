@@ -44,6 +44,7 @@ from prometheus_client.exposition import start_http_server
 
 from kvstate.errors import MetricsPortError
 from kvstate.keys import SIDES
+from kvstate.ops import reads
 from kvstate.ops.findings import NAMES as FINDING_KINDS
 from kvstate.ops.views import AGE_BUCKETS, STATUSES, Census
 from kvstate.stats import LATENCY_BUCKETS, TransferTotals
@@ -74,7 +75,7 @@ def read_transfer_totals(store: Store) -> dict[str, TransferTotals]:
     keys = sorted(store.scan(store.keys.transfer_stats_pattern))
     if not keys:
         return {}
-    raw = store.execute([store.read_hash(k) for k in keys], partial=True)
+    raw = store.execute([reads.hash_of(k) for k in keys], partial=True)
     return {  # a key of the wrong type exports nothing (the audit names it)
         k[len(prefix) :]: TransferTotals.parse(h)
         for k, h in zip(keys, raw, strict=True)

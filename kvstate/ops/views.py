@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvstate import schema
 from kvstate.errors import CorruptStateError
 from kvstate.keys import ROOT, namespace_of
+from kvstate.ops import reads
 from kvstate.poll import KVPoll
 from kvstate.schema import Side
 from kvstate.store import Call, Store
@@ -162,7 +163,7 @@ def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[St
                 try:
                     raw += store.execute(_reads(store, key))
                 except CorruptStateError:
-                    pttl = store.execute([store.key_ttl(key)])[0]
+                    pttl = store.execute([reads.ttl_of(key)])[0]
                     raw += [{schema.STATUS.encode(): WRONG_TYPE.encode()}, pttl]
         for i, key in enumerate(chunk):
             h, pttl = raw[2 * i], raw[2 * i + 1]
@@ -178,7 +179,7 @@ def read_participants(store: Store, keys: Sequence[str], now_ms: int) -> list[St
 
 
 def _reads(store: Store, key: str) -> list[Call]:
-    return [store.read_hash(key), store.key_ttl(key)]
+    return [reads.hash_of(key), reads.ttl_of(key)]
 
 
 def scan_participants(store: Store) -> Iterator[StoredParticipant]:
@@ -374,7 +375,7 @@ def room_view(store: Store, room: int) -> RoomView:
     k = store.keys
     now = store.server_time_ms()
     corrupt: list[str] = []
-    fields: Any = store.execute([store.room_fields(room)], partial=True)[0]
+    fields: Any = store.execute([reads.room_fields(store.keys, room)], partial=True)[0]
     if isinstance(fields, CorruptStateError):  # not a hash: said, and the rest read
         corrupt.append(f"{k.room_hash(room)}: not a hash (no kvstate code wrote it)")
         fields = {}
@@ -394,7 +395,9 @@ def room_view(store: Store, room: int) -> RoomView:
         else:
             acks[f.engine] = sorted(schema.ack_list(value or ""))
     parts = read_participants(store, _participant_keys(store, room, members), now)
-    raw = store.execute([*store.abort_mark(room), store.key_exists(k.trace(room))], partial=True)
+    raw = store.execute(
+        [*reads.mark_of(store.keys, room), reads.exists(k.trace(room))], partial=True
+    )
     mark, mark_ttl, traced = raw
     if isinstance(mark, CorruptStateError):
         corrupt.append(f"{k.aborted(room)}: not a string (no kvstate code wrote it)")

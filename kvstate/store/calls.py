@@ -310,67 +310,6 @@ class Calls:
             room=parsed.room,
         )
 
-    # -- named operations for ops/ -----------------------------------------------------
-    # Named reads and repairs of the operator views and the audit. Each returns a Call
-    # to batch with others in one execute().
-
-    def read_hash(self, key: str) -> Call:
-        """HGETALL of any kvstate hash (a participant, a room hash, a registration...)."""
-        return self._command("HGETALL", key)
-
-    def key_ttl(self, key: str) -> Call:
-        """PTTL in ms: -1 no TTL, -2 gone."""
-        return self._command("PTTL", key)
-
-    def key_exists(self, key: str) -> Call:
-        return self._command("EXISTS", key)
-
-    def key_type(self, key: str) -> Call:
-        """The key's Redis type as text (TYPE): 'none' when it is gone."""
-        return self._command("TYPE", key, parse=lambda raw: text_or_none(raw) or "none")
-
-    def set_ttl(self, key: str, ttl_ms: int) -> Call:
-        return self._command("PEXPIRE", key, args=[ttl_ms])
-
-    def delete(self, *keys: str) -> Call:
-        return self._command("DEL", *keys)
-
-    def is_member(self, room: int, side: Side, engine: str) -> Call:
-        """Whether the room hash lists that participant (HGET: an engine user's read)."""
-        key, member = self.keys.room_hash(room), schema.member(side, engine)
-        return self._command("HGET", key, args=[member], parse=lambda raw: int(raw is not None))
-
-    def index_member(self, room: int, side: Side, engine: str) -> Call:
-        """Put a participant back into its room hash (an audit repair), as create.lua
-        writes it: the field, with an empty value."""
-        member = schema.member(side, engine)
-        return self._command("HSET", self.keys.room_hash(room), args=[member, ""])
-
-    def room_fields(self, room: int) -> Call:
-        """The room hash, field -> value (text; a transfer info's msgpack stays bytes)."""
-        return self._command("HGETALL", self.keys.room_hash(room), parse=_room_fields)
-
-    def drop_room_fields(self, room: int, *fields: str) -> Call:
-        """HDEL of room-hash fields (an audit repair); answers how many were there."""
-        return self._command("HDEL", self.keys.room_hash(room), args=fields)
-
-    def acks_of(self, room: int, receiver: str) -> Call:
-        """The sender engines that finished for one receiver, sorted."""
-        key, field = self.keys.room_hash(room), schema.ack_field(receiver)
-        return self._command("HGET", key, args=[field], parse=_ack_list)
-
-    def abort_mark(self, room: int) -> list[Call]:
-        """The room's abort reason (None if not aborted) and the mark's PTTL."""
-        key = self.keys.aborted(room)
-        return [self._command("GET", key), self._command("PTTL", key)]
-
-    def tracked(self, tracker: str) -> Call:
-        """Every member of an ``addr:`` tracker or ``engines_at:`` index key."""
-        return self._command("ZRANGE", tracker, args=[0, -1])
-
-    def untrack(self, tracker: str, member: str) -> Call:
-        return self._command("ZREM", tracker, args=[member])
-
     def trace_context(self, room: int, side: Side, engine: str, context: str) -> Call:
         """Append a serving request's trace context to the room's trace, only to a trace
         that exists (RPUSHX: never creates a key, design rule 1): a plain command sent
@@ -379,29 +318,10 @@ class Calls:
         entry = context_entry(side, engine, context)
         return self._command("RPUSHX", self.keys.trace(room), args=[entry])
 
-    # -- the demo's bookkeeping --------------------------------------------------------
-    def unmark_aborted(self, room: int) -> Call:
-        """Delete a room's abort mark. For an abort that failed nobody because both sides
-        had already finished: no side of that room will be created again, so the mark
-        would only be a key left behind."""
-        return self._command("DEL", self.keys.aborted(room))
-
 
 def pairs(fields: dict[str, Any]) -> list[Any]:
     """A hash's fields as HSET (and the scripts) take them: name, value, name, value..."""
     return [x for item in fields.items() for x in item]
-
-
-def _room_fields(raw: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in dict(raw or {}).items():
-        text = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
-        out[text] = value if text.startswith(schema.XFER_PREFIX) else text_or_none(value)
-    return out
-
-
-def _ack_list(raw: Any) -> list[str]:
-    return sorted(schema.ack_list(text_or_none(raw) or ""))
 
 
 def text_or_none(raw: Any) -> str | None:
