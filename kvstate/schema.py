@@ -292,3 +292,35 @@ def bindings(fields: Mapping[str, _V]) -> dict[str, _V]:
 def le_field(bound: object) -> str:
     """The transfer-counter field of one latency bucket (``le:0.005``, ``le:+Inf``)."""
     return f"{STATS_LE_PREFIX}{bound}"
+
+
+def clear_owners(name: str) -> list[tuple[Side, str]]:
+    """The participants whose clear takes a room-hash field of transfer infos (its
+    sender and its receiver) or acks (its receiver); [] for a participant field or
+    the hold (every clear takes it). The audit's view of ``Calls.clear_calls``."""
+    f = parse_room_field(name)
+    if f is None or f.kind in (*SIDES, "hold"):  # a hold: every clear takes it
+        return []
+    if f.kind == "xfer":
+        return [("tx", f.engine), ("rx", f.peer)]
+    return [("rx", f.engine)]
+
+
+def cleared_by(side: str, engine: str, fields: Mapping[str, object]) -> list[str]:
+    """The room-hash fields a participant's clear takes besides its member: a sender's
+    transfer infos, a receiver's acks and the infos it published."""
+    out = []
+    for name in sorted(fields):
+        f = parse_room_field(name)
+        if f is None or f.kind in SIDES:
+            continue
+        mine = (
+            (f.kind == "xfer" and f.engine == engine)
+            if side == "tx"
+            else (
+                (f.kind == "xfer" and f.peer == engine) or (f.kind == "ack" and f.engine == engine)
+            )
+        )
+        if mine:
+            out.append(name)
+    return out

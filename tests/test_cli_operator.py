@@ -25,9 +25,10 @@ from click.testing import CliRunner, Result
 
 import kvstate
 from kvstate.cli import OPERATOR_ACL, OPERATOR_ACL_7, READER_ACL, READER_ACL_7, main
-from kvstate.ops.audit import Auditor, Report
+from kvstate.ops.audit import Auditor
 from kvstate.ops.ledger import Entry, Ledger, Monitor
 from kvstate.ops.metrics import Metrics
+from kvstate.ops.repairs import Repairs
 from kvstate.poll import KVPoll
 from kvstate.store import Store
 from kvstate.testing import RedisProcess
@@ -200,13 +201,10 @@ def test_fix_of_a_room_cleared_meanwhile_is_resolved_not_left(store: Store) -> N
     p, d, snd, rcv = live_room(store, 5)
     store.client.hdel(store.keys.room_hash(5), "tx:prefill-a.tp0")  # unindexed sender
 
-    class ClearedMeanwhile(Auditor):
-        def _fix(self, report: Report) -> None:
-            snd.clear()
-            rcv.clear()
-            super()._fix(report)
-
-    report = ClearedMeanwhile(store).run(fix=True)
+    report = Auditor(store).run()
+    snd.clear()  # between the audit's look and its repair
+    rcv.clear()
+    Repairs(store).fix(report)
     assert [f.kind for f in report.findings] == ["unindexed"]
     assert report.findings[0].resolved == "it was cleared meanwhile"
     assert report.remaining == []

@@ -13,9 +13,10 @@ import redis
 from click.testing import CliRunner
 
 from kvstate.cli import main
-from kvstate.ops.audit import Auditor, Finding, Report
+from kvstate.ops.audit import Finding, Report
 from kvstate.ops.findings import KINDS, NAMES, kind, readme_table
 from kvstate.ops.metrics import Metrics
+from kvstate.ops.repairs import Repairs
 
 CLI_DOC = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
 _HEADER = "| kind | found when | `--fix` |\n"
@@ -80,7 +81,7 @@ def test_the_cli_prints_the_table_hint_and_audit_fix_the_table_reason(redis_url:
 
 def test_every_fixable_kind_has_a_repair_and_no_other() -> None:
     """``audit --fix`` dispatches on the table: a kind marked fixable without an
-    ``Auditor._fix_<kind>`` would crash the fix, a repair without the mark never runs."""
-    repairs = {name.removeprefix("_fix_") for name in dir(Auditor) if name.startswith("_fix_")}
+    ``Repairs._fix_<kind>`` would crash the fix, a repair without the mark never runs."""
+    repairs = {name.removeprefix("_fix_") for name in dir(Repairs) if name.startswith("_fix_")}
     repairs.discard("one")
     assert repairs == {k.name for k in KINDS if k.fixable}

@@ -9,23 +9,18 @@ A live participant is never deleted. Every repair is appended to the ledger.
 
 A finding must hold on a second look: on a busy namespace SCAN sees keys that a
 clear() removes a moment later, so every finding of the first pass is checked again
-on fresh reads of its keys and only those found both times are reported. A repair
-whose target went away or moved on meanwhile is ``resolved``, not left. Repairs that
-write give the key the room's remaining TTL (the longest left on its index and
-participants), never a fresh default, so a room does not end with mixed TTLs.
+on fresh reads of its keys and only those found both times are reported. The repairs
+are kvstate.ops.repairs'.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvstate import schema
 from kvstate.defaults import AUDIT_GRACE
 from kvstate.errors import (
-    CorruptStateError,
     KVStateError,
     PermissionDeniedError,
     StateConnectionError,
@@ -33,15 +28,20 @@ from kvstate.errors import (
 from kvstate.keys import RoomKey
 from kvstate.ops import reads
 from kvstate.ops.durations import fmt_ms
-from kvstate.ops.findings import NAMES as FINDING_KINDS
-from kvstate.ops.findings import kind as finding_kind
-from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger
+from kvstate.ops.findings import (
+    WRONG_TYPE_HINT,
+    Finding,
+    Report,
+    acl_refused,
+    cut_value,
+    delete_then_abort,
+)
 from kvstate.ops.libraries import survey
+from kvstate.ops.repairs import Repairs
 from kvstate.ops.views import BATCH, WRONG_TYPE, StoredParticipant, read_participants
-from kvstate.poll import KVPoll
 from kvstate.registry import Registry
 from kvstate.schema import Side
-from kvstate.store import Status, Store
+from kvstate.store import Store
 
 DEFAULT_GRACE = AUDIT_GRACE
 # The Redis type of each kind of kvstate key (docs/design.md, Data model), and its name
@@ -59,125 +59,12 @@ _TYPES = {
 }
 
 
-@dataclass
-class Finding:
-    """One leak or risk: ``kind`` (see FINDING_KINDS), the key it is about, what is wrong,
-    and, after a fix, what was done (``fixed``), why nothing was (``left``), or that
-    nothing was needed any more (``resolved``: cleared or moved on meanwhile)."""
-
-    kind: str
-    key: str
-    detail: str
-    room: int | None = None
-    side: str = ""
-    engine: str = ""
-    status: str = ""
-    age_ms: int | None = None
-    fixed: str = ""
-    left: str = ""
-    resolved: str = ""
-    target: tuple[str, ...] = ()  # what a fix acts on (tracker member; peer, incarnation)
-    advice: str = ""  # what --fix does about this one, when not what its kind says
-
-    def __post_init__(self) -> None:
-        finding_kind(self.kind)  # every kind is in the table
-
-    @property
-    def hint(self) -> str:
-        """What ``--fix`` would do about this finding (the CLI's ``fix`` column)."""
-        return self.advice or finding_kind(self.kind).hint
-
-    @property
-    def part(self) -> tuple[Side, str]:
-        """(side, engine) of the participant the finding is about, for its repair."""
-        side = schema.side_of(self.side)
-        if side is None:
-            raise KVStateError(f"{self.kind} finding on {self.key} names no participant")
-        return side, self.engine
-
-    @property
-    def ident(self) -> tuple[str, str, tuple[str, ...]]:
-        """What makes two looks at the state the same finding."""
-        return self.kind, self.key, self.target
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "key": self.key,
-            "detail": self.detail,
-            "room": self.room,
-            "side": self.side,
-            "engine": self.engine,
-            "status": self.status,
-            "age_ms": self.age_ms,
-            "fixed": self.fixed,
-            "left": self.left,
-            "resolved": self.resolved,
-            "hint": self.hint,
-        }
-
-
-def acl_refused(exc: BaseException) -> bool:
-    """A command refused by the server's ACL."""
-    return isinstance(exc, PermissionDeniedError)
-
-
 def _locate(f: Finding, parsed: RoomKey | None) -> None:
     """Fill in the room (and participant) a finding's key names."""
     if parsed is not None:
         f.room = parsed.room
         if parsed.side is not None:
             f.side, f.engine = parsed.side, parsed.rest
-
-
-def _owners(name: str) -> list[tuple[Side, str]]:
-    """The participants whose clear takes a room-hash field of transfer infos (its
-    sender and its receiver) or acks (its receiver); [] for a participant field."""
-    f = schema.parse_room_field(name)
-    if f is None or f.kind in (*schema.SIDES, "hold"):  # a hold: every clear takes it
-        return []
-    if f.kind == "xfer":
-        return [("tx", f.engine), ("rx", f.peer)]
-    return [("rx", f.engine)]
-
-
-def _cut(value: object, n: int = 60) -> str:
-    """A stored value named in a finding: a hostile one may be megabytes."""
-    text = "" if value is None else str(value)
-    return text if len(text) <= n else f"{text[:n]}... ({len(text)} chars)"
-
-
-def _delete_then_abort(key: str, room: int | RoomKey | None) -> str:
-    if isinstance(room, RoomKey):
-        room = room.room
-    then = "" if room is None else f", then kvstate abort {room}"
-    return (
-        f"no kvstate code wrote it, so --fix leaves it: look at it (redis-cli TYPE "
-        f"{key}), delete it (redis-cli DEL {key}){then}"
-    )
-
-
-WRONG_TYPE_HINT = "--fix leaves it: delete it after a look, then kvstate abort ROOM"
-
-
-def _fields_of(side: str, engine: str, fields: dict[str, Any]) -> list[str]:
-    """The room-hash fields a participant's clear takes besides its member: a sender's
-    transfer infos, a receiver's acks and the infos it published."""
-    out = []
-    for name in sorted(fields):
-        f = schema.parse_room_field(name)
-        if f is None or f.kind in schema.SIDES:
-            continue
-        mine = (
-            (f.kind == "xfer" and f.engine == engine)
-            if side == "tx"
-            else (
-                (f.kind == "xfer" and f.peer == engine) or (f.kind == "ack" and f.engine == engine)
-            )
-        )
-        if mine:
-            out.append(name)
-    return out
 
 
 def _about(kind: str, p: StoredParticipant, detail: str) -> Finding:
@@ -191,38 +78,6 @@ def _about(kind: str, p: StoredParticipant, detail: str) -> Finding:
         status=p.status,
         age_ms=p.age_ms,
     )
-
-
-@dataclass
-class Report:
-    findings: list[Finding] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    scanned: int = 0
-
-    @property
-    def remaining(self) -> list[Finding]:
-        """Findings neither repaired nor gone by themselves."""
-        return [f for f in self.findings if not f.fixed and not f.resolved]
-
-    def counts(self) -> dict[str, int]:
-        out = dict.fromkeys(FINDING_KINDS, 0)
-        for f in self.findings:
-            out[f.kind] = out.get(f.kind, 0) + 1
-        return out
-
-    def to_json(self, limit: int | None = None) -> dict[str, Any]:
-        """The report; at most ``limit`` findings, ``findings_more`` saying how many
-        more there are (the counts cover them all)."""
-        return {
-            "clean": not self.remaining,
-            "scanned_keys": self.scanned,
-            "findings": [f.to_json() for f in self.findings[:limit]],
-            "findings_more": len(self.findings) - len(self.findings[:limit]),
-            "fixed": sum(1 for f in self.findings if f.fixed),
-            "resolved": sum(1 for f in self.findings if f.resolved),
-            "left": len(self.remaining),
-            "notes": self.notes,
-        }
 
 
 class Auditor:
@@ -246,7 +101,7 @@ class Auditor:
             kept = {f.ident for f in first}
             report.findings += [f for f in again if f.ident in kept]
         if fix:
-            self._fix(report)
+            Repairs(self.store).fix(report)
         return report
 
     def _detect(self, keys: Sequence[str], notes: list[str]) -> list[Finding]:
@@ -316,7 +171,7 @@ class Auditor:
                             "corrupt",
                             key,
                             f"this {name} is a {got}, not a {want}: "
-                            + _delete_then_abort(key, parsed),
+                            + delete_then_abort(key, parsed),
                             status=WRONG_TYPE,
                         )
                         _locate(f, parsed)
@@ -406,7 +261,7 @@ class Auditor:
     def _participants(self, parts: list[StoredParticipant], now: int, report: Report) -> None:
         for p in parts:
             if p.status == WRONG_TYPE:
-                f = _about("corrupt", p, f"not a hash: {_delete_then_abort(p.key, p.room)}")
+                f = _about("corrupt", p, f"not a hash: {delete_then_abort(p.key, p.room)}")
                 f.advice = WRONG_TYPE_HINT.replace("ROOM", str(p.room))
                 report.findings.append(f)
                 continue
@@ -415,9 +270,9 @@ class Auditor:
                 # the field the time is read from: since_ms once written, else created_ms
                 when = schema.SINCE_MS if schema.SINCE_MS in p.fields else schema.CREATED_MS
                 what = (
-                    f"status {_cut(p.status)!r} / {when} {_cut(p.fields.get(when))!r}"
+                    f"status {cut_value(p.status)!r} / {when} {cut_value(p.fields.get(when))!r}"
                     if not p.valid
-                    else ", ".join(f"{name} {_cut(p.fields.get(name))!r}" for name in bad)
+                    else ", ".join(f"{name} {cut_value(p.fields.get(name))!r}" for name in bad)
                 )
                 report.findings.append(
                     _about(
@@ -564,7 +419,7 @@ class Auditor:
                     continue  # not a hash: no_ttl / the operator's look, not this check
                 hashes.append((p, fields))
                 for name in sorted(fields):
-                    owners = _owners(name)
+                    owners = schema.clear_owners(name)
                     if owners and not any(schema.member(*o) in fields for o in owners):
                         orphans.append((p, name, owners))
             self._stale_members(hashes, report)
@@ -620,205 +475,8 @@ class Auditor:
                 side=m.side,
                 engine=m.engine,
             )
-            f.target = (name, *_fields_of(m.side, m.engine, fields))
+            f.target = (name, *schema.cleared_by(m.side, m.engine, fields))
             report.findings.append(f)
 
-    # -- repairs -----------------------------------------------------------------
-    def _fix(self, report: Report) -> None:
-        done: list[Finding] = []
-        # re-index first: an abort (the repair of a corrupt participant) reaches a room's
-        # participants through its index
-        for f in sorted(report.findings, key=lambda f: f.kind != "unindexed"):
-            try:
-                self._fix_one(f)
-            except KVStateError as exc:
-                f.left = f"fix failed: {exc}"
-            if f.fixed:
-                done.append(f)
-        entries = [
-            Entry(
-                f"audit:{f.kind}",
-                f.room,
-                f.side,
-                f.engine,
-                f.status or "",
-                f.age_ms,
-                f.key,
-                f.fixed,
-            )
-            for f in done
-        ]
-        try:
-            Ledger(self.store).append(entries)
-        except CorruptStateError as exc:  # the ledger is not a stream: its own finding
-            report.notes.append(f"the repairs above are not recorded in the ledger ({exc})")
-        except KVStateError as exc:
-            if not acl_refused(exc):
-                raise
-            report.notes.append(
-                "XADD is not allowed for this user: the repairs above are not "
-                "recorded in the ledger"
-            )
 
-    def _room_ttl_ms(self, room: int, also: Sequence[str] = ()) -> int:
-        """The longest TTL left on the room hash, its listed participants and
-        ``also``: what a repair gives the keys it writes. The store's TTL (--room-ttl)
-        only when none of them has one."""
-        return self._room_ttl(room, also)[0]
-
-    def _room_ttl(self, room: int, also: Sequence[str] = ()) -> tuple[int, bool]:
-        """(``_room_ttl_ms``, whether it is the room's: False when no key of the room
-        has a TTL and it is the store's, --room-ttl)."""
-        s = self.store
-        k = self.keys
-        keys = [k.room_hash(room), *also]
-        keys += [k.participant(room, *p) for m in s.members(room) if (p := schema.parse_member(m))]
-        ttls = [int(t) for t in s.execute([reads.ttl_of(key) for key in keys]) if int(t) > 0]
-        return (max(ttls), True) if ttls else (s.ttl_ms, False)
-
-    def _store_for(self, room: int | None, also: Sequence[str] = ()) -> Store:
-        """The store, with the room's remaining TTL as the TTL its scripts write."""
-        if room is None:
-            return self.store
-        view = copy.copy(self.store)
-        view.room_ttl = self._room_ttl_ms(room, also) / 1000
-        return view
-
-    def _fix_one(self, f: Finding) -> None:
-        """Repair one finding by its kind (``_fix_<kind>``); the findings table says which
-        kinds have a repair, and tests/test_findings.py keeps the two in step."""
-        kind = finding_kind(f.kind)
-        if kind.fixable:
-            getattr(self, f"_fix_{kind.name}")(f)
-        else:
-            f.left = kind.left_for(f.room)
-
-    def _fix_no_ttl(self, f: Finding) -> None:
-        s = self.store
-        if f.key == self.keys.ledger:
-            ttl, why = LEDGER_TTL_MS, " (the ledger's)"
-        elif f.room is not None:
-            ttl, room_s = self._room_ttl(f.room)
-            why = (
-                " (the room's remaining TTL)"
-                if room_s
-                else " (--room-ttl: no key of the room has a TTL to match)"
-            )
-        else:
-            ttl, why = s.ttl_ms, " (--room-ttl)"
-        now = int(s.execute([reads.ttl_of(f.key)])[0])
-        if now != -1:  # only keys that still have no TTL
-            f.resolved = (
-                "it is gone" if now == -2 else f"it got a TTL meanwhile ({fmt_ms(now)} left)"
-            )
-            return
-        s.execute([reads.expire(f.key, ttl)])
-        f.fixed = f"set a TTL of {fmt_ms(ttl)}{why}"
-
-    def _fix_stuck(self, f: Finding) -> None:
-        s = self.store
-        assert f.room is not None
-        st: Status = s.execute([self._store_for(f.room).poll(f.room, *f.part)])[0]
-        if st.status == KVPoll.Failed:
-            f.fixed = f"failed it: {st.reason}"
-        else:
-            f.resolved = f"it moved on ({st.status.name if st.status else 'gone'})"
-
-    def _fix_orphan_tracker(self, f: Finding) -> None:
-        s = self.store
-        (member,) = f.target
-        n = s.execute([reads.untrack(f.key, member)])[0]
-        if int(n):
-            f.fixed = f"removed {member} from the tracker"
-        else:
-            f.resolved = "the member was removed meanwhile"
-
-    def _fix_unclaimed_xfer(self, f: Finding) -> None:
-        s = self.store
-        assert f.room is not None
-        (name,) = f.target
-        owners = _owners(name)
-        keys = [s.keys.participant(f.room, *o) for o in owners]
-        if any(int(n) for n in s.execute([reads.exists(k) for k in keys])):
-            f.resolved = "a participant it names appeared meanwhile"
-        elif int(s.execute([reads.drop_room_fields(s.keys, f.room, name)])[0]):
-            f.fixed = f"deleted the field {name!r}"
-        else:
-            f.resolved = "the field was deleted meanwhile"
-
-    def _fix_dead_engine(self, f: Finding) -> None:
-        s = self.store
-        engine, inc, addr = f.target
-        reason = (
-            f"peer {engine} at {addr or '?'} is gone (incarnation {inc}); failed by kvstate audit"
-        )
-        view = self._store_for(f.room)
-        n = s.execute([view.fail_receiver(f.key, engine, inc, reason)])[0]
-        if int(n):
-            f.fixed = f"failed it: {reason}"
-        else:
-            f.resolved = "it reached a terminal status or was cleared meanwhile"
-
-    def _fix_dead_owner(self, f: Finding) -> None:
-        s = self.store
-        assert f.room is not None
-        reason = f"engine {f.engine} lost its lease; failed by kvstate audit"
-        view = self._store_for(f.room)
-        call = view.update(f.room, *f.part, KVPoll.Failed, reason)
-        st2: Status = s.execute([call])[0]
-        if st2.status == KVPoll.Failed and st2.reason == reason:
-            f.fixed = f"failed it: {reason}"
-        else:
-            f.resolved = f"it moved on ({st2.status.name if st2.status else 'gone'})"
-
-    def _fix_corrupt(self, f: Finding) -> None:
-        """Abort the room: abort.lua fails a garbage status like any other (no poll of it
-        could ever succeed, so its room cannot finish). A key of the wrong type was not
-        written by kvstate: that one needs an operator's look first."""
-        if f.status == WRONG_TYPE:
-            f.left = _delete_then_abort(f.key, f.room)
-            return
-        assert f.room is not None
-        n = self._store_for(f.room).abort(
-            f.room, f"{f.side}:{f.engine} held a corrupt status; failed by kvstate audit"
-        )
-        f.fixed = f"aborted room {f.room}: {n} participant(s) failed"
-
-    def _fix_stale_member(self, f: Finding) -> None:
-        """Drop the listing (and the fields the participant's own clear would have
-        taken), after a fresh look that its hash is still gone. (A participant of that
-        engine created for the room in between, a reused room id, would lose its
-        listing: the next audit names it ``unindexed`` and --fix lists it again.)"""
-        s = self.store
-        assert f.room is not None
-        key = self.keys.participant(f.room, *f.part)
-        if int(s.execute([reads.exists(key)])[0]):
-            f.resolved = "its participant appeared meanwhile"
-            return
-        dropped = s.execute([reads.drop_room_fields(s.keys, f.room, *f.target)])[0]
-        if int(dropped):
-            extra = len(f.target) - 1
-            f.fixed = f"removed {f.target[0]} from the room hash" + (
-                f" with {extra} field(s) its clear would have taken" if extra else ""
-            )
-        else:
-            f.resolved = "the listing was removed meanwhile"
-
-    def _fix_unindexed(self, f: Finding) -> None:
-        s = self.store
-        assert f.room is not None
-        side, engine = f.part
-        member = schema.member(side, engine)
-        exists = s.execute([reads.exists(f.key)])[0]
-        if not int(exists):
-            f.resolved = "it was cleared meanwhile"
-            return
-        ttl = self._room_ttl_ms(f.room, also=[f.key])
-        s.execute(
-            [
-                reads.relist(s.keys, f.room, side, engine),
-                reads.expire(self.keys.room_hash(f.room), ttl),
-            ],
-            transaction=True,
-        )
-        f.fixed = f"added {member} back to the room's index (TTL {fmt_ms(ttl)})"
+__all__ = ["DEFAULT_GRACE", "Auditor", "Finding", "Report", "acl_refused"]

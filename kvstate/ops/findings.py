@@ -1,4 +1,5 @@
-"""The kinds of audit finding, in one table: the audit reports them, the metrics label
+"""The kinds of audit finding, in one table, and the records of them (``Finding``, a
+whole audit's ``Report``): the audit reports them, the metrics label
 them, the CLI hints at their fix and docs/cli.md lists them (a test keeps it exact).
 
 A kind's ``name`` is what every reader sees: the audit's JSON and table, the ledger's
@@ -8,7 +9,13 @@ table in docs/cli.md. Renaming one breaks dashboards and scripts: add a kind rat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstate import schema
+from kvstate.errors import KVStateError, PermissionDeniedError
+from kvstate.keys import RoomKey
+from kvstate.schema import Side
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,120 @@ def kind(name: str) -> FindingKind:
             f"no finding kind {name!r}; add it to kvstate.ops.findings.KINDS (known: "
             f"{', '.join(NAMES)})"
         ) from None
+
+
+@dataclass
+class Finding:
+    """One leak or risk: ``kind`` (see NAMES), the key it is about, what is wrong,
+    and, after a fix, what was done (``fixed``), why nothing was (``left``), or that
+    nothing was needed any more (``resolved``: cleared or moved on meanwhile)."""
+
+    kind: str
+    key: str
+    detail: str
+    room: int | None = None
+    side: str = ""
+    engine: str = ""
+    status: str = ""
+    age_ms: int | None = None
+    fixed: str = ""
+    left: str = ""
+    resolved: str = ""
+    target: tuple[str, ...] = ()  # what a fix acts on (tracker member; peer, incarnation)
+    advice: str = ""  # what --fix does about this one, when not what its kind says
+
+    def __post_init__(self) -> None:
+        kind(self.kind)  # every kind is in the table
+
+    @property
+    def hint(self) -> str:
+        """What ``--fix`` would do about this finding (the CLI's ``fix`` column)."""
+        return self.advice or kind(self.kind).hint
+
+    @property
+    def part(self) -> tuple[Side, str]:
+        """(side, engine) of the participant the finding is about, for its repair."""
+        side = schema.side_of(self.side)
+        if side is None:
+            raise KVStateError(f"{self.kind} finding on {self.key} names no participant")
+        return side, self.engine
+
+    @property
+    def ident(self) -> tuple[str, str, tuple[str, ...]]:
+        """What makes two looks at the state the same finding."""
+        return self.kind, self.key, self.target
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "key": self.key,
+            "detail": self.detail,
+            "room": self.room,
+            "side": self.side,
+            "engine": self.engine,
+            "status": self.status,
+            "age_ms": self.age_ms,
+            "fixed": self.fixed,
+            "left": self.left,
+            "resolved": self.resolved,
+            "hint": self.hint,
+        }
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    scanned: int = 0
+
+    @property
+    def remaining(self) -> list[Finding]:
+        """Findings neither repaired nor gone by themselves."""
+        return [f for f in self.findings if not f.fixed and not f.resolved]
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(NAMES, 0)
+        for f in self.findings:
+            out[f.kind] = out.get(f.kind, 0) + 1
+        return out
+
+    def to_json(self, limit: int | None = None) -> dict[str, Any]:
+        """The report; at most ``limit`` findings, ``findings_more`` saying how many
+        more there are (the counts cover them all)."""
+        return {
+            "clean": not self.remaining,
+            "scanned_keys": self.scanned,
+            "findings": [f.to_json() for f in self.findings[:limit]],
+            "findings_more": len(self.findings) - len(self.findings[:limit]),
+            "fixed": sum(1 for f in self.findings if f.fixed),
+            "resolved": sum(1 for f in self.findings if f.resolved),
+            "left": len(self.remaining),
+            "notes": self.notes,
+        }
+
+
+def acl_refused(exc: BaseException) -> bool:
+    """A command refused by the server's ACL."""
+    return isinstance(exc, PermissionDeniedError)
+
+
+def cut_value(value: object, n: int = 60) -> str:
+    """A stored value named in a finding: a hostile one may be megabytes."""
+    text = "" if value is None else str(value)
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} chars)"
+
+
+def delete_then_abort(key: str, room: int | RoomKey | None) -> str:
+    if isinstance(room, RoomKey):
+        room = room.room
+    then = "" if room is None else f", then kvstate abort {room}"
+    return (
+        f"no kvstate code wrote it, so --fix leaves it: look at it (redis-cli TYPE "
+        f"{key}), delete it (redis-cli DEL {key}){then}"
+    )
+
+
+WRONG_TYPE_HINT = "--fix leaves it: delete it after a look, then kvstate abort ROOM"
 
 
 def readme_table() -> str:
