@@ -26,8 +26,9 @@ from click.testing import CliRunner, Result
 import kvstate
 from kvstate.cli import OPERATOR_ACL, OPERATOR_ACL_7, READER_ACL, READER_ACL_7, main
 from kvstate.ops.audit import Auditor
-from kvstate.ops.ledger import Entry, Ledger, Monitor
+from kvstate.ops.ledger import Entry, Ledger
 from kvstate.ops.metrics import Metrics
+from kvstate.ops.monitor import Monitor
 from kvstate.ops.repairs import Repairs
 from kvstate.poll import KVPoll
 from kvstate.store import Store

@@ -19,7 +19,7 @@ from kvstate.errors import (
     StateConnectionError,
     StateOutOfMemoryError,
 )
-from kvstate.ops.ledger import Monitor
+from kvstate.ops.monitor import Monitor
 from kvstate.store import Store
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled

@@ -12,8 +12,8 @@ from typing import Any
 
 import kvstate
 from kvstate.ops.audit import Auditor
-from kvstate.ops.ledger import Monitor
 from kvstate.ops.metrics import Metrics
+from kvstate.ops.monitor import Monitor
 from kvstate.stats import TransferRecorder
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kvstate.json"

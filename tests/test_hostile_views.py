@@ -20,8 +20,8 @@ from click.testing import CliRunner, Result
 import kvstate
 from kvstate.cli import main
 from kvstate.ops.audit import Auditor
-from kvstate.ops.ledger import Monitor
 from kvstate.ops.metrics import Metrics
+from kvstate.ops.monitor import Monitor
 from kvstate.store import Store
 from tests.helpers import wait_for
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import kvstate
-from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger, Monitor
+from kvstate.ops.ledger import LEDGER_TTL_MS, Entry, Ledger
 from kvstate.ops.metrics import Metrics
+from kvstate.ops.monitor import Monitor
 from kvstate.poll import KVPoll
 from kvstate.store import Store
 from tests.helpers import scaled, wait_for

@@ -19,8 +19,8 @@ import kvstate
 from kvstate.errors import MetricsPortError
 from kvstate.ops import metrics as metrics_mod
 from kvstate.ops.audit import Auditor
-from kvstate.ops.ledger import Monitor
 from kvstate.ops.metrics import Metrics, read_transfer_totals
+from kvstate.ops.monitor import Monitor
 from kvstate.poll import KVPoll
 from kvstate.stats import STATS_TTL_S
 from tests.helpers import keys_of, scaled, wait_for

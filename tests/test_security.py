@@ -532,8 +532,8 @@ def test_password_never_shown(
     assert snd.poll() == KVPoll.Failed and "state lost" in snd.reason
 
     # Metrics from the monitor, over the same password URL.
-    from kvstate.ops.ledger import Monitor
     from kvstate.ops.metrics import Metrics
+    from kvstate.ops.monitor import Monitor
 
     metrics = Metrics()
     monitor = Monitor(store, interval=0.1, metrics=metrics, notifications=True)

@@ -12,7 +12,7 @@ import kvstate
 from kvstate import KVPoll
 from kvstate.errors import ClosedError, KVStateError
 from kvstate.ops import reads
-from kvstate.ops.ledger import Monitor
+from kvstate.ops.monitor import Monitor
 from kvstate.store import Store
 from tests.helpers import PREFILL_ADDR, managers, snapshot
 

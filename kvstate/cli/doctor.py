@@ -21,8 +21,9 @@ from kvstate.cli.output import console, cut, emit_json, styled
 from kvstate.errors import KVStateError, PermissionDeniedError
 from kvstate.ops.audit import acl_refused
 from kvstate.ops.exits import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK
-from kvstate.ops.ledger import NOTIFY_SETTING, Ledger
+from kvstate.ops.ledger import Ledger
 from kvstate.ops.libraries import survey
+from kvstate.ops.monitor import NOTIFY_SETTING
 from kvstate.store import ENV_URL, LIBRARY_NAME, Store
 
 

@@ -25,8 +25,9 @@ from kvstate.ops import otel
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.exits import CommandError
-from kvstate.ops.ledger import Entry, Monitor
+from kvstate.ops.ledger import Entry
 from kvstate.ops.metrics import Metrics
+from kvstate.ops.monitor import Monitor
 from kvstate.store import Store
 
 
