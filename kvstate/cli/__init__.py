@@ -1,7 +1,8 @@
 """The ``kvstate`` command (entry point ``kvstate.cli:main``), one module per concept.
 
-``app``: the click group, its context, exit codes and error plumbing; ``output``: how
-things print; ``rooms`` (show, ls, abort), ``trace``, ``engines``, ``top``, ``audit``,
+``app``: the click group, its context, exit codes and error plumbing; ``process``: log
+lines, a closed stdout, signals, a running demo; ``output``: how things print;
+``rooms`` (show, ls), ``abort``, ``trace``, ``engines``, ``top``, ``audit``,
 ``monitor``, ``doctor`` and ``functions`` (the FUNCTION libraries, an admin's): the
 commands. A command's module is imported when that command runs
 (``app.COMMANDS``): `kvstate ls` loads neither the monitor's Prometheus client nor the

@@ -13,13 +13,11 @@ from kvstate.cli.app import (
     DURATION,
     PERIOD,
     Ctx,
-    Stopper,
     common,
     describe,
     main,
-    now_stamp,
-    stamp_log_lines,
 )
+from kvstate.cli.process import Stopper, now_stamp, stamp_log_lines
 from kvstate.errors import AuthenticationFailedError, KVStateError, StateConnectionError
 from kvstate.ops import otel
 from kvstate.ops.audit import DEFAULT_GRACE, Auditor

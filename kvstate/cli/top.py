@@ -16,7 +16,6 @@ from rich.text import Text
 from kvstate.cli.app import (
     PERIOD,
     Ctx,
-    Stopper,
     common,
     describe,
     empty_json,
@@ -25,6 +24,7 @@ from kvstate.cli.app import (
     opened,
 )
 from kvstate.cli.output import console, emit_json, status_style, styled
+from kvstate.cli.process import Stopper
 from kvstate.errors import KVStateError
 from kvstate.ops.exits import EXIT_FINDINGS, EXIT_OK, CommandError
 from kvstate.ops.views import AGE_BUCKETS, STATUSES, Census, scan_participants

@@ -18,7 +18,8 @@ from typing import NoReturn
 
 import click
 
-from kvstate.cli.app import Ctx, Stopper, describe
+from kvstate.cli.app import Ctx, describe
+from kvstate.cli.process import Stopper
 from kvstate.errors import KVStateError
 from kvstate.ops.durations import fmt_ms
 from kvstate.ops.exits import CommandError
