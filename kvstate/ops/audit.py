@@ -23,7 +23,6 @@ from kvstate.defaults import AUDIT_GRACE
 from kvstate.errors import (
     KVStateError,
     PermissionDeniedError,
-    StateConnectionError,
 )
 from kvstate.keys import RoomKey
 from kvstate.ops import reads
@@ -36,8 +35,8 @@ from kvstate.ops.findings import (
     cut_value,
     delete_then_abort,
 )
-from kvstate.ops.libraries import survey
 from kvstate.ops.repairs import Repairs
+from kvstate.ops.server_audit import server_findings
 from kvstate.ops.views import BATCH, WRONG_TYPE, StoredParticipant, read_participants
 from kvstate.registry import Registry
 from kvstate.schema import Side
@@ -92,7 +91,7 @@ class Auditor:
     # -- driver ------------------------------------------------------------------
     def run(self, fix: bool = False) -> Report:
         report = Report()
-        self._server_settings(report)
+        server_findings(self.store, report)
         all_keys = sorted(set(self.store.scan(self.keys.all_pattern)))
         report.scanned = len(all_keys)
         first = self._detect(all_keys, report.notes)
@@ -183,70 +182,6 @@ class Auditor:
             groups[kind] = [k for k in keys if k not in wrong]
 
     # -- checks ------------------------------------------------------------------
-    def _server_settings(self, report: Report) -> None:
-        for name in self.store.primaries():
-            try:
-                policy = self.store.eviction_policy(name)
-            except PermissionDeniedError:
-                report.notes.append(
-                    f"{name}: INFO is not allowed for this user; eviction policy not "
-                    "checked (give the audit a user with +info)"
-                )
-                continue
-            except StateConnectionError:
-                raise
-            except KVStateError as exc:  # refused otherwise (a renamed command...)
-                report.notes.append(f"{name}: INFO failed ({exc}); eviction policy not checked")
-                continue
-            if policy and policy != "noeviction":
-                report.findings.append(
-                    Finding(
-                        "server_setting",
-                        name,
-                        f"maxmemory-policy is {policy}: Redis may evict room state under memory "
-                        "pressure (volatile-* evicts exactly the keys with a TTL: all of "
-                        "kvstate's); "
-                        "set it to noeviction",
-                    )
-                )
-        self._libraries(report)
-
-    def _libraries(self, report: Report) -> None:
-        """kvstate's FUNCTION libraries that nobody uses (issue 31): server-wide, left
-        by an older kvstate; removing them is an admin's step."""
-        try:
-            found = survey(self.store)
-        except PermissionDeniedError:
-            report.notes.append(
-                "FUNCTION LIST is not allowed for this user: kvstate's libraries not "
-                "checked (add +function|list on Redis 7)"
-            )
-            return
-        report.notes += found.notes
-        for lib in found.libraries:
-            if lib.forged:
-                report.findings.append(
-                    Finding(
-                        "foreign_library",
-                        lib.node,
-                        f"the library {lib.name}, named as this kvstate's, holds other code "
-                        "(loaded by someone else first, or replaced): engines do not run it "
-                        "(EVALSHA instead); someone could FUNCTION LOAD, which no tenant's "
-                        "user should",
-                        target=(lib.name,),
-                    )
-                )
-            elif lib.stale(found.unknown):
-                report.findings.append(
-                    Finding(
-                        "stale_library",
-                        lib.node,
-                        f"the library {lib.name} (kvstate {lib.version}) is used by no live "
-                        "engine and not by this kvstate",
-                        target=(lib.name,),
-                    )
-                )
-
     def _no_ttl(self, all_keys: Sequence[str], report: Report) -> None:
         s = self.store
         for start in range(0, len(all_keys), BATCH):
