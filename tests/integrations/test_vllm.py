@@ -37,6 +37,9 @@ def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         "px": Spec("kv_producer", "px", url, model, extra={"bootstrap_timeout": 2}),
         # one request at a time and one load waiting for it: the next waits in its queue
         "dh": Spec("kv_consumer", "dh", url, model, max_seqs=1, inflight_loads=1),
+        # every room traced, to see the serving requests' trace contexts land there
+        "pt": Spec("kv_producer", "pt", url, model, extra={"redis_url": f"{url}?trace_rate=1"}),
+        "dt": Spec("kv_consumer", "dt", url, model, extra={"redis_url": f"{url}?trace_rate=1"}),
     }
     running = dict(zip(specs, start(list(specs.values())), strict=True))
     yield running
@@ -367,3 +370,39 @@ def test_a_request_id_used_again_after_an_abort_is_a_new_request(
     assert d.first_computed["same-id"] == len(toks) - 1  # the second one loaded
     assert rooms[0] != rooms[1]
     check(url, p, d, expect={"same-id": toks})
+
+
+def test_a_traced_room_links_to_the_serving_requests_trace(
+    url: str, engines: dict[str, object]
+) -> None:
+    """vLLM hands each request's trace headers (the HTTP request's ``traceparent``) to
+    the connector: the room's trace names it per side (``kvstate trace``, and the
+    monitor's OpenTelemetry spans link to it); a malformed header is ignored, never a
+    failed request."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvstate.cli import main
+    from tests.integrations.vllm_engine import Engine, drive, settle
+
+    p, d = engines["pt"], engines["dt"]
+    assert isinstance(p, Engine) and isinstance(d, Engine)
+    span = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    toks = prompt(54, 12)
+    rooms = {}
+    for name, headers in (("linked", {"traceparent": span}), ("garbled", {"traceparent": "x"})):
+        rid = p.submit(name, toks, 1, {"do_remote_decode": True}, trace_headers=headers)
+        drive([p], lambda rid=rid: rid in p.finished and rid in p.params)  # type: ignore[misc]
+        params = p.params.pop(rid)
+        rooms[name] = params["kvstate_room"]
+        d.submit(name, toks, 4, params, trace_headers=headers)
+        settle(p, d)
+    for name, want in (("linked", [span, span]), ("garbled", [])):
+        out = CliRunner().invoke(main, ["--url", url, "trace", str(rooms[name]), "--json"])
+        assert out.exit_code == 0, out.output
+        doc = json.loads(out.stdout)
+        assert sorted(c["side"] for c in doc["request_traces"]) == (["rx", "tx"] if want else [])
+        assert [c["traceparent"] for c in doc["request_traces"]] == want
+        assert any(s["event"] == "Success" for s in doc["steps"]), doc["steps"]
+    check(url, p, d)

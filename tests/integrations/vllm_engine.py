@@ -65,12 +65,18 @@ class Engine:
         self.scheduler.add_request(Request(rid, list(prompt), sp, None, block_hasher=self.hasher))
 
     def submit(
-        self, external_id: str, prompt: list[int], max_tokens: int, params: Any = None
+        self,
+        external_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        params: Any = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> str:
         """A request as vLLM's front end hands it over: an EngineCoreRequest whose id
         vLLM's InputProcessor assigns (a random suffix, unless
         VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1), made a Request by vLLM. Returns the
-        id the engine knows it by."""
+        id the engine knows it by. ``trace_headers``: what vLLM's front end passes on from
+        the HTTP request (``traceparent``)."""
         import time
 
         from vllm.sampling_params import SamplingParams
@@ -81,7 +87,16 @@ class Engine:
         extra = {"kv_transfer_params": dict(params)} if params else None
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         core = EngineCoreRequest(
-            external_id, list(prompt), None, sp, None, time.time(), None, None, None
+            external_id,
+            list(prompt),
+            None,
+            sp,
+            None,
+            time.time(),
+            None,
+            None,
+            None,
+            trace_headers=trace_headers,
         )
         InputProcessor.assign_request_id(core)
         self.tokens[core.request_id] = []

@@ -35,6 +35,7 @@ from kvstate.integrations.vllm.handoff import KVFacts, refusal
 from kvstate.integrations.vllm.metrics import KVStateConnectorStats
 from kvstate.integrations.vllm.settings import Settings, new_nonce, room_of
 from kvstate.store import Store, connect
+from kvstate.trace import traceparent
 
 log = logging.getLogger(__name__)
 HOLD_EVERY = 2.0  # s between two renewals of the decode queue's holds
@@ -60,6 +61,8 @@ class KVStateConnectorMetadata(KVConnectorMetadata):
     recv: dict[str, Load] = field(default_factory=dict)
     send: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     abort: dict[str, str] = field(default_factory=dict)
+    # the requests' W3C traceparents (vLLM's trace headers), for a traced room's trace
+    traces: dict[str, str] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -84,6 +87,7 @@ class SchedulerSide:
         self._recv: dict[str, Load] = {}
         self._send: dict[str, tuple[int, list[int]]] = {}
         self._aborts: dict[str, str] = {}
+        self._traces: dict[str, str] = {}
         self._loading: dict[str, int] = {}  # decode requests whose load has not concluded
         self._queued: dict[str, int] = {}  # decode requests waiting: their rooms are held
         self._held_at = 0.0
@@ -123,6 +127,15 @@ class SchedulerSide:
                 request.request_id,
                 why,
             )
+
+    def _traced(self, request: Any) -> None:
+        """Keep the request's trace context (its ``traceparent`` header, if a valid one)
+        for this step's workers: a traced room links to the serving request's trace."""
+        headers = getattr(request, "trace_headers", None) or {}
+        found = next((v for k, v in headers.items() if str(k).lower() == "traceparent"), None)
+        context = traceparent(found)
+        if context is not None:
+            self._traces[request.request_id] = context
 
     # -- decode ---------------------------------------------------------------------
     @staticmethod
@@ -170,6 +183,7 @@ class SchedulerSide:
         assert facts is not None  # _refusal accepted them
         ids = list(blocks.get_unhashed_block_ids())
         self._recv[request.request_id] = Load(room, remote, facts, ids)
+        self._traced(request)
         self._loading[request.request_id] = room
 
     def _decode_finished(self, request: Any) -> None:
@@ -207,8 +221,10 @@ class SchedulerSide:
     # -- both -------------------------------------------------------------------
     def build_connector_meta(self) -> KVStateConnectorMetadata:
         self._hold()
-        meta = KVStateConnectorMetadata(recv=self._recv, send=self._send, abort=self._aborts)
-        self._recv, self._send, self._aborts = {}, {}, {}
+        meta = KVStateConnectorMetadata(
+            recv=self._recv, send=self._send, abort=self._aborts, traces=self._traces
+        )
+        self._recv, self._send, self._aborts, self._traces = {}, {}, {}, {}
         return meta
 
     def request_finished(
@@ -229,6 +245,7 @@ class SchedulerSide:
         nonce = new_nonce()
         room = room_of(self.engine_id, request.request_id, nonce)
         self._send[request.request_id] = (room, list(block_ids))
+        self._traced(request)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

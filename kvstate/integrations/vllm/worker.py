@@ -166,14 +166,19 @@ class WorkerSide:
         if mgr is None:
             return
         for req_id, (room, blocks) in meta.send.items():
-            self._sending[req_id] = (mgr.sender(room, required_receivers=None), blocks)
+            snd = mgr.sender(room, required_receivers=None, trace_context=meta.traces.get(req_id))
+            self._sending[req_id] = (snd, blocks)
         pages: dict[object, object] = {}
         for req_id, load in meta.recv.items():
             try:
                 assert self.facts is not None
                 p = plan(load.remote, load.facts, self.facts, self.rank)
                 rcv = mgr.receiver(
-                    load.room, load.remote, senders=p.senders, receivers_per_sender=p.per_sender
+                    load.room,
+                    load.remote,
+                    senders=p.senders,
+                    receivers_per_sender=p.per_sender,
+                    trace_context=meta.traces.get(req_id),
                 )
             except KVStateError as exc:
                 log.warning("request %s: load refused: %s", req_id, exc)
