@@ -14,7 +14,7 @@ import pytest
 import kvstate
 from kvstate import KVPoll
 from kvstate.errors import CorruptStateError, KVStateError, NotReadyError, StateConnectionError
-from kvstate.store import Store
+from kvstate.store import Store, command_call
 from kvstate.testing import RoundTrips
 from tests.helpers import PREFILL_ADDR, keys_of, managers
 from tests.proxy import ProxiedCluster, rooms_by_port
@@ -144,7 +144,7 @@ def test_corrupt_index_is_named(store: Store) -> None:
     Cluster), and the receiver fails, as for any corrupt key met by init()."""
     d = kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998", lease=60.0)
     index = store.keys.engines_at("10.6.6.6:1")
-    store.execute([store._command("SET", index, args=["garbage", "PX", 60_000])])
+    store.execute([command_call("SET", index, args=["garbage", "PX", 60_000])])
     with d:
         rcv = d.receiver(1, "10.6.6.6:1")
         with pytest.raises(CorruptStateError) as err:
@@ -152,7 +152,7 @@ def test_corrupt_index_is_named(store: Store) -> None:
         assert err.value.key == index, err.value
         assert rcv.status == KVPoll.Failed
         rcv.clear()
-    store.execute([store._command("DEL", index)])
+    store.execute([command_call("DEL", index)])
     assert keys_of(store) == []
 
 

@@ -20,7 +20,7 @@ from kvstate.errors import (
     StateOutOfMemoryError,
 )
 from kvstate.ops.monitor import Monitor
-from kvstate.store import Store
+from kvstate.store import Store, command_call
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled
 
@@ -181,12 +181,12 @@ def test_bad_reason_is_a_specific_error(store: Store) -> None:
         assert rcv.poll() == KVPoll.WaitingForInput and snd.poll() == KVPoll.WaitingForInput
         # any value redis-py cannot encode, on any path: refused before it is sent
         with pytest.raises(InvalidArgumentError, match="Redis cannot store"):
-            store.execute([store._command("HSET", store.keys.room_hash(1), args=["f", None])])
+            store.execute([command_call("HSET", store.keys.room_hash(1), args=["f", None])])
         with pytest.raises(InvalidArgumentError):
             store.execute(
                 [
                     store.poll(1, "tx", p.engine),
-                    store._command("HSET", store.keys.room_hash(1), args=["f", {}]),
+                    command_call("HSET", store.keys.room_hash(1), args=["f", {}]),
                 ]
             )
         snd.clear()

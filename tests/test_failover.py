@@ -68,7 +68,7 @@ def all_keys(cluster: RedisCluster, pattern: str) -> list[str]:
     room traces left out: they outlive clear() on purpose, each with a TTL (checked)."""
     keys: list[str] = []
     for node in cluster.primaries():
-        with cluster._node_client(node) as c:
+        with cluster.node_client(node) as c:
             for raw in c.scan_iter(match=pattern, count=1000):
                 if raw.endswith(b"}:trace"):
                     assert c.pttl(raw) > 0, raw

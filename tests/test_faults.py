@@ -32,7 +32,7 @@ from kvstate import KVPoll
 from kvstate.errors import KVStateError, StateConnectionError
 from kvstate.ops import reads
 from kvstate.roles import STATE_LOST
-from kvstate.store import Store
+from kvstate.store import Store, command_call
 from kvstate.store.connection import Options
 from kvstate.testing import RedisCluster, RedisProcess
 from tests.helpers import (
@@ -130,7 +130,7 @@ def two_sender_room(
         assert s2.begin_transfer() == KVPoll.Failed
         gone = store.execute(
             [
-                store._command("EXISTS", store.keys.participant(room, "rx", d.engine)),
+                command_call("EXISTS", store.keys.participant(room, "rx", d.engine)),
                 reads.acks_of(store.keys, room, d.engine),
             ]
         )
@@ -259,7 +259,7 @@ def test_restart_loses_state_clients_recover(redis_server_factory, transport: st
 
 def _primaries(target: RedisProcess | RedisCluster) -> list[redis.Redis]:
     if isinstance(target, RedisCluster):
-        return [target._node_client(n) for n in target.primaries()]
+        return [target.node_client(n) for n in target.primaries()]
     return [admin_for(target)]
 
 

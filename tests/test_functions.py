@@ -89,7 +89,7 @@ def test_fcall_on_redis_7(redis_server_factory: Callable[..., RedisProcess]) -> 
     assert len(libraries) == 1
     # a second store (another process, the same kvstate) finds the library there
     other = kvstate.connect(proc.url, namespace="fn")
-    assert list(other._fcall.values()) == [True]
+    assert list(other.fcall_by_node.values()) == [True]
     other.close()
     # the EVAL path, forced, takes the same round trips
     evaled = kvstate.connect(proc.url, namespace="fn", preload_scripts=False)
@@ -113,7 +113,7 @@ def test_redis_62_takes_the_eval_path(tmp_path: Path) -> None:
     with RedisProcess(tmp_path, binary=binary) as proc, proc.client() as admin:
         assert redis_major(admin) == 6
         store = kvstate.connect(proc.url, namespace="fn")
-        assert list(store._fcall.values()) == [False]
+        assert list(store.fcall_by_node.values()) == [False]
         admin.config_resetstat()
         assert lifecycle(store, 1) == 7
         calls = script_calls(admin)
@@ -122,7 +122,7 @@ def test_redis_62_takes_the_eval_path(tmp_path: Path) -> None:
         late = kvstate.connect(proc.url, namespace="fn", preload_scripts=False)
         admin.script_flush()
         lifecycle(late, 2)
-        assert list(late._fcall.values()) == [False]
+        assert list(late.fcall_by_node.values()) == [False]
         assert keys_of(store) == []
         late.close()
         store.close()
@@ -140,7 +140,7 @@ def test_fcall_renamed_away_takes_the_eval_path(
     admin = proc.client()
     needs_7(admin)
     store = kvstate.connect(proc.url, namespace="fn")
-    assert list(store._fcall.values()) == [False]
+    assert list(store.fcall_by_node.values()) == [False]
     lifecycle(store, 1)
     calls = script_calls(admin)
     assert calls["evalsha"] > 0 and calls["fcall"] == 0, calls
@@ -174,7 +174,7 @@ def test_library_lost_mid_run_is_reloaded(
         assert snd.poll() == KVPoll.Failed
         snd.clear()
         rcv.clear()
-    assert list(store._fcall.values()) == [True]
+    assert list(store.fcall_by_node.values()) == [True]
     assert script_calls(admin)["evalsha"] == 0
     assert fcall_failed(admin) >= 1  # since the restart: "Function not found", answered
     store.close()
@@ -188,10 +188,10 @@ def test_cluster_fcall_and_a_lost_library(
     """A Cluster: FCALL on every primary; a primary that lost the library (as one that
     took over a slot without it would) gets it again within the call (that batch by
     EVAL, behind the check of the library's code)."""
-    nodes = [redis_cluster._node_client(n) for n in redis_cluster.primaries()]
+    nodes = [redis_cluster.node_client(n) for n in redis_cluster.primaries()]
     needs_7(nodes[0])
     store = kvstate.connect(redis_cluster_url, namespace="fn")
-    assert list(store._fcall.values()) == [True] * len(nodes)
+    assert list(store.fcall_by_node.values()) == [True] * len(nodes)
     for c in nodes:
         c.config_resetstat()
     for room in range(6):
@@ -214,7 +214,7 @@ def test_cluster_fcall_and_a_lost_library(
     # the check of the library's code: never by FCALL before that check
     assert calls["fcall"] > 0 and calls["evalsha"] == 0 and calls["eval"] > 0, calls
     assert fcall_failed(*nodes[:2]) >= 2  # each flushed node answered "Function not found"
-    assert list(store._fcall.values()) == [True] * len(nodes)
+    assert list(store.fcall_by_node.values()) == [True] * len(nodes)
     assert keys_of(store) == []
     store.close()
     for c in nodes:
@@ -224,7 +224,7 @@ def test_cluster_fcall_and_a_lost_library(
 def move_slot(cluster: RedisCluster, slot: int, src: RedisProcess, dst: RedisProcess) -> None:
     """Migrate ``slot`` from ``src`` to ``dst`` (keys included), as an operator would."""
     src_id, dst_id = cluster.node_id(src), cluster.node_id(dst)
-    with cluster._node_client(src) as s, cluster._node_client(dst) as t:
+    with cluster.node_client(src) as s, cluster.node_client(dst) as t:
         t.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
         s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
         while keys := s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
@@ -233,7 +233,7 @@ def move_slot(cluster: RedisCluster, slot: int, src: RedisProcess, dst: RedisPro
         s.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
     for node in cluster.primaries():
         if node.port not in (src.port, dst.port):
-            with cluster._node_client(node) as c:
+            with cluster.node_client(node) as c:
                 c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
 
 
@@ -254,7 +254,7 @@ def test_cluster_slot_moved_to_a_node_without_the_library(
         slot = int(store.client.keyslot(key))  # type: ignore[union-attr]
         owner = redis_cluster.node_for_key(key)
         target = next(n for n in redis_cluster.primaries() if n.port != owner.port)
-        with redis_cluster._node_client(target) as t:
+        with redis_cluster.node_client(target) as t:
             needs_7(t)
             t.function_flush()
             t.config_resetstat()
@@ -264,7 +264,7 @@ def test_cluster_slot_moved_to_a_node_without_the_library(
             assert snd.begin_transfer() == KVPoll.Transferring
             assert snd.finish_transfer() == KVPoll.Success
             assert rcv.poll() == KVPoll.Success
-            with redis_cluster._node_client(target) as t:
+            with redis_cluster.node_client(target) as t:
                 assert fcall_failed(t) >= 1  # "Function not found", answered by a load
                 assert script_calls(t)["fcall"] > 0 and script_calls(t)["evalsha"] == 0
             snd.clear()

@@ -14,7 +14,7 @@ import pytest
 import kvstate
 from kvstate import KVPoll
 from kvstate.errors import CorruptStateError, InvalidArgumentError, KVStateError
-from kvstate.store import Store
+from kvstate.store import Store, command_call
 from kvstate.testing import RoundTrips
 from tests.helpers import PREFILL_ADDR, keys_of, managers, scaled
 
@@ -43,16 +43,16 @@ def test_plain_commands_keep_redis_py_reply_shapes(store: Store) -> None:
 
 def test_errors_are_translated(store: Store) -> None:
     k = store.keys.participant(2, "tx", "e")
-    store.execute([store._command("SET", k, args=["x", "PX", 60_000])])
+    store.execute([command_call("SET", k, args=["x", "PX", 60_000])])
     with pytest.raises(CorruptStateError):
         store.execute([store.poll(2, "tx", "e")])
     with pytest.raises(CorruptStateError):  # the same inside a batch, after a good call
-        store.execute([store._command("PTTL", k), store.poll(2, "tx", "e")])
+        store.execute([command_call("PTTL", k), store.poll(2, "tx", "e")])
     with pytest.raises(InvalidArgumentError, match="pass text, bytes or numbers"):
-        store.execute([store._command("SET", k, args=[object()])])
+        store.execute([command_call("SET", k, args=[object()])])
     with pytest.raises(KVStateError, match="Redis rejected"):
-        store.execute([store._command("HGET", k, args=[])])  # wrong arity
-    store.execute([store._command("DEL", k)])
+        store.execute([command_call("HGET", k, args=[])])  # wrong arity
+    store.execute([command_call("DEL", k)])
 
 
 def flush_scripts(store: Store) -> None:
@@ -92,8 +92,8 @@ def test_noscript_reload_and_reconnect(store: Store) -> None:
 def test_cluster_transaction_one_round_trip_per_node(redis_cluster_url: str) -> None:
     store = kvstate.connect(redis_cluster_url, namespace="lean")
     rooms = range(30)  # slots all over the three primaries
-    calls = [store._command("HSET", store.keys.room_hash(r), args=["tx:e", 1]) for r in rooms] + [
-        store._command("PEXPIRE", store.keys.room_hash(r), args=[60_000]) for r in rooms
+    calls = [command_call("HSET", store.keys.room_hash(r), args=["tx:e", 1]) for r in rooms] + [
+        command_call("PEXPIRE", store.keys.room_hash(r), args=[60_000]) for r in rooms
     ]
     with RoundTrips.installed() as rt:
         before = rt.count
@@ -102,7 +102,7 @@ def test_cluster_transaction_one_round_trip_per_node(redis_cluster_url: str) -> 
     assert replies == [1] * 30 + [True] * 30
     with RoundTrips.installed() as rt:
         before = rt.count
-        store.execute([store._command("DEL", store.keys.room_hash(r)) for r in rooms], True)
+        store.execute([command_call("DEL", store.keys.room_hash(r)) for r in rooms], True)
         assert rt.count - before == 3
     assert keys_of(store) == []
     store.close()

@@ -153,12 +153,12 @@ def test_a_foreign_library_is_named_and_replaced_only_when_asked(server) -> None
     result = run("--url", proc.url, "functions", "load")
     assert result.exit_code == 2 and "--replace" in result.output, result.output
     store = kvstate.connect(proc.url)
-    assert list(store._fcall.values()) == [False]  # engines do not run it
+    assert list(store.fcall_by_node.values()) == [False]  # engines do not run it
     store.close()
     result = run("--url", proc.url, "functions", "load", "--replace")
     assert result.exit_code == 0 and "replaced" in result.output
     store = kvstate.connect(proc.url)
-    assert list(store._fcall.values()) == [True]
+    assert list(store.fcall_by_node.values()) == [True]
     store.close()
 
 

@@ -316,7 +316,7 @@ def test_engine_acl_confines_the_namespace(acl_server) -> None:
 def test_engine_acl_on_cluster(redis_cluster_url: str, redis_cluster) -> None:
     """The same line plus CLUSTER_EXTRA runs every engine path on a Cluster; without the
     extra, connect() is refused with a StateConnectionError naming the ACL."""
-    admins = [redis_cluster._node_client(n) for n in redis_cluster.primaries()]
+    admins = [redis_cluster.node_client(n) for n in redis_cluster.primaries()]
     port = redis_cluster_url.rsplit(":", 1)[1]
     url = f"redis+cluster://kvstate-engine:{ACL_PASSWORD}@127.0.0.1:{port}"
     try:

@@ -121,7 +121,7 @@ def test_engine_user_cannot_load_replace_or_drop_the_library(shared) -> None:
     if redis_major(admin) >= 7:
         listed = admin.execute_command(*functions.LIST)
         assert functions.verified(listed)  # the library is still kvstate's code
-        assert list(beta._fcall.values()) == [True]
+        assert list(beta.fcall_by_node.values()) == [True]
     beta.close()
 
 
@@ -146,11 +146,11 @@ def test_preloaded_forged_library_is_never_run(shared, squat: bool, may_load: bo
     admin.config_resetstat()
     beta = kvstate.connect(tenant_url(proc, "beta"), namespace="beta")
     no_forged_success(beta, 1)
-    assert list(beta._fcall.values()) == [False]
+    assert list(beta.fcall_by_node.values()) == [False]
     # a library lost and "found again" (the recovery path) is checked the same way
     beta._fcall.clear()
     no_forged_success(beta, 2)
-    assert list(beta._fcall.values()) == [False]
+    assert list(beta.fcall_by_node.values()) == [False]
     stats = admin.info("commandstats")
     assert "cmdstat_fcall" not in stats, stats["cmdstat_fcall"]
     assert stats["cmdstat_evalsha"]["calls"] > 0
@@ -167,16 +167,16 @@ def test_probe_of_an_undecided_node_verifies_before_fcall(shared) -> None:
         pytest.skip("Redis 6.2 has no FUNCTION")
     admin.execute_command("FUNCTION", "LOAD", forged())
     late = kvstate.connect(tenant_url(proc, "beta"), namespace="beta", preload_scripts=False)
-    assert late._fcall == {}
+    assert late.fcall_by_node == {}
     admin.config_resetstat()
     no_forged_success(late, 1)
     assert "cmdstat_fcall" not in admin.info("commandstats")
-    assert list(late._fcall.values()) == [False]
+    assert list(late.fcall_by_node.values()) == [False]
     late.close()
     admin.function_flush()
     load_functions(admin)
     late = kvstate.connect(tenant_url(proc, "beta"), namespace="beta", preload_scripts=False)
     no_forged_success(late, 2)
-    assert list(late._fcall.values()) == [True]
+    assert list(late.fcall_by_node.values()) == [True]
     assert admin.info("commandstats")["cmdstat_fcall"]["calls"] > 0
     late.close()

@@ -69,6 +69,13 @@ class Executor(Translating):
     _fcall: dict[object, bool]  # node -> whether it runs the scripts by FCALL (unknown: probe)
     eval_only = False  # the EVAL path on any server (tests, tools/bench_state.py --eval)
 
+    @property
+    def fcall_by_node(self) -> dict[object, bool]:
+        """How each node met so far runs kvstate's scripts: True by FCALL (its library
+        verified to hold kvstate's exact code), False by EVALSHA/EVAL (a Redis 6.2, a
+        user without FUNCTION, a library not verified); a node not met yet is absent."""
+        return dict(self._fcall)
+
     def nodes(self) -> list[tuple[str, redis.Redis]]:
         """(name, client) of every primary: where SCAN, SCRIPT LOAD, INFO and CONFIG go."""
         if self.closed:

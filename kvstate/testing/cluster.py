@@ -160,8 +160,9 @@ class RedisCluster:
             raise RedisServerError("cluster not started")
         return plain_cluster_client(self.host, self.nodes[0].port, **kwargs)
 
-    def _node_client(self, node: RedisProcess) -> PlainClient:
-        # No client-side retries: callers poll in their own loops with their own deadline.
+    def node_client(self, node: RedisProcess) -> PlainClient:
+        """A client of one node, without client-side retries: callers poll in their own
+        loops with their own deadline."""
         return node.client(socket_timeout=5.0, socket_connect_timeout=2.0, retry=no_retry())
 
     # ---- lifecycle
@@ -257,7 +258,7 @@ class RedisCluster:
         views: dict[int, dict[int, _NodeView]] = {}
         for node in self.nodes:
             try:
-                with self._node_client(node) as c:
+                with self.node_client(node) as c:
                     info = _cluster_info(c)
                     if info.get("cluster_state") != "ok":
                         problems.append(f"{node.port}: cluster_state={info.get('cluster_state')}")
@@ -332,13 +333,13 @@ class RedisCluster:
     # ---- topology
 
     def node_id(self, node: RedisProcess) -> str:
-        with self._node_client(node) as c:
+        with self.node_client(node) as c:
             raw = c.execute_command("CLUSTER MYID")
         return raw.decode() if isinstance(raw, bytes) else str(raw)
 
     def role(self, node: RedisProcess) -> str:
         """``"master"`` or ``"slave"`` (the words ROLE uses)."""
-        with self._node_client(node) as c:
+        with self.node_client(node) as c:
             return _role(c)
 
     def primaries(self) -> list[RedisProcess]:
@@ -351,7 +352,7 @@ class RedisCluster:
         for node in self.nodes:
             if node is primary or not node.alive:
                 continue
-            with self._node_client(node) as c:
+            with self.node_client(node) as c:
                 role = c.execute_command("ROLE")
             if _decode(role[0]) == "slave" and int(role[2]) == primary.port:
                 result.append(node)
@@ -360,7 +361,7 @@ class RedisCluster:
     def node_for_key(self, key: str | bytes) -> RedisProcess:
         """The primary serving ``key``'s slot."""
         first = self.primaries()[0]
-        with self._node_client(first) as c:
+        with self.node_client(first) as c:
             slot = int(c.execute_command("CLUSTER KEYSLOT", key))
             for start, end, master, *_ in c.execute_command("CLUSTER SLOTS"):
                 if int(start) <= slot <= int(end):
@@ -385,7 +386,7 @@ class RedisCluster:
         attempts = 0
         while True:
             attempts += 1
-            with self._node_client(replica) as c:
+            with self.node_client(replica) as c:
                 c.execute_command("CLUSTER FAILOVER")
             attempt_end = min(deadline, time.monotonic() + attempt_s)
             while time.monotonic() < attempt_end:
@@ -407,7 +408,7 @@ class RedisCluster:
         """Wait until ``primary`` sees ``replica`` as its replica on the cluster bus."""
         primary_id = self.node_id(primary)
         while time.monotonic() < deadline:
-            with contextlib.suppress(*PLAIN_ERRORS), self._node_client(primary) as c:
+            with contextlib.suppress(*PLAIN_ERRORS), self.node_client(primary) as c:
                 seen = _cluster_nodes(c).get(replica.port)
                 if seen is not None and "slave" in seen.flags and seen.master_id == primary_id:
                     return
@@ -416,5 +417,5 @@ class RedisCluster:
     def flushall(self) -> None:
         """FLUSHALL on every primary (replicas follow)."""
         for node in self.primaries():
-            with self._node_client(node) as c:
+            with self.node_client(node) as c:
                 c.flushall()
