@@ -82,3 +82,19 @@ def test_a_prefill_with_other_weights_changes_the_tokens(sglang_pd) -> None:  # 
     assert got != expected
     assert [generate(pd.router.url, t, MAX_NEW) for t in texts] == expected
     _clean(pd)
+
+
+def test_the_end_to_end_benchmark_measures_a_deployment(sglang_pd) -> None:  # type: ignore[no-untyped-def]
+    """tools/bench_sglang_e2e.py's measuring parts on this deployment's servers (its
+    smoke test: the servers are started once, here): TTFT and tokens/s per level, and
+    the phases of the rooms traced meanwhile."""
+    from tools.bench_sglang_e2e import level, phases
+
+    pd = sglang_pd
+    for url in (pd.plain.url, pd.router.url):
+        row = level(url, concurrency=2, requests=2, offset=7)
+        assert row["requests"] == 2
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["tokens_per_s"] > 0, row
+    ph = phases(pd.redis_url)  # 1% of rooms are traced here: maybe none
+    assert all(isinstance(v, list) and all(ms >= 0 for ms in v) for v in ph.values()), ph
+    _clean(pd)
