@@ -18,7 +18,12 @@ bytes move and both sides learn it). kvstate's own share of the TTFT is ``transf
 (what kvstate does alone); ``bootstrap`` is printed beside it as an upper bound of the
 handshake's cost (it also holds the decode scheduler's own steps before it publishes).
 
-    python tools/bench_sglang_e2e.py [--concurrency 1 8 32] [--per-level 2] [--json]
+    python tools/bench_sglang_e2e.py [--concurrency 1 8 32] [--per-level 2]
+        [--reserved-decode-tokens N] [--json]
+
+The servers' KV pool is the tests' (4096 tokens): with SGLang's default of 512 tokens
+reserved per decode request, about 7 requests fit the decode at once and the rest wait
+in bootstrap; docs/benchmarks.md (End to end, SGLang) has both runs.
 
 Needs the [sglang] extra and SGLang 0.5.23 (docs/sglang.md, Installing); a run takes a few
 minutes on a CPU host, most of it the servers' start.
@@ -97,7 +102,7 @@ def phases(redis_url: str) -> dict[str, list[int]]:
     return out
 
 
-def run(concurrency: list[int], per_level: int) -> dict[str, Any]:
+def run(concurrency: list[int], per_level: int, reserved: int | None) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))  # the end-to-end tests' servers
     from kvstate.testing import RedisProcess
     from tests.integrations.sglang_servers import deploy, has_gpu
@@ -105,7 +110,8 @@ def run(concurrency: list[int], per_level: int) -> dict[str, Any]:
     with RedisProcess(port="auto") as redis, tempfile.TemporaryDirectory() as tmp:
         traced = f"{redis.url}?trace_rate=1"
         t0 = time.perf_counter()
-        pd = deploy(Path(tmp), traced)
+        flags = [] if reserved is None else ["--num-reserved-decode-tokens", str(reserved)]
+        pd = deploy(Path(tmp), traced, flags)
         started = time.perf_counter() - t0
         print(f"servers up in {started:.0f} s", file=sys.stderr)
         try:
@@ -142,6 +148,7 @@ def run(concurrency: list[int], per_level: int) -> dict[str, Any]:
         "servers_start_s": started,
         "prompt_words": PROMPT_WORDS,
         "max_new_tokens": MAX_NEW,
+        "reserved_decode_tokens": reserved,
         "levels": rows,
         "target": "transfer_share <= 0.05 at every concurrency",
     }
@@ -164,9 +171,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--per-level", type=int, default=2, help="requests per level: this x c")
+    ap.add_argument(
+        "--reserved-decode-tokens",
+        type=int,
+        help="the decode's --num-reserved-decode-tokens (SGLang's default 512 admits ~7 "
+        "requests at once into the tests' 4096-token KV pool: the rest wait in bootstrap)",
+    )
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args()
-    result = run(args.concurrency, args.per_level)
+    result = run(args.concurrency, args.per_level, args.reserved_decode_tokens)
     if args.json:
         print(json.dumps(result, indent=2))
 

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,8 +186,9 @@ def prefill(model: Path, logdir: Path, redis_url: str) -> tuple[Proc, int]:
     return p, bootstrap
 
 
-def decode(model: Path, logdir: Path, redis_url: str) -> Proc:
+def decode(model: Path, logdir: Path, redis_url: str, *flags: str) -> Proc:
     extra = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvstate"]
+    extra += flags
     if not has_gpu():
         extra += ["--disaggregation-decode-retraction-backup", "none"]
     return launch("decode", model, logdir, redis_url, *extra)
@@ -296,8 +297,9 @@ class Deployment:
         return "\n".join(p.log.read_text(errors="replace") for p in self.procs() if p.log.exists())
 
 
-def deploy(tmp: Path, redis_url: str) -> Deployment:
-    """Build the two models, start the servers (three at once) and the router."""
+def deploy(tmp: Path, redis_url: str, decode_flags: Sequence[str] = ()) -> Deployment:
+    """Build the two models, start the servers (three at once) and the router;
+    ``decode_flags``: more of the decode server's flags (tools/bench_sglang_e2e.py)."""
     import concurrent.futures
 
     from tests.integrations.sglang_model import build
@@ -307,7 +309,7 @@ def deploy(tmp: Path, redis_url: str) -> Deployment:
     logdir.mkdir()
     plain = launch("plain", models["a"], logdir, redis_url)
     p, bootstrap = prefill(models["a"], logdir, redis_url)
-    d = decode(models["a"], logdir, redis_url)
+    d = decode(models["a"], logdir, redis_url, *decode_flags)
     started: list[Proc] = []
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
