@@ -33,6 +33,7 @@ def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     specs = {
         "p": Spec("kv_producer", "swa-p", url, swa, hybrid=True, chunk=16),
         "d": Spec("kv_consumer", "swa-d", url, swa, hybrid=True, chunk=16),
+        "d2": Spec("kv_consumer", "swa-d2", url, swa, hybrid=True, chunk=16, tp=2),
         # block size 8: the attention page (1024 B) holds the Mamba state (944 B),
         # as vLLM's hybrid alignment makes it; no prefix caching (mamba_cache_mode none)
         "mp": Spec("kv_producer", "mamba-p", url, mamba, hybrid=True, chunk=16, block_size=8),
@@ -95,6 +96,26 @@ def test_sliding_window_moves_each_groups_blocks(url: str, engines: dict[str, An
     read = sum(a - b for a, b in zip(d.bytes_verified, before, strict=True))
     print(f"sliding window + full: {read} KV bytes compared, {sent_bytes(p, stats)} moved")
     assert d.mismatches == [] and read > 0
+    assert p.problems() == [] and d.problems() == []
+    assert room_keys(url) == []
+
+
+def test_sliding_window_across_tp_sizes(url: str, engines: dict[str, Any]) -> None:
+    """Prefill TP 1 -> decode TP 2 on the sliding-window model: each decode rank reads
+    its two KV heads of every group's blocks out of the prefill's pages."""
+    from tests.integrations.vllm_engine import prefill, room_keys, settle
+    from tests.integrations.vllm_model import reference
+
+    p, d = engines["p"], engines["d2"]
+    toks = prompt(10, 37)
+    before = list(d.bytes_verified)
+    d.add("swa-tp", toks, 5, prefill(p, "swa-tp", toks))
+    settle(p, d)
+    assert d.first_computed["swa-tp"] == len(toks) - 1
+    assert d.tokens["swa-tp"] == reference(toks, 5)
+    read = [a - b for a, b in zip(d.bytes_verified, before, strict=True)]
+    print(f"sliding window + full, TP 1 -> 2: {sum(read)} KV bytes compared on 2 ranks")
+    assert d.mismatches == [] and min(read) > 0
     assert p.problems() == [] and d.problems() == []
     assert room_keys(url) == []
 

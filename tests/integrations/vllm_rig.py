@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.integrations import vllm_hybrid
+
 HEADS, HEAD_SIZE, LAYERS = 4, 8, 2
 ALL_LAYOUTS = ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"]
 PRELOAD = [
@@ -77,8 +79,6 @@ class Spec:
     @property
     def layers(self) -> list[str]:
         if self.hybrid:
-            from tests.integrations import vllm_hybrid
-
             kinds = vllm_hybrid.layer_types(self.model_dir)
             return [vllm_hybrid.layer_name(k, i) for i, k in enumerate(kinds)]
         return [layer_name(i) for i in range(LAYERS)]
@@ -123,9 +123,7 @@ def write_model(path: Path, kv_heads: int = HEADS, hybrid: str = "") -> str:
     """A config.json vLLM's ModelConfig reads without a hub (no weights are loaded):
     ``kv_heads`` below HEADS is GQA; ``hybrid`` 'swa' or 'mamba' a hybrid model."""
     if hybrid:
-        from tests.integrations.vllm_hybrid import write_hybrid
-
-        return write_hybrid(path, hybrid, HEADS, HEAD_SIZE, LAYERS)
+        return vllm_hybrid.write_hybrid(path, hybrid, HEADS, HEAD_SIZE, LAYERS)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(
         json.dumps(
@@ -200,9 +198,7 @@ def vllm_config(spec: Spec) -> Any:
         device_config=DeviceConfig(device="cpu"),
     )
     if spec.hybrid:
-        from tests.integrations.vllm_hybrid import hma_on
-
-        hma_on(config)
+        vllm_hybrid.hma_on(config)
     return config
 
 
@@ -244,9 +240,7 @@ def layer_specs(spec: Spec, stage: int = 0, config: Any = None) -> dict[str, Any
             dtype=torch.float16,
         )
     if spec.hybrid:
-        from tests.integrations.vllm_hybrid import specs
-
-        return specs(spec.model_dir, config, spec.stage_layers(stage), one)
+        return vllm_hybrid.specs(spec.model_dir, config, spec.stage_layers(stage), one)
     return {layer_name(i): one for i in spec.stage_layers(stage)}
 
 
@@ -322,9 +316,7 @@ def worker_main(
         stage_layers = spec.stage_layers(rank // spec.tp)
         layers = None
         if spec.hybrid:
-            from tests.integrations.vllm_hybrid import model_layers
-
-            layers = model_layers(spec.model_dir, kv_cache_config, stage_layers)
+            layers = vllm_hybrid.model_layers(spec.model_dir, kv_cache_config, stage_layers)
         model = Model(caches, stage_layers, spec.block_size, spec.heads(rank % spec.tp), layers)
         groups = [g.cpu_group for g in (ps.get_tp_group(), ps.get_pp_group()) if g.world_size > 1]
 
