@@ -189,6 +189,16 @@ def test_hybrid_abort_and_failed_load(url: str, engines: dict[str, Any]) -> None
     settle(p, d)
     assert d.first_computed["swa-failed"] == 0  # reported via load errors: recomputed
     assert d.tokens["swa-failed"] == reference(toks, 5)
+
+    # block counts that do not line up with the decode's groups (10 blocks of full
+    # attention to load, 1 offered): the load is refused with the reason, recomputed
+    toks = prompt(11, 26)
+    params = prefill(p, "swa-refused", toks)
+    d.add("swa-refused", toks, 5, {**params, "kvstate_blocks": [1, 1]})
+    assert drive([p, d], lambda: p.held() == 0, max_steps=4) <= 3
+    settle(p, d)
+    assert d.first_computed["swa-refused"] == 0
+    assert d.tokens["swa-refused"] == reference(toks, 5)
     for e in (*engines.values(),):
         assert e.mismatches == [] and e.problems() == [], e.spec.engine_id
     assert room_keys(url) == []
@@ -249,3 +259,26 @@ def test_groups_kvstate_cannot_move_are_refused(tmp_path: Any) -> None:
     assert mine.stateful
     why = refusal("p", dataclasses.replace(mine, tp=2), "d", mine)
     assert "same tensor_parallel_size" in why
+
+
+def test_group_blocks_and_their_split() -> None:
+    """What each group keeps of a request's blocks, and the split of a decode's page
+    list that the prefill reads back, for every number of new blocks."""
+    from kvstate.errors import LayoutRefusedError
+    from kvstate.integrations.vllm.groups import Group, flatten, split, wanted
+
+    window = Group("window", 3, 0, "SlidingWindowSpec(window 8)")
+    state = Group("state", 1, 2, "MambaSpec")
+    full = Group("full", 0, 0, "FullAttentionSpec")
+    assert window.clip([0, 0, 0, 7, 8]) == [7, 8]  # vLLM's null blocks: freed, not moved
+    assert window.clip([4, 5, 6, 7, 8]) == [6, 7, 8]
+    assert state.clip([9, 10, 11]) == [9]  # the running state, not the scratch slots
+    assert full.clip([1, 2, 3]) == [1, 2, 3]
+    with pytest.raises(LayoutRefusedError, match="null block inside"):
+        full.clip([1, 0, 3])
+    counts = [2, 1, 10]  # window, state, full, as a prefill kept them
+    for m in range(11):
+        take = wanted(counts, m)
+        assert split(counts, sum(take)) == take
+    assert split(counts, 100) is None
+    assert flatten([[1, 2], [3], [4, 5, 6]], [1, 1, 2]) == [2, 3, 5, 6]

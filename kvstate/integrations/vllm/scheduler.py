@@ -205,15 +205,29 @@ class SchedulerSide:
         prefill's count, m this engine's new blocks per attention group. ('', why)
         if this engine's blocks cannot line up with the prefill's."""
         per_group = blocks.get_unhashed_block_ids_all_groups()
-        lists = [g.clip(per_group[i]) for g, i in zip(self.groups, self.transfer, strict=True)]
-        if not isinstance(counts, list) or len(counts) != len(lists):
-            return [], f"the prefill's block counts {counts!r} do not match {len(lists)} groups"
+        try:
+            lists = [g.clip(per_group[i]) for g, i in zip(self.groups, self.transfer, strict=True)]
+        except LayoutRefusedError as exc:
+            return [], str(exc)
+        if not (
+            isinstance(counts, list)
+            and len(counts) == len(lists)
+            and all(isinstance(n, int) and n >= 0 for n in counts)
+        ):
+            return [], f"the prefill's block counts {counts!r} are not {len(lists)} counts"
         m = max(len(ids) for ids in lists)
-        take = wanted([int(n) for n in counts], m)
-        if any(len(ids) < n for ids, n in zip(lists, take, strict=True)):
+        take = wanted(counts, m)
+        short = any(len(ids) < n for ids, n in zip(lists, take, strict=True))
+        # a full-attention group reads every new block: each must come from the prefill
+        if short or any(
+            g.kind == "full" and len(ids) != n
+            for g, ids, n in zip(self.groups, lists, take, strict=True)
+        ):
             return [], (
-                f"KV cache groups need {take} blocks of the prefill's {counts}, this "
-                f"decode has {[len(ids) for ids in lists]}"
+                f"the prefill kept {counts} blocks of its KV cache groups "
+                f"({'; '.join(g.spec for g in self.groups)}), this decode needs "
+                f"{[len(ids) for ids in lists]} of them (every block of a full-attention "
+                "group): the two engines' groups do not line up"
             )
         return flatten(lists, take), ""
 
