@@ -118,9 +118,10 @@ def spec_of(kv_cache_config: Any) -> Any:
     if not specs or not all(
         getattr(s, "has_layer_views", False) and hasattr(s, "num_heads") for s in specs
     ):
-        name = type(groups[0].kv_cache_spec).__name__
+        names = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
         raise LayoutRefusedError(
-            f"KV cache spec {name} has no per-layer attention views; kvstate supports {SUPPORTED}"
+            f"KV cache spec {names}: no attention group with per-layer views (a model "
+            f"without attention layers); kvstate supports {SUPPORTED}"
         )
     shape = {_page_shape(s) for s in specs}
     if len(shape) != 1:
@@ -140,7 +141,7 @@ def _page_shape(spec: Any) -> tuple[int, int, int, int]:
     )
 
 
-def _state_views(kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> list[_View]:
+def _state_views(kv_cache_config: Any, kv_caches: Mapping[str, Any], layout: str) -> list[_View]:
     """The per-block footprint of each state layer (Mamba): its page for block ``b`` at
     the KVCacheTensor's ``offset + l * layer_stride + b * block_stride`` in the backing
     allocation, one whole (padded) page a block."""
@@ -161,7 +162,7 @@ def _state_views(kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> list[_Vi
             if int(tensor.block_stride) != page_of[name]:
                 raise _refuse(
                     name,
-                    "state",
+                    layout,
                     f"a state page of {page_of[name]} B at a block stride of "
                     f"{tensor.block_stride} B (a block-outer layout); kvstate moves state "
                     "groups with a layer-outer layout (LBHNC, LBNHC)",
@@ -185,7 +186,7 @@ def buffers(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: str) -> 
     names = sorted(kv_caches, key=lambda n: (order.index(n) if n in order else len(order), n))
     views: list[_View] = []
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    states = _state_views(kv_cache_config, kv_caches)
+    states = _state_views(kv_cache_config, kv_caches, layout)
     stateful = {v.name for v in states}
     for name in names:
         if name in stateful:

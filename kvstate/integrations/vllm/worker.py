@@ -102,7 +102,7 @@ class WorkerSide:
         self._failed: set[str] = set()  # loads that failed, by request
         # vLLM takes failed blocks from one KV cache group only; with several, a failed
         # load is reported by request (KVConnectorTransferResults.failed_recving)
-        self.by_request = len(groups_of(kv_cache_config)) > 1
+        self.by_request = kv_cache_config is not None and len(groups_of(kv_cache_config)) > 1
         self._unclear: set[int] = set()  # concluded rooms whose clear must be retried
 
     # -- start-up -------------------------------------------------------------------
