@@ -229,15 +229,19 @@ def test_groups_kvstate_cannot_move_are_refused(tmp_path: Any) -> None:
     with prefix-caching checkpoints) refuses the engine when vLLM makes the connector
     with its KVCacheConfig, naming the group and what kvstate moves; a Mamba hybrid
     between engines of different TP sizes is refused per request (computed locally)."""
+    import copy
     import dataclasses
 
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
 
     from kvstate.errors import LayoutRefusedError
     from kvstate.integrations.vllm import KVStateConnector
     from kvstate.integrations.vllm.handoff import KVFacts, refusal
+    from kvstate.integrations.vllm.layout import buffers
     from tests.integrations.vllm_hybrid import mamba_spec
 
     full = FullAttentionSpec(block_size=8, num_kv_heads=4, head_size=8, dtype=torch.float16)
@@ -255,6 +259,15 @@ def test_groups_kvstate_cannot_move_are_refused(tmp_path: Any) -> None:
         KVStateConnector(config, KVConnectorRole.SCHEDULER, kv)
 
     config, kv = planned(tmp_path / "state", {"a": state, "b": full}, "mamba")
+    # vLLM overlays the groups' pages; state pages anywhere else are refused, not moved
+    # apart from the attention run (a hand-made placement: half a page further on)
+    moved = copy.deepcopy(kv)
+    for t in moved.kv_cache_tensors:
+        t.size += t.block_stride
+        t.offset += t.block_stride // 2 if t.layers == ["a"] else 0
+    caches = allocate_kv_cache(moved, torch.device("cpu"), KVCacheLayout[moved.kv_cache_layout])
+    with pytest.raises(LayoutRefusedError, match="layer a: its state pages lie where no"):
+        buffers(caches, moved, moved.kv_cache_layout)
     mine = KVFacts.of(config, kv)
     assert mine.stateful
     why = refusal("p", dataclasses.replace(mine, tp=2), "d", mine)

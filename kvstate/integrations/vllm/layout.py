@@ -198,18 +198,22 @@ def buffers(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: str) -> 
         seen.add(key)
         views += _footprints(name, _check(name, t, spec, num_blocks, layout), layout)
     runs = _runs(views, layout)
-    # a state layer's pages where an attention layer's lie (vLLM overlays the groups'
-    # pages) are moved with that run; elsewhere they are a run of their own
+    # a state layer's pages lie where an attention layer's do (vLLM overlays the
+    # groups' pages): they move with that run
     covered = {(start, stride) for _, start, stride in runs}
-    runs += [([v], v.ptr, v.stride) for v in states if (v.ptr, v.stride) not in covered]
+    for v in states:
+        if (v.ptr, v.stride) not in covered:
+            raise _refuse(
+                v.name,
+                layout,
+                "its state pages lie where no attention layer's pages do; kvstate moves "
+                "a state with the attention pages it overlays (as vLLM 0.34 lays them)",
+            )
     _check_disjoint([(vs[0], start, stride) for vs, start, stride in runs], layout)
     mla = is_mla(spec)
     split = not mla and not head_split(layout, spec)
     out = []
     for vs, start, stride in runs:
-        if vs[0].sub is None:  # a state run: whole pages
-            out.append(_buffer(vs[0], start, stride, num_blocks, layout, Geometry(_name(vs))))
-            continue
         geometry = _geometry(vs, start, stride, mla)
         if geometry is None:
             if split:
@@ -329,7 +333,7 @@ def _name(views: list[_View]) -> str:
     v = views[0]
     if len(views) > 1:
         return f"{v.name}..{views[-1].name}"
-    return v.name if v.head_dim is not None or v.sub is None else f"{v.name}#h{v.head}"
+    return v.name if v.head_dim is not None else f"{v.name}#h{v.head}"
 
 
 def _geometry(views: list[_View], start: int, page: int, mla: bool) -> Geometry | None:
