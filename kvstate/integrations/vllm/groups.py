@@ -74,11 +74,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def group_of(spec: Any, index: int, layers: Sequence[str]) -> Group:
     """The Group of one KV cache group's spec, or LayoutRefusedError naming it."""
-    names = [c.__name__ for c in type(spec).__mro__]
-    name = type(spec).__name__
-    if name == "SlidingWindowSpec" or (
-        "SlidingWindowSpec" in names and name == "SlidingWindowMLASpec"
-    ):
+    name = type(spec).__name__  # exact: a subclass may keep other blocks (refused)
+    if name == "SlidingWindowSpec":
         window = int(spec.sliding_window)
         keep = _cdiv(window, int(spec.block_size)) + 1
         return Group("window", keep, 0, f"{name}(window {window})")
