@@ -22,9 +22,14 @@ class Engine:
 
         self.spec = spec
         self.config = config or vllm_config(spec)
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
         configs, sched_config = plan(spec, self.config)
+        # EngineCore's: the LCM of the groups' block sizes (the one block size but for
+        # hybrid models), and the block size block hashes use
+        block_size, hash_size = resolve_kv_cache_block_sizes(sched_config, self.config)
         for c in (*configs, sched_config):
-            c.hash_block_size = spec.block_size
+            c.hash_block_size = hash_size
         self.workers = Workers(spec, self.config, configs)  # register_kv_caches runs there
         try:
             if wait:
@@ -33,15 +38,15 @@ class Engine:
                 vllm_config=self.config,
                 kv_cache_config=sched_config,
                 structured_output_manager=StructuredOutputManager(self.config),
-                block_size=spec.block_size,
-                hash_block_size=spec.block_size,
+                block_size=block_size,
+                hash_block_size=hash_size,
                 log_stats=True,
             )
         except BaseException:  # an engine that cannot start leaves no worker behind
             self.workers.kill()
             raise
         init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(spec.block_size, sha256)
+        self.hasher = get_request_block_hasher(hash_size, sha256)
         self.aggregator = KVOutputAggregator(spec.world)
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.integrations import vllm_hybrid
+
 HEADS, HEAD_SIZE, LAYERS = 4, 8, 2
 ALL_LAYOUTS = ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"]
 PRELOAD = [
@@ -61,6 +63,7 @@ class Spec:
     policy: str = "recompute"  # kv_load_failure_policy
     connector: str = "KVStateConnector"
     kv_buffer_device: str | None = None
+    hybrid: bool = False  # the model's layer_types (vllm_hybrid.py): the hybrid manager on
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -75,6 +78,9 @@ class Spec:
 
     @property
     def layers(self) -> list[str]:
+        if self.hybrid:
+            kinds = vllm_hybrid.layer_types(self.model_dir)
+            return [vllm_hybrid.layer_name(k, i) for i, k in enumerate(kinds)]
         return [layer_name(i) for i in range(LAYERS)]
 
     def stage_layers(self, stage: int) -> list[int]:
@@ -113,9 +119,11 @@ def module_redis(tmp_path_factory: Any) -> Iterator[str]:
     proc.stop()
 
 
-def write_model(path: Path, kv_heads: int = HEADS) -> str:
+def write_model(path: Path, kv_heads: int = HEADS, hybrid: str = "") -> str:
     """A config.json vLLM's ModelConfig reads without a hub (no weights are loaded):
-    ``kv_heads`` below HEADS is GQA."""
+    ``kv_heads`` below HEADS is GQA; ``hybrid`` 'swa' or 'mamba' a hybrid model."""
+    if hybrid:
+        return vllm_hybrid.write_hybrid(path, hybrid, HEADS, HEAD_SIZE, LAYERS)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(
         json.dumps(
@@ -160,7 +168,7 @@ def vllm_config(spec: Spec) -> Any:
     dp = {}
     if spec.dp > 1:
         dp = {"data_parallel_size": spec.dp, "data_parallel_master_ip": "127.0.0.1"}
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(
             block_size=spec.block_size,
@@ -189,6 +197,9 @@ def vllm_config(spec: Spec) -> Any:
         ),
         device_config=DeviceConfig(device="cpu"),
     )
+    if spec.hybrid:
+        vllm_hybrid.hma_on(config)
+    return config
 
 
 def dp_configs(spec: Spec) -> list[Any]:
@@ -210,7 +221,7 @@ def dp_configs(spec: Spec) -> list[Any]:
     return out
 
 
-def layer_specs(spec: Spec, stage: int = 0) -> dict[str, Any]:
+def layer_specs(spec: Spec, stage: int = 0, config: Any = None) -> dict[str, Any]:
     """What the model's attention layers report on one worker of pipeline stage
     ``stage`` (heads split over TP, replicated when fewer than the ranks; an MLA latent
     is one head, replicated)."""
@@ -228,6 +239,8 @@ def layer_specs(spec: Spec, stage: int = 0) -> dict[str, Any]:
             head_size=HEAD_SIZE,
             dtype=torch.float16,
         )
+    if spec.hybrid:
+        return vllm_hybrid.specs(spec.model_dir, config, spec.stage_layers(stage), one)
     return {layer_name(i): one for i in spec.stage_layers(stage)}
 
 
@@ -240,7 +253,7 @@ def plan(spec: Spec, config: Any) -> tuple[list[Any], Any]:
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
     register_all_kvcache_specs(config)
-    specs = [layer_specs(spec, rank // spec.tp) for rank in range(spec.world)]
+    specs = [layer_specs(spec, rank // spec.tp, config) for rank in range(spec.world)]
     saved = os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
     if spec.layout:
         os.environ["VLLM_KV_CACHE_LAYOUT"] = spec.layout
@@ -301,7 +314,10 @@ def worker_main(
                 ensure_kv_transfer_initialized(config, kv_cache_config)
                 glue = get_kv_connector(config, caches)
         stage_layers = spec.stage_layers(rank // spec.tp)
-        model = Model(caches, stage_layers, spec.block_size, spec.heads(rank % spec.tp))
+        layers = None
+        if spec.hybrid:
+            layers = vllm_hybrid.model_layers(spec.model_dir, kv_cache_config, stage_layers)
+        model = Model(caches, stage_layers, spec.block_size, spec.heads(rank % spec.tp), layers)
         groups = [g.cpu_group for g in (ps.get_tp_group(), ps.get_pp_group()) if g.world_size > 1]
 
         def all_ok(flags: list[bool]) -> list[bool]:

@@ -9,6 +9,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvstate.errors import VLLMConfigError
@@ -18,8 +20,11 @@ from kvstate.integrations.vllm.settings import Settings, engine_name
 from kvstate.integrations.vllm.worker import WorkerSide, check_parallel
 
 
-class KVStateConnector(KVConnectorBase_V1):
-    """kvstate rooms for vLLM's P/D disaggregation (kv_producer / kv_consumer)."""
+class KVStateConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvstate rooms for vLLM's P/D disaggregation (kv_producer / kv_consumer). With
+    ``SupportsHMA`` vLLM keeps its hybrid KV cache manager on: a request holds a block
+    list per KV cache group, and each group's blocks a decode needs move (groups.py);
+    a group kvstate cannot move refuses the engine at start-up."""
 
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
@@ -85,6 +90,11 @@ class KVStateConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.sched.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.sched.request_finished(request, block_ids)
 
     # -- worker side ---------------------------------------------------------------
@@ -112,6 +122,12 @@ class KVStateConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, loaded = self.worker.finished()
         return sent or None, loaded or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """get_finished, and the loads that failed by request (a hybrid model's: vLLM
+        cannot map failed blocks of several KV cache groups back to requests)."""
+        sent, loaded = self.worker.finished()
+        return KVConnectorTransferResults(sent, loaded, self.worker.failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()

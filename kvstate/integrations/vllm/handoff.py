@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvstate.errors import InvalidValueError
+from kvstate.integrations.vllm.groups import groups_of
 from kvstate.integrations.vllm.layout import head_split, is_mla, layout_name, spec_of
 from kvstate.integrations.vllm.settings import rank_name
 from kvstate.tp import Route, local_heads, receivers_per_sender, routes
@@ -31,6 +32,7 @@ MUST_MATCH = {
     "dtype": "dtype",
     "kv_heads": "KV heads",
     "mla": "MLA",
+    "groups": "KV cache groups",
 }
 
 
@@ -51,6 +53,12 @@ class KVFacts:
     tp: int
     pp: int
     split: str = ""
+    groups: str = ""  # the KV cache groups (groups.py), '; '-joined: one for most models
+
+    @property
+    def stateful(self) -> bool:
+        """A Mamba / linear-attention state group: its pages are no KV heads."""
+        return "MambaSpec" in self.groups
 
     @classmethod
     def of(cls, vllm_config: Any, kv_cache_config: Any) -> KVFacts:
@@ -80,6 +88,7 @@ class KVFacts:
             tp=tp,
             pp=int(parallel.pipeline_parallel_size),
             split=split,
+            groups="; ".join(g.spec for g in groups_of(kv_cache_config)),
         )
 
     def params(self) -> dict[str, Any]:
@@ -116,6 +125,12 @@ def refusal(prefill: str, theirs: KVFacts | None, decode: str, mine: KVFacts) ->
         receivers_per_sender(theirs.tp, mine.tp, mine.kv_heads, mla=mine.mla)
     except InvalidValueError as exc:
         return f"prefill {prefill} (TP {theirs.tp}) to decode {decode} (TP {mine.tp}): {exc}"
+    if mine.stateful and theirs.tp != mine.tp:
+        return (
+            f"prefill {prefill} (TP {theirs.tp}) to decode {decode} (TP {mine.tp}): a "
+            "Mamba / linear-attention state is not split by KV heads, so kvstate moves "
+            "it between engines of the same tensor_parallel_size only"
+        )
     heads = mine.kv_heads
     if not mine.mla and local_heads(theirs.tp, heads) != local_heads(mine.tp, heads):
         why = theirs.split or mine.split

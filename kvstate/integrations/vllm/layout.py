@@ -30,13 +30,14 @@ from typing import Any
 import numpy as np
 
 from kvstate.errors import LayoutRefusedError
+from kvstate.integrations.vllm.groups import groups_of, transfer_ids
 from transports.base import Geometry
 
 SUPPORTED = (
     "vLLM 0.34's per-layer [blocks, heads, tokens, content] views as "
     "vllm.v1.worker.utils.allocate_kv_cache makes them (any VLLM_KV_CACHE_LAYOUT: "
-    "LBHNC/HND, LBNHC/NHD, LHBNC, BLHNC, BLNHC, BHLNC; attention or MLA), one KV cache "
-    "group (--disable-hybrid-kv-cache-manager)"
+    "LBHNC/HND, LBNHC/NHD, LHBNC, BLHNC, BLNHC, BHLNC; attention or MLA), in KV cache "
+    "groups of full attention, sliding window or Mamba state (groups.py)"
 )
 
 
@@ -105,20 +106,73 @@ def head_split(layout: str, spec: Any) -> str:
 
 
 def spec_of(kv_cache_config: Any) -> Any:
-    """The one KV cache group's spec, or LayoutRefusedError."""
+    """The attention spec of the engine's KV cache groups (every attention group's
+    pages alike: heads, bytes, block size), or LayoutRefusedError. A group kvstate
+    does not move (groups.py) refuses the engine here, at start-up."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
+    specs = [
+        groups[i].kv_cache_spec
+        for i, g in zip(transfer_ids(kv_cache_config), groups_of(kv_cache_config), strict=True)
+        if g.kind != "state"
+    ]
+    if not specs or not all(
+        getattr(s, "has_layer_views", False) and hasattr(s, "num_heads") for s in specs
+    ):
+        names = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
         raise LayoutRefusedError(
-            f"the KV cache has {len(groups)} groups (hybrid KV cache manager); kvstate "
-            f"supports {SUPPORTED}"
+            f"KV cache spec {names}: no attention group with per-layer views (a model "
+            f"without attention layers); kvstate supports {SUPPORTED}"
         )
-    spec = groups[0].kv_cache_spec
-    if not getattr(spec, "has_layer_views", False) or not hasattr(spec, "num_heads"):
+    shape = {_page_shape(s) for s in specs}
+    if len(shape) != 1:
         raise LayoutRefusedError(
-            f"KV cache spec {type(spec).__name__} has no per-layer attention views; "
-            f"kvstate supports {SUPPORTED}"
+            f"the attention groups' pages differ ({sorted(shape)}: block size, KV heads, "
+            f"bytes a head, page); kvstate supports {SUPPORTED}"
         )
-    return spec
+    return specs[0]
+
+
+def _page_shape(spec: Any) -> tuple[int, int, int, int]:
+    return (
+        int(spec.block_size),
+        int(spec.num_heads),
+        int(spec.num_states * spec.state_content_size_bytes),
+        int(spec.page_size_bytes),
+    )
+
+
+def _state_views(kv_cache_config: Any, kv_caches: Mapping[str, Any], layout: str) -> list[_View]:
+    """The per-block footprint of each state layer (Mamba): its page for block ``b`` at
+    the KVCacheTensor's ``offset + l * layer_stride + b * block_stride`` in the backing
+    allocation, one whole (padded) page a block."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    state_layers = {
+        name
+        for i, g in zip(transfer_ids(kv_cache_config), groups_of(kv_cache_config), strict=True)
+        if g.kind == "state"
+        for name in groups[i].layer_names
+    }
+    page_of = {n: int(g.kv_cache_spec.page_size_bytes) for g in groups for n in g.layer_names}
+    out = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        for i, name in enumerate(tensor.layers):
+            t = kv_caches.get(name)
+            if name not in state_layers or t is None:
+                continue
+            if int(tensor.block_stride) != page_of[name]:
+                raise _refuse(
+                    name,
+                    layout,
+                    f"a state page of {page_of[name]} B at a block stride of "
+                    f"{tensor.block_stride} B (a block-outer layout); kvstate moves state "
+                    "groups with a layer-outer layout (LBHNC, LBNHC)",
+                )
+            storage = t.untyped_storage()
+            base = storage.data_ptr()
+            ptr = base + int(tensor.offset) + i * int(tensor.layer_stride)
+            stride = int(tensor.block_stride)
+            out.append(_View(name, storage, base, ptr, stride, stride, True, None, None, 0))
+    return out
 
 
 def buffers(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: str) -> list[Buffer]:
@@ -132,7 +186,11 @@ def buffers(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: str) -> 
     names = sorted(kv_caches, key=lambda n: (order.index(n) if n in order else len(order), n))
     views: list[_View] = []
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    states = _state_views(kv_cache_config, kv_caches, layout)
+    stateful = {v.name for v in states}
     for name in names:
+        if name in stateful:
+            continue
         t = kv_caches[name]
         key = (int(t.data_ptr()), tuple(t.shape), tuple(t.stride()))
         if key in seen:  # a layer sharing another's cache (kv sharing): moved once
@@ -140,6 +198,17 @@ def buffers(kv_caches: Mapping[str, Any], kv_cache_config: Any, layout: str) -> 
         seen.add(key)
         views += _footprints(name, _check(name, t, spec, num_blocks, layout), layout)
     runs = _runs(views, layout)
+    # a state layer's pages lie where an attention layer's do (vLLM overlays the
+    # groups' pages): they move with that run
+    covered = {(start, stride) for _, start, stride in runs}
+    for v in states:
+        if (v.ptr, v.stride) not in covered:
+            raise _refuse(
+                v.name,
+                layout,
+                "its state pages lie where no attention layer's pages do; kvstate moves "
+                "a state with the attention pages it overlays (as vLLM 0.34 lays them)",
+            )
     _check_disjoint([(vs[0], start, stride) for vs, start, stride in runs], layout)
     mla = is_mla(spec)
     split = not mla and not head_split(layout, spec)

@@ -30,7 +30,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, LayoutRefusedError
+from kvstate.integrations.vllm.groups import flatten, groups_of, transfer_ids, wanted
 from kvstate.integrations.vllm.handoff import KVFacts, refusal
 from kvstate.integrations.vllm.metrics import KVStateConnectorStats
 from kvstate.integrations.vllm.settings import Settings, new_nonce, room_of
@@ -50,16 +51,18 @@ class Load:
     room: int
     remote: str
     facts: KVFacts
-    blocks: list[int]
+    blocks: list[int]  # every KV cache group's, group after group (groups.py)
+    refused: str = ""  # why this load cannot be made (its blocks then fail)
 
 
 @dataclass
 class KVStateConnectorMetadata(KVConnectorMetadata):
     """One step's work for every worker: rooms to publish into (decode) or to send
-    (prefill), each with the request's block ids, and loads to abort (with why)."""
+    (prefill), each with the request's block ids (a prefill's per KV cache group), and
+    loads to abort (with why)."""
 
     recv: dict[str, Load] = field(default_factory=dict)
-    send: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    send: dict[str, tuple[int, list[list[int]]]] = field(default_factory=dict)
     abort: dict[str, str] = field(default_factory=dict)
     # the requests' W3C traceparents (vLLM's trace headers), for a traced room's trace
     traces: dict[str, str] = field(default_factory=dict)
@@ -82,10 +85,15 @@ class SchedulerSide:
         self.engine_id = engine_id
         self.producer = producer
         self.facts = KVFacts.of(vllm_config, kv_cache_config) if kv_cache_config else None
+        self.groups = groups_of(kv_cache_config) if kv_cache_config else []
+        self.transfer = transfer_ids(kv_cache_config) if kv_cache_config else ()
+        self.hash_block_size = int(
+            getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size
+        )
         self.stats = KVStateConnectorStats()
         self._store: Store | None = None
         self._recv: dict[str, Load] = {}
-        self._send: dict[str, tuple[int, list[int]]] = {}
+        self._send: dict[str, tuple[int, list[list[int]]]] = {}
         self._aborts: dict[str, str] = {}
         self._traces: dict[str, str] = {}
         self._loading: dict[str, int] = {}  # decode requests whose load has not concluded
@@ -145,11 +153,27 @@ class SchedulerSide:
             return dict(params)
         return None
 
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens the decode computes itself after a load: 1 with a Mamba state
+        (its state after the prompt's last token is computed there, from the state
+        before it; vLLM recomputes the last loaded token, which a state cannot take
+        twice), else 0 (vLLM recomputes that token's KV, which is idempotent)."""
+        return 1 if self.facts is not None and self.facts.stateful else 0
+
     def on_new_request(self, request: Any) -> None:
-        """A decode request to load from a prefill waits in the queue: hold its room."""
+        """A decode request to load from a prefill waits in the queue: hold its room.
+        A prefill request of a stateful engine stops one token short (``backoff``), as
+        NixlConnector does, so that its state is the one the decode continues from."""
         params = None if self.producer else self._remote(request)
         if params is not None:
             self._queued[request.request_id] = int(params["kvstate_room"])
+        if (
+            self.producer
+            and self.backoff
+            and (request.kv_transfer_params or {}).get("do_remote_decode")
+        ):
+            truncate(request, self.backoff, self.hash_block_size)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -159,7 +183,7 @@ class SchedulerSide:
         params = self._remote(request)
         if params is None or self._refusal(params):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = len(request.prompt_token_ids or ()) - self.backoff - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -181,10 +205,45 @@ class SchedulerSide:
             return
         facts = KVFacts.from_params(params.get("kvstate_kv"))
         assert facts is not None  # _refusal accepted them
-        ids = list(blocks.get_unhashed_block_ids())
-        self._recv[request.request_id] = Load(room, remote, facts, ids)
+        ids, why = self._pages(blocks, params.get("kvstate_blocks"))
+        if why:  # the blocks are allocated: the load fails (vLLM's failure policy)
+            ids = [b for group in blocks.get_unhashed_block_ids_all_groups() for b in group]
+            self._abort(room, f"request {request.request_id}: {why}")
+        self._recv[request.request_id] = Load(room, remote, facts, ids, why)
         self._traced(request)
         self._loading[request.request_id] = room
+
+    def _pages(self, blocks: Any, counts: object) -> tuple[list[int], str]:
+        """The decode's blocks to load, every KV cache group's after the other
+        (groups.py): the last ``min(m, n_g)`` of group g's new blocks, n_g the
+        prefill's count, m this engine's new blocks per attention group. ('', why)
+        if this engine's blocks cannot line up with the prefill's."""
+        per_group = blocks.get_unhashed_block_ids_all_groups()
+        try:
+            lists = [g.clip(per_group[i]) for g, i in zip(self.groups, self.transfer, strict=True)]
+        except LayoutRefusedError as exc:
+            return [], str(exc)
+        if not (
+            isinstance(counts, list)
+            and len(counts) == len(lists)
+            and all(isinstance(n, int) and n >= 0 for n in counts)
+        ):
+            return [], f"the prefill's block counts {counts!r} are not {len(lists)} counts"
+        m = max(len(ids) for ids in lists)
+        take = wanted(counts, m)
+        short = any(len(ids) < n for ids, n in zip(lists, take, strict=True))
+        # a full-attention group reads every new block: each must come from the prefill
+        if short or any(
+            g.kind == "full" and len(ids) != n
+            for g, ids, n in zip(self.groups, lists, take, strict=True)
+        ):
+            return [], (
+                f"the prefill kept {counts} blocks of its KV cache groups "
+                f"({'; '.join(g.spec for g in self.groups)}), this decode needs "
+                f"{[len(ids) for ids in lists]} of them (every block of a full-attention "
+                "group): the two engines' groups do not line up"
+            )
+        return flatten(lists, take), ""
 
     def _decode_finished(self, request: Any) -> None:
         """A decode request that ends before its load concluded (an abort) fails its
@@ -228,13 +287,15 @@ class SchedulerSide:
         return meta
 
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's request_finished_all_groups (its hybrid KV cache manager's hook): one
+        block list per KV cache group."""
         params = request.kv_transfer_params or {}
         if not self.producer:
             self._decode_finished(request)
             return False, None
-        if not params.get("do_remote_decode") or not block_ids:
+        if not params.get("do_remote_decode") or not any(block_ids):
             return False, None
         if not request.is_finished() or request.status.name not in (
             "FINISHED_LENGTH_CAPPED",
@@ -242,9 +303,14 @@ class SchedulerSide:
         ):
             return False, None  # aborted (or failed) on prefill: nothing to hand over
         assert self.facts is not None
+        try:
+            kept = [g.clip(block_ids[i]) for g, i in zip(self.groups, self.transfer, strict=True)]
+        except LayoutRefusedError as exc:  # nothing handed over: the decode computes it
+            log.warning("request %s: not handed to a decode: %s", request.request_id, exc)
+            return False, None
         nonce = new_nonce()
         room = room_of(self.engine_id, request.request_id, nonce)
-        self._send[request.request_id] = (room, list(block_ids))
+        self._send[request.request_id] = (room, kept)
         self._traced(request)
         return True, {
             "do_remote_prefill": True,
@@ -253,6 +319,7 @@ class SchedulerSide:
             "kvstate_nonce": nonce,
             "remote_engine_id": self.engine,
             "kvstate_kv": self.facts.params(),
+            "kvstate_blocks": [len(ids) for ids in kept],
         }
 
     def get_stats(self) -> KVStateConnectorStats | None:
@@ -264,4 +331,22 @@ class SchedulerSide:
             self._store = None
 
 
-__all__ = ["KVStateConnectorMetadata", "Load", "SchedulerSide"]
+def truncate(request: Any, n: int, hash_block_size: int) -> None:
+    """Drop the prompt's last ``n`` tokens from a prefill request (it then computes the
+    state the decode continues from), once, with its block hashes; vLLM's Request has
+    no public call for it, NixlConnector edits it the same way."""
+    params = request.kv_transfer_params
+    prompt = request.prompt_token_ids
+    if params.get("kvstate_truncated") or prompt is None or len(prompt) <= n:
+        return
+    del prompt[-n:]
+    tokens = request._all_token_ids
+    if tokens is not prompt:
+        del tokens[-n:]
+    request.num_prompt_tokens -= n
+    request.max_tokens = 1
+    request.truncate_block_hashes(hash_block_size)
+    params["kvstate_truncated"] = True
+
+
+__all__ = ["KVStateConnectorMetadata", "Load", "SchedulerSide", "truncate"]

@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from kvstate.errors import KVStateError, StateConnectionError, VLLMConfigError
+from kvstate.errors import (
+    KVStateError,
+    LayoutRefusedError,
+    StateConnectionError,
+    VLLMConfigError,
+)
+from kvstate.integrations.vllm.groups import flatten, groups_of, split
 from kvstate.integrations.vllm.handoff import KVFacts, plan
 from kvstate.integrations.vllm.layout import BLOCK_OUTER, buffers, layout_name
 from kvstate.integrations.vllm.metrics import KVStateConnectorStats
@@ -88,11 +94,15 @@ class WorkerSide:
         self.store: Store | None = None
         self.mgr: KVManager | None = None
         self.transport: Transport | None = None
-        self._sending: dict[str, tuple[KVSender, list[int]]] = {}
+        self._sending: dict[str, tuple[KVSender, list[list[int]]]] = {}
         self._loading: dict[str, tuple[KVReceiver, list[int]]] = {}
         self._refused: set[str] = set()  # loads that failed before their room existed
         self._dropped: set[str] = set()  # loads the decode's own scheduler aborted
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()  # loads that failed, by request
+        # vLLM takes failed blocks from one KV cache group only; with several, a failed
+        # load is reported by request (KVConnectorTransferResults.failed_recving)
+        self.by_request = kv_cache_config is not None and len(groups_of(kv_cache_config)) > 1
         self._unclear: set[int] = set()  # concluded rooms whose clear must be retried
 
     # -- start-up -------------------------------------------------------------------
@@ -172,6 +182,8 @@ class WorkerSide:
         for req_id, load in meta.recv.items():
             try:
                 assert self.facts is not None
+                if load.refused:
+                    raise LayoutRefusedError(load.refused)
                 p = plan(load.remote, load.facts, self.facts, self.rank)
                 rcv = mgr.receiver(
                     load.room,
@@ -183,7 +195,7 @@ class WorkerSide:
             except KVStateError as exc:
                 log.warning("request %s: load refused: %s", req_id, exc)
                 self._refused.add(req_id)
-                self._load_errors.update(load.blocks)
+                self._fail_load(req_id, load.blocks)
                 continue
             self._loading[req_id] = (rcv, load.blocks)
             pages[load.room] = np.asarray(load.blocks, dtype=np.int64)
@@ -245,12 +257,12 @@ class WorkerSide:
                 sent.add(req_id)
                 done.append(snd.room)
                 del self._sending[req_id]
-        for req_id, (rcv, blocks) in list(self._loading.items()):
+        for req_id, (rcv, pages) in list(self._loading.items()):
             if rcv.room in bad:
                 self._give_up(rcv, bad[rcv.room])
             if rcv.room in bad or rcv.status in DONE:
                 if rcv.room in bad or rcv.status == KVPoll.Failed:
-                    self._load_errors.update(blocks)
+                    self._fail_load(req_id, pages)
                     if req_id not in self._dropped:
                         self.stats.record("num_failed_transfers")
                 self._dropped.discard(req_id)
@@ -270,14 +282,22 @@ class WorkerSide:
         elif reason.startswith("transfer failed"):
             self.stats.record("num_failed_transfers")
 
-    def _send(self, snd: KVSender, blocks: list[int]) -> None:
-        """Push the request's pages (the tail the decode asked for: it may have the
-        head cached); a failure fails the room, which send() records."""
+    def _send(self, snd: KVSender, blocks: list[list[int]]) -> None:
+        """Push the request's pages: of each KV cache group, the tail the decode asked
+        for (it may have the head cached; groups.split reads how much of each group
+        from the number of pages it published); a failure fails the room, which send()
+        records."""
         assert self.transport is not None
         try:
             want = max((len(i.kv_indices) for i in snd.transfer_infos().values()), default=0)
+            take = split([len(ids) for ids in blocks], want)
+            if take is None:
+                raise LayoutRefusedError(
+                    f"the decode published {want} pages, which no tail of this prefill's "
+                    f"KV cache groups' {[len(ids) for ids in blocks]} blocks makes"
+                )
             moved, t0 = self.transport.stats.bytes_moved, time.perf_counter()
-            status = snd.send(np.asarray(blocks[len(blocks) - want :], dtype=np.int64))
+            status = snd.send(np.asarray(flatten(blocks, take), dtype=np.int64))
             nbytes = self.transport.stats.bytes_moved - moved
             if status == KVPoll.Success and nbytes:  # a dummy route moves nothing
                 self.stats.record_transfer(time.perf_counter() - t0, nbytes)
@@ -304,9 +324,20 @@ class WorkerSide:
             log.warning("%s: clearing %d room(s) failed: %s", self.name, len(todo), exc)
             self._unclear = set(todo)
 
+    def _fail_load(self, req_id: str, pages: list[int]) -> None:
+        if self.by_request:
+            self._failed.add(req_id)
+        else:
+            self._load_errors.update(pages)
+
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def failed_loads(self) -> set[str]:
+        """Requests whose load failed (hybrid models), reported with their finish."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def get_stats(self) -> KVStateConnectorStats | None:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
