@@ -181,6 +181,37 @@ def test_bench_state_rooms_per_step_smoke() -> None:
         assert step["step_s"] >= 0
 
 
+@pytest.mark.redis
+def test_bench_state_tp_shapes_smoke() -> None:
+    """Heterogeneous TP rooms against equal-TP ones: every shape's round trips per rank
+    and Redis CPU per rank pair, and a ratio per heterogeneous shape."""
+    doc, _ = run_tool("bench_state.py", "--tp-shapes", "--smoke", "--json")
+    assert doc["command"] == "python tools/bench_state.py --tp-shapes --smoke"
+    assert doc["batch"] == 4 and doc["rounds"] == 2 and len(doc["loadavg"]) == 3
+    shapes = {"2x2", "4x4", "2x4", "4x2", "1x4", "4x1"}
+    assert shapes <= set(doc)
+    for name in shapes:
+        s = doc[name]
+        assert (s["prefill_tp"], s["decode_tp"]) == tuple(map(int, name.split("x")))
+        assert s["rank_pairs"] >= max(s["prefill_tp"], s["decode_tp"])
+        # every rank's trips per step are the same whatever the room's size
+        assert len(s["round_trips_per_step_prefill_rank"]) == 1, s
+        assert len(s["round_trips_per_step_decode_rank"]) == 1, s
+        assert_positive(
+            s,
+            "round_trips_per_step_max_rank",
+            "redis_cpu_us_per_room",
+            "redis_cpu_us_per_rank_pair",
+            "redis_cpu_us_per_participant",
+            "rooms_per_s",
+        )
+    assert set(doc["ratios"]) == {"2x4_vs_4x4", "4x2_vs_4x4", "1x4_vs_4x4", "4x1_vs_4x4"}
+    for ratio in doc["ratios"].values():
+        # round trips are counts, not timings: a shape that made more would show here
+        assert ratio["round_trips_per_step_max_rank"] == 1.0, ratio
+        assert_positive(ratio, "redis_cpu_per_rank_pair", "redis_cpu_per_participant")
+
+
 # -- tools/bench_transfer.py ------------------------------------------------------------------
 ROW_KEYS = {
     "mode",
