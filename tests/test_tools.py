@@ -276,6 +276,32 @@ def test_bench_sglang_steps_smoke() -> None:
             assert_positive(r, "ratio_prefill", "ratio_prefill_us", "ratio_decode_us")
 
 
+# -- tools/gpu_check.py (its host dry run: the GPU host runs the rest) -------------------------
+def test_gpu_check_host_dry_run() -> None:
+    """The device-memory check's plumbing on host memory: kvstate's UCX put path (and
+    NIXL's, where installed) verified byte for byte, the ratio, and the UCX transports
+    each side's endpoints logged."""
+    doc, _ = run_tool(
+        "gpu_check.py",
+        *("--host-dry-run", "--nixl", "--ucx-lanes", "--json", "--reps", "1"),
+        *("--layers", "1", "--pages", "64", "--page-kib", "4"),
+    )
+    assert doc["memory"] == "host (dry run)" and doc["arrays"] == "numpy"
+    systems = {"kvstate", "nixl"} if available("nixl") else {"kvstate"}
+    assert set(doc["results"]) == systems
+    for out in doc["results"].values():
+        assert set(out) == {"contiguous", "fragmented"}
+        assert all(r["verified"] is True and positive(r["gbps"]) for r in out.values()), out
+    if "nixl" in systems:
+        assert_positive(doc["ratios_kvstate_over_nixl"], "contiguous", "fragmented")
+    else:
+        assert any("NIXL not installed" in n for n in doc["notes"]), doc["notes"]
+    # the kvstate side's endpoint configuration, as UCX logged it (put lanes included)
+    lanes = doc["ucx_lanes"]["kvstate"]
+    assert any(line.startswith(("intra-node", "inter-node")) for line in lanes), lanes
+    assert any(line.startswith("put") for line in lanes), lanes
+
+
 # -- tools/bench_transfer.py ------------------------------------------------------------------
 ROW_KEYS = {
     "mode",
