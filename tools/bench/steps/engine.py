@@ -150,6 +150,7 @@ class Hooks:
     def __init__(self, conn: Any, names: tuple[str, ...]) -> None:
         self.spent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.trips: Counter[str] = Counter()  # Redis round trips made inside each hook
         self.depth = 0
         for name in names:
             if hasattr(conn, name):
@@ -158,30 +159,34 @@ class Hooks:
     def _timed(self, name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             self.depth += 1
-            t0 = time.perf_counter()
+            r0, t0 = RoundTrips.by_thread["MainThread"], time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.depth -= 1
                 if self.depth == 0:
                     self.spent[name] += time.perf_counter() - t0
+                    self.trips[name] += RoundTrips.by_thread["MainThread"] - r0
                 self.calls[name] += 1
 
         return timed
 
-    def take(self) -> tuple[dict[str, float], dict[str, int]]:
-        spent, calls = dict(self.spent), dict(self.calls)
+    def take(self) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+        out = dict(self.spent), dict(self.calls), {k: v for k, v in self.trips.items() if v}
         self.spent.clear()
         self.calls.clear()
-        return spent, calls
+        self.trips.clear()
+        return out
 
 
 @dataclass
 class Step:
-    """What one engine step cost: seconds per hook, calls per hook, round trips."""
+    """What one engine step cost: seconds, calls and round trips per hook; all the
+    step's round trips."""
 
     spent: dict[str, float]
     calls: dict[str, int]
+    hook_trips: dict[str, int]
     trips: int
     scheduled: int
 
@@ -272,12 +277,13 @@ class Engine:
                 if o.kv_transfer_params:
                     self.params[o.request_id] = o.kv_transfer_params
         trips = RoundTrips.by_thread["MainThread"] - before
-        spent, calls = self.hooks.take()
+        spent, calls, hook_trips = self.hooks.take()
         if self.worker_hooks is not None:
-            w_spent, w_calls = self.worker_hooks.take()
+            w_spent, w_calls, w_trips = self.worker_hooks.take()
             spent |= w_spent
             calls |= w_calls
-        return Step(spent, calls, trips, len(rids))
+            hook_trips |= w_trips
+        return Step(spent, calls, hook_trips, trips, len(rids))
 
     def close(self) -> None:
         if self.worker is not None:

@@ -82,6 +82,11 @@ def summary(steps: list[Step]) -> dict[str, Any]:
     out["hook_us_per_step_by_name"] = {
         k: round(v * 1e6 / len(steps), 2) for k, v in sorted(by_name.items())
     }
+    most: dict[str, int] = {}  # the most round trips one step made in each hook
+    for s in steps:
+        for k, v in s.hook_trips.items():
+            most[k] = max(most.get(k, 0), v)
+    out["round_trips_max_by_hook"] = dict(sorted(most.items()))
     return out
 
 
