@@ -275,20 +275,23 @@ class WorkerSide:
 
     def _push(self, mgr: KVManager, bad: dict[int, KVStateError]) -> None:
         """The senders whose decode published, as one batch: one ``begin_many``, each
-        room's pages pushed, one ``finish_many`` (with the rooms pushed in an earlier
-        step whose finish did not get through)."""
-        ready = {
-            snd.room: (snd, blocks)
-            for snd, blocks in self._sending.values()
-            if snd.room not in bad and snd.status == KVPoll.WaitingForInput
-        }
+        room's pages pushed, one ``finish_many``. Rooms an earlier step began but could
+        not push (Redis lost mid-write: the pages are pushed again, the same bytes) or
+        pushed but could not finish are taken up where they stopped."""
+        live = [(s, b) for s, b in self._sending.values() if s.room not in bad]
+        ready = {s.room: (s, b) for s, b in live if s.status == KVPoll.WaitingForInput}
+        unpushed = [
+            (s, b)
+            for s, b in live
+            if s.status == KVPoll.Transferring and s.room not in self._written
+        ]
         if ready:
             try:
                 mgr.begin_many(list(ready))
             except StateConnectionError as exc:  # statuses stay: the next step begins them
                 log.warning("%s: beginning %d room(s) failed: %s", self.name, len(ready), exc)
                 ready = {}
-        for snd, blocks in ready.values():
+        for snd, blocks in [*unpushed, *ready.values()]:
             if snd.status == KVPoll.Transferring:  # else failed meanwhile: write nothing
                 self._write(snd, blocks)
         if not self._written:

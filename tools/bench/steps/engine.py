@@ -71,6 +71,7 @@ class Spec:
     url: str
     model_dir: str
     seqs: int
+    extra: tuple[tuple[str, Any], ...] = ()  # more kv_connector_extra_config (kvstate)
 
     def config(self) -> Any:
         os.environ["HF_HUB_OFFLINE"] = "1"
@@ -110,7 +111,9 @@ class Spec:
                 kv_connector_module_path="kvstate.integrations.vllm" if kvstate else None,
                 kv_role=self.role,
                 engine_id=self.engine_id,
-                kv_connector_extra_config={"redis_url": self.url} if kvstate else {},
+                kv_connector_extra_config={"redis_url": self.url, **dict(self.extra)}
+                if kvstate
+                else {},
             ),
             device_config=DeviceConfig(device="cpu"),
         )
