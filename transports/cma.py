@@ -86,6 +86,13 @@ def _pid_ns() -> str:
         return ""
 
 
+def _net_ns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
 @dataclass(frozen=True)
 class Identity:
     """Who this process is, precisely enough to find it again on the same host."""
@@ -94,11 +101,18 @@ class Identity:
     pid_ns: str
     pid: int
     start_time: int
+    net_ns: str = ""  # '' from a peer that does not say (an older layout)
 
     @classmethod
     def here(cls) -> Identity:
         pid = os.getpid()
-        return cls(_read("/proc/sys/kernel/random/boot_id"), _pid_ns(), pid, _start_time(pid) or 0)
+        return cls(
+            _read("/proc/sys/kernel/random/boot_id"),
+            _pid_ns(),
+            pid,
+            _start_time(pid) or 0,
+            _net_ns(),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +120,7 @@ class Identity:
             "pid_ns": self.pid_ns,
             "pid": self.pid,
             "start_time": self.start_time,
+            "net_ns": self.net_ns,
         }
 
     @classmethod
@@ -113,12 +128,24 @@ class Identity:
         if not isinstance(d, dict):
             return None
         try:
-            return cls(str(d["boot_id"]), str(d["pid_ns"]), int(d["pid"]), int(d["start_time"]))
+            return cls(
+                str(d["boot_id"]),
+                str(d["pid_ns"]),
+                int(d["pid"]),
+                int(d["start_time"]),
+                str(d.get("net_ns", "")),
+            )
         except (KeyError, TypeError, ValueError):
             return None
 
     def same_host(self, other: Identity) -> bool:
         return bool(self.boot_id) and (self.boot_id, self.pid_ns) == (other.boot_id, other.pid_ns)
+
+    def same_net(self, other: Identity) -> bool:
+        """On this host and in this network namespace (UCX reaches such a peer by
+        shared memory; another namespace, a container's or the benchmark's stand-in for
+        another host, by its network)."""
+        return self.same_host(other) and bool(self.net_ns) and self.net_ns == other.net_ns
 
 
 class PtracerError(TransportError, ValueError):
