@@ -1,11 +1,13 @@
 """Same-host writes with ``process_vm_writev`` (cross memory attach), batched.
 
-Why not UCX's own CMA lane: measured with UCX 1.21 here, UCX selects CMA only
-for endpoints without error handling, and on such an endpoint a put into a
-process that has died makes UCX abort the *sender* (``cma_ep.c`` logs the
-failed ``process_vm_writev`` at fatal level). With error handling on, UCX falls
-back to TCP on one host (0.2-0.3 GB/s for puts). So on one host the transport
-issues the same system call itself: up to 1024 page runs per call, no per-run
+Why not UCX's own CMA lane: measured with UCX 1.21 here, on an endpoint without
+error handling a put into a process that has died makes UCX abort the *sender*
+(``cma_ep.c`` logs the failed ``process_vm_writev`` at fatal level). With error
+handling on, UCX keeps its cma lane only with an infinite rendezvous threshold
+(``transports.ucx.settings``: kvstate passes one; with ucxx's 8192 it fell back
+to TCP on one host, 0.2-1 GB/s for puts), and even then one UCX put per run is
+slower than this module's batched calls over two threads. So on one host the
+transport issues the same system call itself: up to 1024 page runs per call, no per-run
 Python cost, and a dead peer is an ``errno`` (ESRCH), not an abort. A large
 write is split by bytes over a few threads (``write_runs``): the kernel pins
 and maps every 4 KiB page it copies, so one thread stayed near 0.4x an
