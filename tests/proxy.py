@@ -8,6 +8,7 @@ switch what the network does while the client runs.
         proxy.delay(0.2)     # every chunk forwarded 0.2 s late
         proxy.drop()         # every connection reset, new ones refused (server down)
         proxy.mute()         # requests reach the server, its replies are lost
+        proxy.drop_after(2)  # two more requests go through (replies too), then drop()
         proxy.passthrough()  # back to normal; held bytes flow again
 
 Threads, no asyncio: two pump threads per connection and one accept thread. A stall or
@@ -46,6 +47,7 @@ class Proxy:
         self.target = target
         self._mode: Mode = "pass"
         self._delay = 0.0
+        self._countdown: int | None = None  # requests to let through before drop()
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._fillers: list[socket.socket] = []
@@ -72,6 +74,7 @@ class Proxy:
         return f"{scheme}://127.0.0.1:{self.port}" + (f"?{query}" if query else "")
 
     def passthrough(self) -> None:
+        self._countdown = None
         self._set("pass")
 
     def delay(self, seconds: float) -> None:
@@ -101,6 +104,13 @@ class Proxy:
             _reset(s)
         if listener is not None:
             listener.close()
+
+    def drop_after(self, requests: int) -> None:
+        """Forward ``requests`` more client writes (each a request or pipeline, on any
+        connection) and their replies, then ``drop()`` before the next one reaches the
+        server: a server lost between two round trips of one step."""
+        with self._lock:
+            self._countdown = requests
 
     def _set(self, mode: Mode) -> None:
         with self._lock:
@@ -198,6 +208,15 @@ class Proxy:
                     time.sleep(self._delay)
                 if replies and self._mode == "mute":
                     continue
+                if not replies and self._countdown is not None:
+                    with self._lock:
+                        self._countdown -= 1
+                        last = self._countdown < 0
+                        if last:
+                            self._countdown = None
+                    if last:  # this request is the one past the count: never sent
+                        self.drop()
+                        return
                 dst.sendall(data)
         except (OSError, ValueError):  # ValueError: the socket was closed meanwhile
             pass

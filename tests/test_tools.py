@@ -181,6 +181,127 @@ def test_bench_state_rooms_per_step_smoke() -> None:
         assert step["step_s"] >= 0
 
 
+@pytest.mark.redis
+def test_bench_state_tp_shapes_smoke() -> None:
+    """Heterogeneous TP rooms against equal-TP ones: every shape's round trips per rank
+    and Redis CPU per rank pair, and a ratio per heterogeneous shape."""
+    doc, _ = run_tool("bench_state.py", "--tp-shapes", "--smoke", "--json")
+    assert doc["command"] == "python tools/bench_state.py --tp-shapes --smoke"
+    assert doc["batch"] == 4 and doc["rounds"] == 2 and len(doc["loadavg"]) == 3
+    shapes = {"2x2", "4x4", "2x4", "4x2", "1x4", "4x1"}
+    assert shapes <= set(doc)
+    for name in shapes:
+        s = doc[name]
+        assert (s["prefill_tp"], s["decode_tp"]) == tuple(map(int, name.split("x")))
+        assert s["rank_pairs"] >= max(s["prefill_tp"], s["decode_tp"])
+        # every rank's trips per step are the same whatever the room's size
+        assert len(s["round_trips_per_step_prefill_rank"]) == 1, s
+        assert len(s["round_trips_per_step_decode_rank"]) == 1, s
+        assert_positive(
+            s,
+            "round_trips_per_step_max_rank",
+            "redis_cpu_us_per_room",
+            "redis_cpu_us_per_rank_pair",
+            "redis_cpu_us_per_participant",
+            "rooms_per_s",
+        )
+    assert set(doc["ratios"]) == {"2x4_vs_4x4", "4x2_vs_4x4", "1x4_vs_4x4", "4x1_vs_4x4"}
+    for ratio in doc["ratios"].values():
+        # round trips are counts, not timings: a shape that made more would show here
+        assert ratio["round_trips_per_step_max_rank"] == 1.0, ratio
+        assert_positive(ratio, "redis_cpu_per_rank_pair", "redis_cpu_per_participant")
+
+
+# -- tools/bench_vllm_steps.py, tools/bench_sglang_steps.py -----------------------------------
+STEP_PHASES = {"prefill_admit", "prefill_held", "decode_admit", "decode_loading", "lifecycle"}
+
+
+@pytest.mark.vllm
+@pytest.mark.redis
+def test_bench_vllm_steps_smoke() -> None:
+    """vLLM's schedulers with kvstate's connector and NixlConnector: every phase at
+    every count, hook times and round trips per step, the ratios and the targets. Round
+    trips are counts (not timings): with nothing in flight a step makes none."""
+    pytest.importorskip("vllm")
+    doc, _ = run_tool("bench_vllm_steps.py", "--smoke", "--json", timeout=300)
+    assert doc["command"] == "python tools/bench_vllm_steps.py --smoke"
+    assert doc["counts"] == [0, 1, 4] and doc["steps_per_phase"] == 2
+    assert set(doc["phases"]) == STEP_PHASES
+    for connector in ("kvstate", "nixl"):
+        assert set(doc["vllm"][connector]) == {"0", "1", "4"}
+        for n, phases in doc["vllm"][connector].items():
+            assert set(phases) == STEP_PHASES
+            for phase, s in phases.items():
+                # nothing to admit or conclude with no request; NIXL's loads never end
+                idle = n == "0" and phase in ("prefill_admit", "lifecycle")
+                if idle or (phase == "lifecycle" and connector == "nixl"):
+                    assert s == {"steps": 0}, (connector, n, phase, s)
+                    continue
+                assert s["steps"] >= 1, (connector, n, phase)
+                assert s["sched_hooks_us_median"] > 0 and s["all_hooks_us_mean"] > 0, s
+                assert isinstance(s["round_trips_max"], int) and s["round_trips_max"] >= 0
+                assert "build_connector_meta" in s["hook_calls"], s
+                if connector == "nixl":  # its worker side is not run
+                    assert s["worker_hooks_us_median"] == 0 and s["round_trips_max"] == 0, s
+                else:
+                    assert s["hook_calls"]["get_finished"] == s["steps"], s
+    kv = doc["vllm"]["kvstate"]
+    assert all(s["round_trips_max"] == 0 for s in kv["0"].values() if s["steps"])
+    for n in ("1", "4"):  # a room in flight is polled: one round trip a step
+        assert kv[n]["prefill_held"]["round_trips_max"] == 1
+        assert kv[n]["decode_loading"]["round_trips_max"] == 1
+    assert kv["4"]["lifecycle"]["round_trips_max"] == kv["1"]["lifecycle"]["round_trips_max"]
+    assert doc["targets"]["round_trips_idle_target_met"] is True
+    for n in ("1", "4"):
+        for phase in ("prefill_held", "decode_admit", "decode_loading"):
+            assert_positive(doc["ratios_kvstate_over_nixl"][n][phase], "sched_over_nixl_sched")
+
+
+@pytest.mark.sglang
+@pytest.mark.redis
+def test_bench_sglang_steps_smoke() -> None:
+    """SGLang's poll_and_all_reduce over kvstate's senders and receivers: no round trip
+    with no room, one per step whatever the count, against one per room polled alone."""
+    pytest.importorskip("sglang")
+    doc, _ = run_tool("bench_sglang_steps.py", "--smoke", "--json", timeout=300)
+    assert doc["command"] == "python tools/bench_sglang_steps.py --smoke"
+    rows = doc["standalone (1 node)"]
+    assert [r["rooms"] for r in rows] == [0, 1, 4]
+    for r in rows:
+        n = r["rooms"]
+        assert r["prefill_step"] == r["decode_step"] == min(n, 1), r
+        assert r["prefill_step_per_room_poll"] == r["decode_step_per_room_poll"] == n, r
+        assert r["prefill_step_us"] > 0 and r["decode_step_us"] > 0, r
+        if n:
+            assert_positive(r, "ratio_prefill", "ratio_prefill_us", "ratio_decode_us")
+
+
+# -- tools/gpu_check.py (its host dry run: the GPU host runs the rest) -------------------------
+def test_gpu_check_host_dry_run() -> None:
+    """The device-memory check's plumbing on host memory: kvstate's UCX put path (and
+    NIXL's, where installed) verified byte for byte, the ratio, and the UCX transports
+    each side's endpoints logged."""
+    doc, _ = run_tool(
+        "gpu_check.py",
+        *("--host-dry-run", "--nixl", "--ucx-lanes", "--json", "--reps", "1"),
+        *("--layers", "1", "--pages", "64", "--page-kib", "4"),
+    )
+    assert doc["memory"] == "host (dry run)" and doc["arrays"] == "numpy"
+    systems = {"kvstate", "nixl"} if available("nixl") else {"kvstate"}
+    assert set(doc["results"]) == systems
+    for out in doc["results"].values():
+        assert set(out) == {"contiguous", "fragmented"}
+        assert all(r["verified"] is True and positive(r["gbps"]) for r in out.values()), out
+    if "nixl" in systems:
+        assert_positive(doc["ratios_kvstate_over_nixl"], "contiguous", "fragmented")
+    else:
+        assert any("NIXL not installed" in n for n in doc["notes"]), doc["notes"]
+    # the kvstate side's endpoint configuration, as UCX logged it (put lanes included)
+    lanes = doc["ucx_lanes"]["kvstate"]
+    assert any(line.startswith(("intra-node", "inter-node")) for line in lanes), lanes
+    assert any(line.startswith("put") for line in lanes), lanes
+
+
 # -- tools/bench_transfer.py ------------------------------------------------------------------
 ROW_KEYS = {
     "mode",

@@ -54,6 +54,40 @@ def test_ucx_defaults_applied_and_environment_wins() -> None:
         rx.stop()
 
 
+def test_same_host_ucx_puts_go_zero_copy_over_cma_with_error_handling_on(
+    tmp_path: Path,
+) -> None:
+    """kvstate's UCX path on one host (its own CMA off), error handling on: UCX's
+    endpoint keeps a cma lane and puts go zero-copy over it, not emulated by active
+    messages over loopback TCP (what ucxx's RNDV_THRESH of 8192 made UCX 1.21 build;
+    transports/ucx/settings.py). Read from UCX's own log of its choices; the same
+    with ucxx's threshold back shows the emulation, so the log is what is read."""
+    from tools.bench.transfer.lanes import read
+
+    def puts(key: str, extra: dict[str, str]) -> list[str]:
+        log = {
+            "KVSTATE_UCX_CMA": "0",
+            "UCX_LOG_LEVEL": "info",
+            "UCX_PROTO_INFO": "y",
+            "UCX_LOG_FILE": f"{tmp_path}/same-host.{key}.%p.log",
+        }
+        rx = Peer("receiver", env=log | extra)
+        tx = Peer("sender", env=log | extra)
+        try:
+            ident = np.arange(LAYOUT[0][0], dtype=np.int32)
+            tx.call("write", 1, ident, [rx.target(ident)], 30.0)
+            assert_layers(rx, [(ident, ident)])
+        finally:
+            tx.stop()
+            rx.stop()
+        return [line for line in read(str(tmp_path))["same-host"][key] if line.startswith("put")]
+
+    default = puts("default", {})
+    assert default and all("zero-copy via cma/memory" in p for p in default), default
+    before = puts("ucxx", {"KVSTATE_UCX_RNDV_THRESH": "8192"})
+    assert before and all("software emulation via tcp" in p for p in before), before
+
+
 def _cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc/PID/stat (fields 14 and 15)."""
     with open(f"/proc/{pid}/stat") as f:

@@ -127,3 +127,25 @@ def test_a_forked_child_gets_its_own_threads() -> None:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     raise AssertionError("the split write hung in the forked child")
+
+
+def test_puts_to_a_peer_on_this_host_and_network_are_whole_runs() -> None:
+    """UCX reaches a peer on this host and network namespace over cma, where whole runs
+    beat 64 KiB puts; another network namespace (a container, the benchmark's stand-in
+    for another host), another host, or a peer whose layout does not say its namespace
+    (an older one) keeps the cut."""
+    pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
+    import dataclasses
+
+    from transports.ucx.plan import chunk_for
+
+    here = cma.Identity.here()
+    assert here.net_ns, "this host has /proc/self/ns/net"
+    twin = cma.Identity.from_dict(here.as_dict())
+    assert chunk_for(65536, here, twin) == 0
+    assert chunk_for(65536, here, dataclasses.replace(here, net_ns="net:[1]")) == 65536
+    assert chunk_for(65536, here, dataclasses.replace(here, boot_id="other")) == 65536
+    older = {k: v for k, v in here.as_dict().items() if k != "net_ns"}
+    assert cma.Identity.from_dict(older) is not None  # still readable, CMA still allowed
+    assert chunk_for(65536, here, cma.Identity.from_dict(older)) == 65536
+    assert chunk_for(65536, None, twin) == chunk_for(65536, here, None) == 65536

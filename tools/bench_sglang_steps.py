@@ -5,15 +5,18 @@ SGLang polls every queued room on every rank every step. With kvstate's backend 
 first poll of a step asks Redis about every live room of the rank at once (one
 ``poll_many``, one pipeline per Redis node); the rest of the step reads that answer.
 
-For 1, 64 and 256 rooms in flight this prints the round trips (counted at the socket,
-as tools/bench_state.py does) of one prefill step and one decode step, each polling
-every room through SGLang's own ``poll_and_all_reduce``, against the same step done
-with one kvstate poll per room (the baseline). Target: one per Redis node per step.
+For 0, 1, 64 and 256 rooms in flight this prints the round trips (counted at the
+socket, as tools/bench_state.py does) of one prefill step and one decode step, each
+polling every room through SGLang's own ``poll_and_all_reduce``, and the wall time a
+step spends in it (median us), against the same step done with one kvstate poll per
+room (the baseline), as ratios. Targets (issue 33 target 3): no round trip with nothing
+in flight, one per Redis node per step otherwise.
 
 Needs the [sglang] extra (SGLang 0.5.23 importable). State only (mirror mode): no KV
 bytes move, so the count is the control plane alone.
 
-    python tools/bench_sglang_steps.py [--rooms 1 64 256] [--steps 20] [--no-cluster] [--json]
+    python tools/bench_sglang_steps.py [--rooms 0 1 64 256] [--steps 20] [--no-cluster]
+                                       [--json] [--smoke]
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
+import time
 from typing import Any
 
 import numpy as np
@@ -96,14 +101,34 @@ def measure(url: str, rooms: int, steps: int, group: Any) -> dict[str, Any]:
                 fn()
         return RoundTrips.count / steps
 
+    def step_us(fn: Any) -> float:
+        took = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - t0)
+        return round(statistics.median(took) * 1e6, 1)
+
+    prefill = lambda: poll_and_all_reduce(tx, group)  # noqa: E731
+    decode = lambda: poll_and_all_reduce(rx, group)  # noqa: E731
+    prefill_one = lambda: [t._part.poll() for t in tx]  # noqa: E731
+    decode_one = lambda: [r._part.poll() for r in rx]  # noqa: E731
     out = {
         "rooms": rooms,
-        "prefill_step": step_trips(lambda: poll_and_all_reduce(tx, group)),
-        "decode_step": step_trips(lambda: poll_and_all_reduce(rx, group)),
-        "prefill_step_per_room_poll": step_trips(lambda: [t._part.poll() for t in tx]),
-        "decode_step_per_room_poll": step_trips(lambda: [r._part.poll() for r in rx]),
+        "prefill_step": step_trips(prefill),
+        "decode_step": step_trips(decode),
+        "prefill_step_per_room_poll": step_trips(prefill_one),
+        "decode_step_per_room_poll": step_trips(decode_one),
+        "prefill_step_us": step_us(prefill),
+        "decode_step_us": step_us(decode),
+        "prefill_step_per_room_poll_us": step_us(prefill_one),
+        "decode_step_per_room_poll_us": step_us(decode_one),
     }
-    out["ratio_prefill"] = round(out["prefill_step"] / out["prefill_step_per_room_poll"], 4)
+    for side in ("prefill", "decode"):
+        base = out[f"{side}_step_per_room_poll"]
+        out[f"ratio_{side}"] = round(out[f"{side}_step"] / base, 4) if base else None
+        base_us = out[f"{side}_step_per_room_poll_us"]
+        out[f"ratio_{side}_us"] = round(out[f"{side}_step_us"] / base_us, 3) if rooms else None
     for part in (*tx, *rx):
         part.clear()
     p.close()
@@ -113,11 +138,15 @@ def measure(url: str, rooms: int, steps: int, group: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--rooms", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--rooms", type=int, nargs="+", default=[0, 1, 64, 256])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-primary cluster")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="0 1 4 rooms, 2 steps, no cluster (tests)")
     args = ap.parse_args()
+    if args.smoke:
+        args.rooms, args.steps, args.no_cluster = [0, 1, 4], 2, True
+    load0 = os.getloadavg()
     import torch.distributed as dist
     from sglang.srt.plugins import load_plugins
 
@@ -127,7 +156,7 @@ def main() -> None:
             "gloo", init_method=f"file://{os.path.join(tmp, 'g')}", rank=0, world_size=1
         )
         group = dist.group.WORLD
-        results: dict[str, list[dict[str, Any]]] = {}
+        results: dict[str, Any] = {}
         with RedisProcess(port=0) as server:
             results["standalone (1 node)"] = [
                 measure(server.url, n, args.steps, group) for n in args.rooms
@@ -137,18 +166,29 @@ def main() -> None:
                 results["cluster (3 nodes)"] = [
                     measure(cluster.url, n, args.steps, group) for n in args.rooms
                 ]
+    results["loadavg"] = {
+        "start": [round(x, 2) for x in load0],
+        "end": [round(x, 2) for x in os.getloadavg()],
+    }
+    results["command"] = "python tools/bench_sglang_steps.py " + (
+        "--smoke"
+        if args.smoke
+        else f"--rooms {' '.join(map(str, args.rooms))} --steps {args.steps}"
+        + (" --no-cluster" if args.no_cluster else "")
+    )
     if args.json:
         print(json.dumps(results, indent=2))
         return
     print("round trips per scheduler step (every room polled once), target 1 per node")
-    for name, rows in results.items():
+    for name in ("standalone (1 node)", "cluster (3 nodes)"):
         print(f"[{name}]")
-        print(f"  {'rooms':>6s} {'prefill':>8s} {'decode':>8s} {'per-room':>9s} {'ratio':>7s}")
-        for r in rows:
+        print(f"  {'rooms':>6s} {'prefill':>8s} {'decode':>8s} {'per-room':>9s} {'us':>9s}")
+        for r in results.get(name, []):
             print(
                 f"  {r['rooms']:6d} {r['prefill_step']:8.2f} {r['decode_step']:8.2f} "
-                f"{r['prefill_step_per_room_poll']:9.2f} {r['ratio_prefill']:7.4f}"
+                f"{r['prefill_step_per_room_poll']:9.2f} {r['prefill_step_us']:9.1f}"
             )
+    print(f"{results['command']}; load {results['loadavg']}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 Run on the GPU machine (one short script, a few seconds):
 
     python tools/gpu_check.py [--layers 4] [--pages 1024] [--page-kib 16] [--proto-info]
+                              [--nixl] [--ucx-lanes] [--json] [--host-dry-run]
 
 1. Prints NVML facts (driver, each GPU's name, UUID, PCI bus id, memory, NVLink
    links, topology between GPUs) from ``pynvml`` (package nvidia-ml-py).
@@ -15,8 +16,16 @@ Run on the GPU machine (one short script, a few seconds):
    byte against what the sender's pages predict.
 4. Prints GB/s of each against an in-process device-to-device copy.
 
+``--nixl`` moves the same pages with NIXL 1.5 (UCX backend, WRITE, error handling
+on) between the same GPUs and prints kvstate / NIXL per layout (issue 33 target 1,
+same host: cuda_ipc between the GPUs of one node); ``--ucx-lanes`` says which UCX
+transports and put protocols each side's endpoints took (UCX's info log and protocol
+tables, read back from files; see tools/bench/transfer/lanes.py); ``--json`` prints
+one JSON document.
+
 ``--host-dry-run`` runs the same processes on numpy arrays through the same
-UCX put path (no GPU needed) to check the script itself.
+UCX put path (no GPU needed) to check the script itself (and NIXL's side, on host
+memory, where NIXL is installed).
 
 Exit status: 0 all bytes verified; 1 a mismatch or a transfer error; 2 no GPU
 (or neither cupy nor torch with CUDA).
@@ -26,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
+import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -41,6 +52,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+from tools import gpu_nixl  # noqa: E402
+from tools.gpu_arrays import Device, digests, expected, fragmented, host_layer  # noqa: E402
 
 NO_GPU = 2
 
@@ -95,89 +109,6 @@ def nvml_facts() -> tuple[int, list[str]]:
         pynvml.nvmlShutdown()
 
 
-class Device:
-    """cupy or torch, whichever imports with CUDA: allocate, upload, download, copy."""
-
-    def __init__(self, host: bool = False) -> None:
-        self.kind = ""
-        if host:  # --host-dry-run: numpy arrays, to check this script's plumbing anywhere
-            self.kind = "numpy"
-            return
-        try:
-            import cupy
-
-            cupy.cuda.runtime.getDeviceCount()
-            self.cp: Any = cupy
-            self.kind = "cupy"
-            return
-        except Exception:
-            pass
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                self.torch: Any = torch
-                self.kind = "torch"
-        except Exception:
-            pass
-
-    def upload(self, host: np.ndarray) -> Any:
-        if self.kind == "numpy":
-            return host.copy()
-        if self.kind == "cupy":
-            return self.cp.asarray(host)
-        return self.torch.from_numpy(host).to("cuda")
-
-    def zeros(self, nbytes: int) -> Any:
-        if self.kind == "numpy":
-            return np.zeros(nbytes, dtype=np.uint8)
-        if self.kind == "cupy":
-            return self.cp.zeros(nbytes, dtype=self.cp.uint8)
-        return self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda")
-
-    def download(self, arr: Any) -> np.ndarray:
-        if self.kind == "numpy":
-            return np.asarray(arr)
-        if self.kind == "cupy":
-            return self.cp.asnumpy(arr)
-        return arr.cpu().numpy()
-
-    def sync(self) -> None:
-        if self.kind == "numpy":
-            return
-        if self.kind == "cupy":
-            self.cp.cuda.runtime.deviceSynchronize()
-        else:
-            self.torch.cuda.synchronize()
-
-    def copy(self, dst: Any, src: Any) -> None:
-        if self.kind == "numpy":
-            np.copyto(dst, src)
-        elif self.kind == "cupy":
-            dst[...] = src
-        else:
-            dst.copy_(src)
-
-
-def host_layer(layer: int, nbytes: int) -> np.ndarray:
-    return np.random.default_rng(99 + layer).integers(0, 256, size=nbytes, dtype=np.uint8)
-
-
-def fragmented(pages: int, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    lens: list[int] = []
-    while sum(lens) < pages:
-        lens.append(min(int(rng.integers(1, 9)), pages - sum(lens)))
-
-    def place() -> np.ndarray:
-        order = rng.permutation(len(lens))
-        pos = np.empty(len(lens), dtype=np.int64)
-        pos[order] = np.concatenate(([0], np.cumsum([lens[k] for k in order])[:-1]))
-        return np.concatenate([np.arange(pos[k], pos[k] + lens[k]) for k in range(len(lens))])
-
-    return place().astype(np.int32), place().astype(np.int32)
-
-
 def _receiver(
     conn: Connection, gpu: str, layers: int, nbytes: int, page_bytes: int, dry: bool
 ) -> None:
@@ -195,14 +126,9 @@ def _receiver(
             cmd = conn.recv()
             if cmd == "digest":
                 dev.sync()
-                conn.send(("ok", [hashlib.sha256(dev.download(b).data).hexdigest() for b in bufs]))
+                conn.send(("ok", digests(dev, bufs)))
             elif cmd == "zero":
-                for b in bufs:
-                    if dev.kind in ("cupy", "numpy"):
-                        b.fill(0)
-                    else:
-                        b.zero_()
-                dev.sync()
+                dev.zero(bufs)
                 conn.send(("ok", None))
             else:
                 t.close()
@@ -249,12 +175,7 @@ def _sender(
                 times.append(time.perf_counter() - t0)
             rx.send("digest")
             status, got = rx.recv()
-            want = []
-            for layer in range(layers):
-                s = host_layer(layer, nbytes).reshape(pages, page_bytes)
-                d = np.zeros_like(s)
-                d[dst] = s[src]
-                want.append(hashlib.sha256(d.data).hexdigest())
+            want = expected(layers, nbytes, page_bytes, src, dst)
             out[name] = {"median_s": statistics.median(times), "verified": got == want}
         # In-process device copy of the same bytes: the local ceiling.
         dst_bufs = [dev.zeros(nbytes) for _ in range(layers)]
@@ -273,6 +194,50 @@ def _sender(
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+def run_pair(
+    rx_target: Any, rx_args: tuple[Any, ...], tx_target: Any, tx_args: Any
+) -> tuple[str, dict[str, Any]]:
+    """A receiver process, then a sender given ``tx_args(receiver_info, rx_conn)``;
+    (array kind, results) or a RuntimeError with what went wrong."""
+    ctx = multiprocessing.get_context("spawn")
+    a, b = ctx.Pipe()
+    rxp = ctx.Process(target=rx_target, args=(b, *rx_args), daemon=True)
+    rxp.start()
+    try:
+        if not a.poll(120):
+            raise RuntimeError("receiver did not start")
+        status, info = a.recv()
+        if status != "ok":
+            raise RuntimeError(info)
+        c, d = ctx.Pipe()
+        txp = ctx.Process(target=tx_target, args=(d, *tx_args(info, a)), daemon=True)
+        txp.start()
+        if not c.poll(300):
+            txp.kill()
+            raise RuntimeError("sender did not finish")
+        status, res = c.recv()
+        txp.join(10)
+        if status != "ok":
+            raise RuntimeError(res)
+        return res  # type: ignore[no-any-return]
+    finally:
+        with contextlib.suppress(OSError):
+            a.send("stop")
+        rxp.join(10)
+        if rxp.is_alive():
+            rxp.kill()
+
+
+def lanes_env(directory: str, key: str) -> None:
+    """UCX's endpoint lanes and protocol tables of the next processes into files
+    (tools/bench/transfer/lanes.py reads them back)."""
+    os.environ.update(
+        UCX_LOG_LEVEL="info",
+        UCX_PROTO_INFO="y",
+        UCX_LOG_FILE=f"{directory}/gpu.{key}.%p.log",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -285,11 +250,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="numpy arrays instead of device arrays (checks the plumbing, no GPU)",
     )
+    ap.add_argument(
+        "--nixl",
+        action="store_true",
+        help="the same pages by NIXL (UCX backend, error handling on), ratios kvstate/NIXL",
+    )
+    ap.add_argument(
+        "--ucx-lanes",
+        action="store_true",
+        help="which UCX transports and put protocols each side's endpoints used",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = ap.parse_args(argv)
+    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    out = sys.stdout
+    if args.json:  # NIXL's libraries log to stdout, children too: keep it for the document
+        sys.stdout.flush()
+        out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
 
     count, lines = nvml_facts()
     for line in lines:
-        print(f"nvml: {line}")
+        say(f"nvml: {line}")
     if args.host_dry_run:
         count = max(count, 1)
     elif count == 0:
@@ -310,72 +292,89 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = args.pages * page_bytes
     total = nbytes * args.layers
     rx_gpu, tx_gpu = ("1", "0") if count >= 2 and not args.host_dry_run else ("0", "0")
-    ctx = multiprocessing.get_context("spawn")
-    a, b = ctx.Pipe()
-    rxp = ctx.Process(
-        target=_receiver,
-        args=(b, rx_gpu, args.layers, nbytes, page_bytes, args.host_dry_run),
-        daemon=True,
-    )
-    rxp.start()
-    code = 1
+    dry, reps, layers = args.host_dry_run, args.reps, args.layers
+    lanes_dir = tempfile.mkdtemp(prefix="kvstate-gpu-lanes-") if args.ucx_lanes else None
+    results: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    kind = ""
     try:
-        if not a.poll(120):
-            print("receiver did not start", file=sys.stderr)
-            return 1
-        status, info = a.recv()
-        if status != "ok":
-            print(info, file=sys.stderr)
-            return 1
-        endpoint, layout, kind = info
-        c, d = ctx.Pipe()
-        txp = ctx.Process(
-            target=_sender,
-            args=(
-                d,
-                tx_gpu,
-                args.layers,
-                nbytes,
-                page_bytes,
-                endpoint,
-                layout,
-                a,
-                args.reps,
-                args.host_dry_run,
-            ),
-            daemon=True,
+        if lanes_dir:
+            lanes_env(lanes_dir, "kvstate")
+        kind, results["kvstate"] = run_pair(
+            _receiver,
+            (rx_gpu, layers, nbytes, page_bytes, dry),
+            _sender,
+            lambda info, rx: (tx_gpu, layers, nbytes, page_bytes, info[0], info[1], rx, reps, dry),
         )
-        txp.start()
-        if not c.poll(300):
-            print("sender did not finish", file=sys.stderr)
-            txp.kill()
-            return 1
-        status, res = c.recv()
-        txp.join(10)
-        if status != "ok":
-            print(res, file=sys.stderr)
-            return 1
-        kind, out = res
+        if args.nixl and not gpu_nixl.available():
+            notes.append("NIXL not installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)")
+        elif args.nixl:
+            if lanes_dir:
+                lanes_env(lanes_dir, "nixl")
+            _, results["nixl"] = run_pair(
+                gpu_nixl.receiver,
+                (rx_gpu, layers, nbytes, dry, "peer"),
+                gpu_nixl.sender,
+                lambda info, rx: (tx_gpu, layers, nbytes, page_bytes, info, rx, reps, dry, "peer"),
+            )
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    finally:
+        for var in ("UCX_LOG_LEVEL", "UCX_LOG_FILE"):
+            os.environ.pop(var, None)
+    base = total / results["kvstate"].pop("device copy")["median_s"] / 1e9
+    doc: dict[str, Any] = {
+        "config": {"layers": layers, "pages": args.pages, "page_kib": args.page_kib},
+        "arrays": kind,
+        "memory": "host (dry run)" if dry else "device",
+        "receiver_gpu": rx_gpu,
+        "sender_gpu": tx_gpu,
+        "device_copy_gbps": round(base, 3),
+        "results": {
+            system: {
+                case: {"gbps": round(total / r["median_s"] / 1e9, 3), "verified": r["verified"]}
+                for case, r in out.items()
+            }
+            for system, out in results.items()
+        },
+        "notes": notes,
+    }
+    if "nixl" in results:
+        doc["ratios_kvstate_over_nixl"] = {
+            case: round(r["gbps"] / doc["results"]["nixl"][case]["gbps"], 3)
+            for case, r in doc["results"]["kvstate"].items()
+        }
+    if lanes_dir:
+        from tools.bench.transfer.lanes import read
+
+        doc["ucx_lanes"] = read(lanes_dir).get("gpu", {})
+        shutil.rmtree(lanes_dir, ignore_errors=True)
+    code = 0 if all(r["verified"] for out in results.values() for r in out.values()) else 1
+    if args.json:
+        out.write(json.dumps(doc, indent=2) + "\n")
+        out.flush()
+    else:
         print(
-            f"{args.layers} layers x {args.pages} pages x {args.page_kib} KiB "
+            f"{layers} layers x {args.pages} pages x {args.page_kib} KiB "
             f"({total / 2**20:.0f} MiB) with {kind}; receiver GPU {rx_gpu}, sender GPU {tx_gpu}"
         )
-        base = total / out["device copy"]["median_s"] / 1e9
-        for name, r in out.items():
-            bw = total / r["median_s"] / 1e9
-            print(
-                f"  {name:<12} {bw:8.2f} GB/s  {bw / base:5.2f} x device copy  "
-                f"verified={r['verified']}"
-            )
-        code = 0 if all(r["verified"] in (True, None) for r in out.values()) else 1
+        print(f"  device copy   {base:8.2f} GB/s")
+        for system, out in doc["results"].items():
+            for case, r in out.items():
+                print(
+                    f"  {system:<8} {case:<12} {r['gbps']:8.2f} GB/s  "
+                    f"{r['gbps'] / base:5.2f} x device copy  verified={r['verified']}"
+                )
+        for case, ratio in doc.get("ratios_kvstate_over_nixl", {}).items():
+            print(f"  kvstate / NIXL {case}: {ratio:.2f}")
+        for system, found in doc.get("ucx_lanes", {}).items():
+            for line in found:
+                print(f"  ucx lanes {system}: {line}")
+        for note in notes:
+            print(f"note: {note}")
         print("OK: every byte verified" if code == 0 else "MISMATCH: receiver bytes differ")
-        return code
-    finally:
-        with contextlib.suppress(OSError):
-            a.send("stop")
-        rxp.join(10)
-        if rxp.is_alive():
-            rxp.kill()
+    return code
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Same-host writes with ``process_vm_writev`` (cross memory attach), batched.
 
-Why not UCX's own CMA lane: measured with UCX 1.21 here, UCX selects CMA only
-for endpoints without error handling, and on such an endpoint a put into a
-process that has died makes UCX abort the *sender* (``cma_ep.c`` logs the
-failed ``process_vm_writev`` at fatal level). With error handling on, UCX falls
-back to TCP on one host (0.2-0.3 GB/s for puts). So on one host the transport
-issues the same system call itself: up to 1024 page runs per call, no per-run
+Why not UCX's own CMA lane: measured with UCX 1.21 here, on an endpoint without
+error handling a put into a process that has died makes UCX abort the *sender*
+(``cma_ep.c`` logs the failed ``process_vm_writev`` at fatal level). With error
+handling on, UCX keeps its cma lane only with an infinite rendezvous threshold
+(``transports.ucx.settings``: kvstate passes one; with ucxx's 8192 it fell back
+to TCP on one host, 0.2-1 GB/s for puts), and even then one UCX put per run is
+slower than this module's batched calls over two threads. So on one host the
+transport issues the same system call itself: up to 1024 page runs per call, no per-run
 Python cost, and a dead peer is an ``errno`` (ESRCH), not an abort. A large
 write is split by bytes over a few threads (``write_runs``): the kernel pins
 and maps every 4 KiB page it copies, so one thread stayed near 0.4x an
@@ -86,6 +88,13 @@ def _pid_ns() -> str:
         return ""
 
 
+def _net_ns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
 @dataclass(frozen=True)
 class Identity:
     """Who this process is, precisely enough to find it again on the same host."""
@@ -94,11 +103,18 @@ class Identity:
     pid_ns: str
     pid: int
     start_time: int
+    net_ns: str = ""  # '' from a peer that does not say (an older layout)
 
     @classmethod
     def here(cls) -> Identity:
         pid = os.getpid()
-        return cls(_read("/proc/sys/kernel/random/boot_id"), _pid_ns(), pid, _start_time(pid) or 0)
+        return cls(
+            _read("/proc/sys/kernel/random/boot_id"),
+            _pid_ns(),
+            pid,
+            _start_time(pid) or 0,
+            _net_ns(),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +122,7 @@ class Identity:
             "pid_ns": self.pid_ns,
             "pid": self.pid,
             "start_time": self.start_time,
+            "net_ns": self.net_ns,
         }
 
     @classmethod
@@ -113,12 +130,24 @@ class Identity:
         if not isinstance(d, dict):
             return None
         try:
-            return cls(str(d["boot_id"]), str(d["pid_ns"]), int(d["pid"]), int(d["start_time"]))
+            return cls(
+                str(d["boot_id"]),
+                str(d["pid_ns"]),
+                int(d["pid"]),
+                int(d["start_time"]),
+                str(d.get("net_ns", "")),
+            )
         except (KeyError, TypeError, ValueError):
             return None
 
     def same_host(self, other: Identity) -> bool:
         return bool(self.boot_id) and (self.boot_id, self.pid_ns) == (other.boot_id, other.pid_ns)
+
+    def same_net(self, other: Identity) -> bool:
+        """On this host and in this network namespace (UCX reaches such a peer by
+        shared memory; another namespace, a container's or the benchmark's stand-in for
+        another host, by its network)."""
+        return self.same_host(other) and bool(self.net_ns) and self.net_ns == other.net_ns
 
 
 class PtracerError(TransportError, ValueError):

@@ -28,13 +28,16 @@ Why this split (measured here, 2 vCPUs, UCX 1.21; ``tools/bench_transfer.py``)
     * ucxx 0.52 has no RMA in Python; a Python-level message costs 55-200 us,
       so one message per run made fragmented transfers 4x slower. Puts go
       through ctypes on the libucp that ucxx loaded (~3 us per put to post).
-    * UCX's own CMA lane is only selected for endpoints WITHOUT error handling,
-      and on those a put into a process that has died aborts the sender
-      (``cma_ep.c`` logs the failed ``process_vm_writev`` at fatal level; seen
-      with a SIGKILLed receiver). With error handling on, UCX uses TCP on one
-      host (0.3-0.7 GB/s for puts). Issuing the same system call ourselves
-      keeps CMA speed (4.5-5.8 GB/s, fragmented within 0.85-0.95 of contiguous,
-      on par with an in-process memcpy) and turns a dead peer into ESRCH.
+    * Without error handling, a put into a process that has died aborts the
+      sender inside UCX's CMA lane (``cma_ep.c`` logs the failed
+      ``process_vm_writev`` at fatal level; seen with a SIGKILLed receiver). With
+      error handling on, UCX 1.21 keeps a cma lane on one host only when its
+      rendezvous threshold is infinite (ucxx sets 8192; kvstate passes ``inf``:
+      ``settings``), and then a dead receiver fails the write instead
+      (``tests/test_transport.py``, receiver killed mid-transfer, UCX path).
+      Issuing the system call ourselves is still faster (4.5-9 GB/s, two
+      threads, on par with an in-process memcpy) and turns a dead peer into
+      ESRCH, so host memory on one host takes it by default.
     * Packing runs into a staging buffer and scattering on the receiver would
       add two copies on a 2-core host; not needed with either path above.
 

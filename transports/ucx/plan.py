@@ -126,6 +126,7 @@ def make_plans(
     cma_from: cma.Identity | None,
     no_cma: Collection[bytes],
     put_chunk: int = 0,
+    here: cma.Identity | None = None,
 ) -> list[Plan]:
     """Validate everything and turn each target into per-layer put lists.
 
@@ -133,7 +134,9 @@ def make_plans(
     (None: every target goes through UCX); ``no_cma`` the endpoints where the
     kernel refused them. ``put_chunk`` (bytes, 0: no limit) cuts the UCX puts
     of host memory into pieces of at most that size (``UCXSettings.put_chunk``
-    says why); the same-host iovecs keep whole runs.
+    says why) for peers on another host; ``here`` is this process: to a peer on
+    this host and network namespace UCX puts over cma, where whole runs are faster
+    (``chunk_for``). The same-host iovecs keep whole runs.
     """
     if not regions:
         raise LayoutError("write() before register_buffers()")
@@ -153,10 +156,10 @@ def make_plans(
             raise LayoutError(
                 f"room {room}: {src.size} source pages but {dst.size} destination pages for {name}"
             )
-        plan, (locals_, remotes, sizes) = _plan_target(
-            t.endpoint, name, pairs, merge_runs(src, dst), t.heads, put_chunk
-        )
         peer = cma.Identity.from_dict(t.layout.get("id"))
+        plan, (locals_, remotes, sizes) = _plan_target(
+            t.endpoint, name, pairs, merge_runs(src, dst), t.heads, chunk_for(put_chunk, here, peer)
+        )
         if (
             cma_from is not None
             and peer is not None
@@ -171,6 +174,16 @@ def make_plans(
             plan.remote_iov = cma.iovecs(np.concatenate(remotes), length)
         plans.append(plan)
     return plans
+
+
+def chunk_for(put_chunk: int, here: cma.Identity | None, peer: cma.Identity | None) -> int:
+    """The put size limit for one peer: ``put_chunk`` (bytes, 0: none) for a peer on
+    another host, or of unknown place; 0 for one on this host and network namespace,
+    which UCX reaches over cma (zero-copy; one put per run beat 64 KiB puts there,
+    ``UCXSettings.put_chunk``)."""
+    if here is not None and peer is not None and here.same_net(peer):
+        return 0
+    return put_chunk
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,11 @@ class Runtime:
     async def _init(self) -> None:
         import ucxx  # heavy import, and UCX must see the environment set above
 
-        ucxx.init(progress_mode=self.settings.progress_mode)
+        # an option, not the environment: ucxx's import exports UCX_RNDV_THRESH=8192
+        ucxx.init(
+            options={"RNDV_THRESH": self.settings.rndv_thresh},
+            progress_mode=self.settings.progress_mode,
+        )
         self.ctx = ucxx.core._get_ctx()
         self.ucxx = ucxx
         self.context_h: int = self.ctx.context.handle

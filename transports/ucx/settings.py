@@ -15,11 +15,13 @@ Settings (each can be overridden)
     * ``UCX_DEFAULTS`` are exported unless the environment sets them (the
       environment wins; ``ucx_env()`` says what is in effect):
       ``UCX_TCP_TX_SEG_SIZE=256K`` and ``UCX_TCP_RX_SEG_SIZE=512K`` (UCX: 8K
-      and 64K). With error handling on, UCX has no zero-copy put over TCP and
-      emulates each put with active messages of at most one TX segment
+      and 64K). With error handling on and ucxx's rendezvous threshold (8192,
+      before ``KVSTATE_UCX_RNDV_THRESH`` below), UCX had no zero-copy put over
+      TCP and emulated each put with active messages of at most one TX segment
       (``UCX_PROTO_INFO=y`` shows it), so 8K segments meant 2048 messages per
-      16 MiB put. Measured between two network namespaces over a veth pair,
-      settings timed in turn (``tools/bench_transfer.py --cross-host``;
+      16 MiB put; the measurements here are from then. Measured between two
+      network namespaces over a veth pair, settings timed in turn
+      (``tools/bench_transfer.py --cross-host``;
       docs/benchmarks.md has the figures): fragmented pages 1.4-1.5 -> 3.6 GB/s,
       contiguous unchanged (1.5-1.6); 1M/2M: contiguous 1.9-2.1, fragmented
       3.1-3.3, at 4-6x the memory below.
@@ -28,6 +30,22 @@ Settings (each can be overridden)
       MiB on a sender writing to 4 receivers (+0.4 MiB on each receiver),
       against UCX's defaults. TX must not exceed RX (UCX refuses it; checked
       here with a clear error). RDMA, cuda_ipc and shared memory ignore them.
+    * ``KVSTATE_UCX_RNDV_THRESH`` (default ``inf``): UCX's ``RNDV_THRESH`` for
+      kvstate's UCX context, passed to ``ucxx.init`` as an option (it wins over
+      ``UCX_RNDV_THRESH``, which ucxx exports as 8192 on import whenever the
+      environment lacks it, so that variable cannot tell a user's choice from
+      ucxx's). With error handling on and a finite threshold, UCX 1.21 builds a
+      same-host endpoint on tcp/lo alone and emulates every put of host memory by
+      active messages over loopback TCP (``UCX_PROTO_INFO=y``: "software emulation
+      via tcp/lo"); with ``inf`` the endpoint keeps a cma lane and puts go
+      zero-copy over it ("zero-copy via cma/memory"), as NIXL's own UCX build does
+      with error handling on. Measured on one host, ``KVSTATE_UCX_CMA=0``, 64 MiB,
+      timed in turn (``tools/bench_transfer.py --ucx-lanes``, load 4.9, 2 CPUs):
+      contiguous 1.15 -> 4.61 GB/s, fragmented 1.12 -> 2.30 (NIXL 1.5.1's best 4.15
+      / 1.94). kvstate's data moves by puts only, so no message of its own takes
+      UCX's rendezvous. Between two network namespaces (TCP) puts then go
+      zero-copy over TCP instead of emulated (contiguous 0.93 -> 1.08 GB/s,
+      fragmented 0.82 -> 0.91, one run at load 3.4, ``--cross-host``).
     * ``UCX_TLS``, ``UCX_RNDV_SCHEME`` and the rest are left to UCX unless set
       in the environment (puts do not use rendezvous; UCX picks RDMA,
       cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is a
@@ -43,7 +61,10 @@ Settings (each can be overridden)
       c0:KVSTATE_UCX_PUT_CHUNK=0``, load 0.9-3.7 on 2 CPUs): contiguous pages
       0.81-1.43x (median 1.23), fragmented pages (runs of 16-128 KiB)
       0.79-1.06x (median 1.04); 32K and 128K were not better. GPU memory is
-      not cut (cuda_ipc and RDMA move big puts best).
+      not cut (cuda_ipc and RDMA move big puts best), nor host memory to a peer on
+      this host and network namespace, which UCX puts over cma (zero-copy): whole
+      runs there against 64K, timed in turn (``KVSTATE_UCX_CMA=0``, load 2.4):
+      contiguous 4.66 -> 7.09 GB/s, fragmented 4.17 -> 4.91.
     * ``KVSTATE_CMA_THREADS`` (default 2; 1 on a 1-CPU host): a same-host
       write of at least 8 MiB is split by bytes into that many parts, each a
       series of ``process_vm_writev`` calls on its own thread (the calling
@@ -143,6 +164,10 @@ class UCXSettings:
     cma: bool = field(default_factory=lambda: _env_flag("KVSTATE_UCX_CMA", True))
     tls: str | None = field(default_factory=lambda: os.environ.get("UCX_TLS"))
     rndv_scheme: str | None = field(default_factory=lambda: os.environ.get("UCX_RNDV_SCHEME"))
+    #: UCX's RNDV_THRESH for kvstate's context (an option to ucxx.init); see the docstring
+    rndv_thresh: str = field(
+        default_factory=lambda: os.environ.get("KVSTATE_UCX_RNDV_THRESH", "").strip() or "inf"
+    )
     #: largest UCX put of host memory in bytes (0: no limit); see the module docstring
     put_chunk: int = field(default_factory=_put_chunk)
     #: threads for one large same-host write (process_vm_writev); see the module docstring

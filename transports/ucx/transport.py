@@ -201,6 +201,7 @@ class UCXTransport(Transport):
             self._identity if self.settings.cma else None,
             self._no_cma,
             self.settings.put_chunk,
+            self._identity,
         )
         if not plans:
             self._record(0, 0.0, ok=True)

@@ -90,6 +90,10 @@ class SchedulerSide:
         self.hash_block_size = int(
             getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size
         )
+        # the facts as params once (every request hands them on), and each prefill's
+        # facts read and judged once: these hooks run for every request of a step
+        self._facts_params = self.facts.params() if self.facts is not None else None
+        self._judged: dict[tuple[Any, ...], tuple[KVFacts | None, str]] = {}
         self.stats = KVStateConnectorStats()
         self._store: Store | None = None
         self._recv: dict[str, Load] = {}
@@ -115,12 +119,29 @@ class SchedulerSide:
         except KVStateError as exc:
             log.warning("room %s: abort (%s) failed: %s", room, reason, exc)
 
-    def _refusal(self, params: dict[str, Any]) -> str:
-        """Why this engine cannot take the prefill's pages ('' if it can)."""
+    def _judge(self, params: dict[str, Any]) -> tuple[KVFacts | None, str]:
+        """The prefill's facts and why this engine cannot take its pages ('' if it
+        can), remembered per prefill engine and facts (a few entries: one per prefill
+        configuration seen)."""
         assert self.facts is not None
         remote = str(params.get("remote_engine_id"))
-        theirs = KVFacts.from_params(params.get("kvstate_kv"))
-        return refusal(remote, theirs, self.engine, self.facts)
+        raw = params.get("kvstate_kv")
+        try:
+            key: tuple[Any, ...] = (remote, *sorted(raw.items())) if isinstance(raw, dict) else ()
+            hash(key)
+        except TypeError:  # a value that is not hashable: judged each time
+            key = ()
+        verdict = self._judged.get(key) if key else None
+        if verdict is None:
+            theirs = KVFacts.from_params(raw)
+            verdict = (theirs, refusal(remote, theirs, self.engine, self.facts))
+            if key and len(self._judged) < 256:
+                self._judged[key] = verdict
+        return verdict
+
+    def _refusal(self, params: dict[str, Any]) -> str:
+        """Why this engine cannot take the prefill's pages ('' if it can)."""
+        return self._judge(params)[1]
 
     def _fall_back(self, request: Any, remote: str, why: str) -> None:
         """A request computed here because its KV cannot come: counted, and a WARNING
@@ -203,7 +224,7 @@ class SchedulerSide:
                 log.info("request %s: not loading room %s: %s", request.request_id, room, why)
             self._abort(room, f"request {request.request_id} loads nothing: {why}")
             return
-        facts = KVFacts.from_params(params.get("kvstate_kv"))
+        facts = self._judge(params)[0]
         assert facts is not None  # _refusal accepted them
         ids, why = self._pages(blocks, params.get("kvstate_blocks"))
         if why:  # the blocks are allocated: the load fails (vLLM's failure policy)
@@ -302,7 +323,7 @@ class SchedulerSide:
             "FINISHED_STOPPED",
         ):
             return False, None  # aborted (or failed) on prefill: nothing to hand over
-        assert self.facts is not None
+        assert self._facts_params is not None
         try:
             kept = [g.clip(block_ids[i]) for g, i in zip(self.groups, self.transfer, strict=True)]
         except LayoutRefusedError as exc:  # nothing handed over: the decode computes it
@@ -318,7 +339,7 @@ class SchedulerSide:
             "kvstate_room": room,
             "kvstate_nonce": nonce,
             "remote_engine_id": self.engine,
-            "kvstate_kv": self.facts.params(),
+            "kvstate_kv": dict(self._facts_params),
             "kvstate_blocks": [len(ids) for ids in kept],
         }
 

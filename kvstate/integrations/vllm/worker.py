@@ -10,10 +10,14 @@ decode rank reads from get a dummy route), and declares how many decode ranks ea
 serves; a prefill worker's sender waits for as many (``required_receivers=None``).
 
 Per step (``get_finished``, called once per step by vLLM's worker glue): one
-``poll_many`` over every pending room of this rank, pages pushed into rooms whose
-decode published, one ``clear_many`` for the rooms that concluded. A room kvstate
-cannot read (listed in ``.errors`` for another reason than a connection) fails its
-request alone. What happened is counted for vLLM's stats (metrics.py).
+``poll_many`` over every pending room of this rank (but the rooms ``start_load_kv``
+published this step: its ``init_many`` answered for them), then, if any decode
+published, one ``begin_many`` for those rooms, their pages pushed, one ``finish_many``;
+one ``clear_many`` for the rooms that concluded. So a step makes no round trip with
+nothing in flight, one while rooms wait, and a few (not one per room) when rooms start,
+move or conclude. A room kvstate cannot read (listed in ``.errors`` for another reason
+than a connection) fails its request alone. What happened is counted for vLLM's stats
+(metrics.py).
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ class WorkerSide:
         # load is reported by request (KVConnectorTransferResults.failed_recving)
         self.by_request = kv_cache_config is not None and len(groups_of(kv_cache_config)) > 1
         self._unclear: set[int] = set()  # concluded rooms whose clear must be retried
+        self._fresh: set[int] = set()  # rooms init_many answered for this step
+        self._written: dict[int, tuple[float, int]] = {}  # pushed, not finished: (s, bytes)
 
     # -- start-up -------------------------------------------------------------------
     def _check_device(self, kv_caches: dict[str, Any]) -> None:
@@ -173,8 +179,8 @@ class WorkerSide:
         """This step's new rooms: prefill senders hold their blocks, decode receivers
         publish theirs (one batch for the step)."""
         mgr = self.mgr
-        if mgr is None:
-            return
+        if mgr is None or not (meta.send or meta.recv or meta.abort):
+            return  # most steps: nothing new
         for req_id, (room, blocks) in meta.send.items():
             snd = mgr.sender(room, required_receivers=None, trace_context=meta.traces.get(req_id))
             self._sending[req_id] = (snd, blocks)
@@ -209,7 +215,8 @@ class WorkerSide:
                     log.warning("room %s: abort failed: %s", rcv.room, exc)
         if pages:
             try:  # a room not published now is published by its next poll's binding
-                mgr.init_many(pages)
+                answered = mgr.init_many(pages)
+                self._fresh = set(answered) - set(answered.errors)
             except KVStateError as exc:
                 log.warning("%s: publishing %d room(s) failed: %s", self.name, len(pages), exc)
 
@@ -234,10 +241,11 @@ class WorkerSide:
         """(requests whose blocks the prefill may free, requests whose load ended)."""
         mgr = self.mgr
         loaded, self._refused = self._refused, set()
+        fresh, self._fresh = self._fresh, set()
         if mgr is None or not (self._sending or self._loading or self._unclear):
             return set(), loaded
         rooms = [s.room for s, _ in self._sending.values()]
-        rooms += [r.room for r, _ in self._loading.values()]
+        rooms += [r.room for r, _ in self._loading.values() if r.room not in fresh]
         try:
             res = self._poll(mgr, rooms) if rooms else PollResults()
         except StateConnectionError as exc:  # Redis away: statuses stay, try next step
@@ -246,12 +254,12 @@ class WorkerSide:
         bad = {r: e for r, e in res.errors.items() if not isinstance(e, StateConnectionError)}
         done: list[int] = []
         sent: set[str] = set()
-        for req_id, (snd, blocks) in list(self._sending.items()):
+        self._push(mgr, bad)
+        for req_id, (snd, _) in list(self._sending.items()):
             if snd.room in bad:
                 self._give_up(snd, bad[snd.room])
-            elif snd.status == KVPoll.WaitingForInput:
-                self._send(snd, blocks)
             if snd.room in bad or snd.status in DONE:
+                self._written.pop(snd.room, None)
                 if snd.room in bad or snd.status == KVPoll.Failed:
                     self._count_failure(snd)
                 sent.add(req_id)
@@ -282,11 +290,44 @@ class WorkerSide:
         elif reason.startswith("transfer failed"):
             self.stats.record("num_failed_transfers")
 
-    def _send(self, snd: KVSender, blocks: list[list[int]]) -> None:
-        """Push the request's pages: of each KV cache group, the tail the decode asked
-        for (it may have the head cached; groups.split reads how much of each group
-        from the number of pages it published); a failure fails the room, which send()
-        records."""
+    def _push(self, mgr: KVManager, bad: dict[int, KVStateError]) -> None:
+        """The senders whose decode published, as one batch: one ``begin_many``, each
+        room's pages pushed, one ``finish_many``. Rooms an earlier step began but could
+        not push (Redis lost mid-write: the pages are pushed again, the same bytes) or
+        pushed but could not finish are taken up where they stopped."""
+        live = [(s, b) for s, b in self._sending.values() if s.room not in bad]
+        ready = {s.room: (s, b) for s, b in live if s.status == KVPoll.WaitingForInput}
+        unpushed = [
+            (s, b)
+            for s, b in live
+            if s.status == KVPoll.Transferring and s.room not in self._written
+        ]
+        if ready:
+            try:
+                mgr.begin_many(list(ready))
+            except StateConnectionError as exc:  # statuses stay: the next step begins them
+                log.warning("%s: beginning %d room(s) failed: %s", self.name, len(ready), exc)
+                ready = {}
+        for snd, blocks in [*unpushed, *ready.values()]:
+            if snd.status == KVPoll.Transferring:  # else failed meanwhile: write nothing
+                self._write(snd, blocks)
+        if not self._written:
+            return
+        try:
+            res = mgr.finish_many(sorted(self._written))
+        except StateConnectionError as exc:  # pushed: finish them next step
+            log.warning("%s: finishing %d room(s) failed: %s", self.name, len(self._written), exc)
+            return
+        for room, status in res.items():
+            took, nbytes = self._written.pop(room)
+            if status == KVPoll.Success and nbytes:  # a dummy route moves nothing
+                self.stats.record_transfer(took, nbytes)
+
+    def _write(self, snd: KVSender, blocks: list[list[int]]) -> None:
+        """Push the request's pages, to be finished with the step's batch: of each KV
+        cache group, the tail the decode asked for (it may have the head cached;
+        groups.split reads how much of each group from the number of pages it
+        published); a failure fails the room, which send() records."""
         assert self.transport is not None
         try:
             want = max((len(i.kv_indices) for i in snd.transfer_infos().values()), default=0)
@@ -297,11 +338,11 @@ class WorkerSide:
                     f"KV cache groups' {[len(ids) for ids in blocks]} blocks makes"
                 )
             moved, t0 = self.transport.stats.bytes_moved, time.perf_counter()
-            status = snd.send(np.asarray(flatten(blocks, take), dtype=np.int64))
-            nbytes = self.transport.stats.bytes_moved - moved
-            if status == KVPoll.Success and nbytes:  # a dummy route moves nothing
-                self.stats.record_transfer(time.perf_counter() - t0, nbytes)
-        except StateConnectionError as exc:  # the room stays; the next step looks again
+            src = np.asarray(flatten(blocks, take), dtype=np.int64)
+            if snd.send(src, last=False) == KVPoll.Transferring:
+                nbytes = self.transport.stats.bytes_moved - moved
+                self._written[snd.room] = (time.perf_counter() - t0, nbytes)
+        except StateConnectionError as exc:  # the room stays; its timeouts stay the bound
             log.warning("room %s: send interrupted: %s", snd.room, exc)
         except KVStateError as exc:  # e.g. a receiver's infos kvstate cannot read
             self._give_up(snd, exc)

@@ -35,6 +35,13 @@ so a busy machine moves them less than the absolute figures):
   and batched, and FCALL / EVAL as the median of the rounds' ratios (``--eval`` forces
   the EVAL path for the whole run instead, to set against a run without it).
 
+- ``--tp-shapes`` (a mode of its own): rooms between TP groups of different sizes
+  (prefill x decode ranks 2x4, 4x2, 1x4, 4x1) against equal-TP rooms (2x2, 4x4), in
+  alternated rounds: round trips per batched step of each rank and Redis CPU per room,
+  per rank pair (the routes ``kvstate.tp`` makes) and per participant, each
+  heterogeneous shape as a ratio to the equal-TP room of its larger side (issue 33
+  target 5: the same round trips, CPU per rank pair <= 1.0x).
+
 ``--smoke`` is a check that the tool still runs (seconds; tests/test_tools.py), not a
 measurement: 20 lifecycles, one client process, 64 and 256 held rooms.
 
@@ -42,9 +49,10 @@ measurement: 20 lifecycles, one client process, 64 and 256 held rooms.
                                 [--batch 16] [--procs 1 2 4] [--no-cluster] [--no-durable]
                                 [--no-trace] [--no-fcall-vs-eval] [--eval]
                                 [--rooms-per-step 16 256 4096 10000]
+                                [--tp-shapes [--batch 16] [--rounds 30]]
 
 Modules: ``workload`` (the lifecycles), ``redis_cost`` (Redis-side counters),
 ``rounds`` (the PING bound interleaved with the workload), ``deployment`` (one
-deployment's figures), ``memory``, ``procs``, ``durable``, ``trace``, ``fcall``,
+deployment's figures), ``memory``, ``procs``, ``durable``, ``trace``, ``fcall``, ``tp_shapes``,
 ``cli``.
 """

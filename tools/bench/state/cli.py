@@ -14,6 +14,7 @@ from tools.bench.state.durable import durable_runs
 from tools.bench.state.fcall import fcall_vs_eval
 from tools.bench.state.memory import HELD_ROOMS
 from tools.bench.state.procs import processes
+from tools.bench.state.tp_shapes import tp_shapes
 from tools.bench.state.trace import trace_cost
 from tools.bench.state.workload import EVAL_ENV
 
@@ -53,7 +54,28 @@ def parser() -> argparse.ArgumentParser:
         help="only batched steps of N rooms each (e.g. 16 256 4096 10000): round trips per "
         "step and Redis us per lifecycle, standalone (and Cluster unless --no-cluster)",
     )
+    ap.add_argument(
+        "--tp-shapes",
+        action="store_true",
+        help="only rooms of heterogeneous TP (prefill x decode ranks: 2x4, 4x2, 1x4, 4x1) "
+        "against equal-TP rooms (2x2, 4x4): round trips per batched step of each rank and "
+        "Redis CPU per rank pair, with ratios (standalone; --batch rooms per step)",
+    )
+    ap.add_argument("--rounds", type=int, default=30, help="--tp-shapes: alternated rounds")
     return ap
+
+
+def shapes_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--tp-shapes``: heterogeneous TP rooms against equal-TP ones, one server."""
+    rounds = 2 if args.smoke else args.rounds
+    batch = 4 if args.smoke else args.batch
+    with RedisProcess(port="auto") as server:
+        out = tp_shapes(server.url, server, batch, rounds)
+    out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    out["command"] = "python tools/bench_state.py --tp-shapes" + (
+        " --smoke" if args.smoke else f" --batch {args.batch} --rounds {args.rounds}"
+    )
+    return out
 
 
 def steps_only(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if args.eval:
         os.environ[EVAL_ENV] = "1"
+    if args.tp_shapes:
+        print(json.dumps(shapes_only(args), indent=None if args.json else 2))
+        return
     if args.rooms_per_step:
         print(json.dumps(steps_only(args), indent=None if args.json else 2))
         return

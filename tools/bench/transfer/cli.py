@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import tools.bench.transfer as package
+from tools.bench.transfer.lanes import read as read_lanes
 from tools.bench.transfer.plot import plot
 from tools.bench.transfer.ratios import best_of, ratios_of
 from tools.bench.transfer.timing import run_mode
@@ -58,6 +61,12 @@ def parser() -> argparse.ArgumentParser:
         "chunk0:KVSTATE_UCX_PUT_CHUNK=0; repeatable",
     )
     ap.add_argument(
+        "--ucx-lanes",
+        action="store_true",
+        help="log which UCX transports each UCX user's endpoints used (UCX_LOG_LEVEL=info "
+        "into files of the run) and print them (JSON: ucx_lanes)",
+    )
+    ap.add_argument(
         "--skip",
         default="",
         help="comma list of systems or kinds: kvstate-cma,kvstate-ucx,ucxx,ucxx-eh,nixl,"
@@ -86,6 +95,10 @@ def print_table(doc: dict[str, Any], load0: float, load1: float) -> None:
         print(f"  best {key}: {hit['system']} ({hit['gbps']:.2f} GB/s)")
     for note in doc["notes"]:
         print(f"note: {note}")
+    for mode, found in doc.get("ucx_lanes", {}).items():
+        for key, configs in found.items():
+            for c in configs or ["(no endpoint logged)"]:
+                print(f"ucx lanes {mode} {key}: {c}")
     print(f"load average {load0:.2f} at start, {load1:.2f} at end; wall time {doc['wall_s']} s")
 
 
@@ -135,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
+    lanes_dir = tempfile.mkdtemp(prefix="kvstate-ucx-lanes-") if args.ucx_lanes else None
     for mode in modes:
-        rows += run_mode(mode, cfg, cases, skip, lanes, tuple(extras), say, notes)
+        rows += run_mode(mode, cfg, cases, skip, lanes, tuple(extras), say, notes, lanes_dir)
     ratios, ratios_each = ratios_of(rows)
     load1 = os.getloadavg()
     if args.plot:
@@ -153,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg": {"start": [round(x, 2) for x in load0], "end": [round(x, 2) for x in load1]},
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    if lanes_dir is not None:
+        doc["ucx_lanes"] = read_lanes(lanes_dir)
+        shutil.rmtree(lanes_dir, ignore_errors=True)
     if args.json:
         out.write(json.dumps(doc, indent=2) + "\n")
         out.flush()

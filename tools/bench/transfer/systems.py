@@ -51,7 +51,9 @@ def systems(
     # Raw ucxx tuned: put_zcopy rendezvous beat the default scheme over TCP (facts file and
     # a sweep here); blocking progress beat polling on 2 loaded cores; kvstate's TCP segment
     # defaults apply (it runs on the transport's UCX thread).
-    tuned = {"UCX_RNDV_SCHEME": "put_zcopy"}
+    # The one message takes UCX's rendezvous: ucxx's own threshold (8192), not the
+    # "inf" kvstate's puts run with (transports.ucx.settings), which would send it eager.
+    tuned = {"UCX_RNDV_SCHEME": "put_zcopy", "KVSTATE_UCX_RNDV_THRESH": "8192"}
     out = []
     if not cross:
         out.append(

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from tools.bench.transfer.lanes import logged
 from tools.bench.transfer.pair import Pair
 from tools.bench.transfer.runs import copy_ops
 from tools.bench.transfer.sites import site as site_of
@@ -63,9 +64,11 @@ def run_mode(
     extras: tuple[tuple[str, dict[str, str]], ...],
     say: Callable[[str], None],
     notes: list[str],
+    lanes_dir: str | None = None,
 ) -> list[dict[str, Any]]:
     """Start every system's pair, then time them rep by rep in turn (so a burst of load
-    from elsewhere hits all of them alike), then verify each."""
+    from elsewhere hits all of them alike), then verify each. ``lanes_dir``: UCX users
+    log their endpoints' transports there (``lanes``)."""
     rows: list[dict[str, Any]] = []
     with site_of(mode) as site, contextlib.ExitStack() as stack:
         say(f"[{mode}] {site.note}")
@@ -82,6 +85,8 @@ def run_mode(
                 )
                 continue
             say(f"[{mode}] starting {system.label} ...")
+            if lanes_dir is not None:
+                system = logged(system, lanes_dir, mode)
             try:
                 pairs.append(Pair(system, cfg, site, layouts))
             except Exception as exc:

@@ -1,0 +1,120 @@
+"""The connector's batched step on vLLM 0.34's own Scheduler, its worker side in this
+process (``tools/bench/steps``' engine, as the benchmark runs it; the rig's worker
+processes elsewhere): the rooms a step pushes take one ``begin_many`` and one
+``finish_many`` whatever their number, and a ``finish_many`` that does not reach Redis
+is made on the next step, the rooms concluding as usual (the prefill's Redis behind a
+proxy that drops it between two round trips of one step)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstate.testing import RedisProcess, RoundTrips
+from tests.integrations.vllm_engine import room_keys
+from tests.proxy import Proxy
+
+pytestmark = pytest.mark.vllm
+LONG_LEASE = (("lease", 600.0),)  # no heartbeat crosses the proxy during a step
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[tuple[str, Proxy, Any]]:
+    from tools.bench.steps.engine import write_model
+
+    with (
+        RedisProcess(tmp_path / "r", port="auto") as server,
+        Proxy(("127.0.0.1", server.port)) as proxy,
+        RoundTrips.installed(),
+    ):
+        yield server.url, proxy, write_model(tmp_path / "model")
+
+
+def engines(url: str, prefill_url: str, model: str, name: str) -> tuple[Any, Any]:
+    from tools.bench.steps.engine import Engine, Spec
+
+    p = Engine(
+        Spec("kv_producer", f"{name}-p", "KVStateConnector", prefill_url, model, 8, LONG_LEASE)
+    )
+    d = Engine(Spec("kv_consumer", f"{name}-d", "KVStateConnector", url, model, 8, LONG_LEASE))
+    return p, d
+
+
+def handed_over(p: Any, d: Any, rids: list[str]) -> None:
+    """The prefill finishes ``rids`` (rooms made), the decode publishes into them."""
+    for rid in rids:
+        p.add(rid, 1, {"do_remote_decode": True})
+    for _ in range(10):
+        if all(r in p.params for r in rids):
+            break
+        p.step()
+    for rid in rids:
+        d.add(rid, 2, p.params[rid])
+    for _ in range(2):
+        d.step()
+    # the prefill's senders wait for as many receivers as they declare: the first poll
+    # that sees the infos learns the count, the next finds the rooms ready
+    learn = p.step()
+    assert learn.hook_trips == {"get_finished": 1}, learn.hook_trips
+
+
+def settle(p: Any, d: Any, rids: list[str]) -> None:
+    for _ in range(50):
+        if all(r in d.finished for r in rids) and not any(
+            r in e.scheduler.requests for e in (p, d) for r in rids
+        ):
+            return
+        p.step()
+        d.step()
+    raise AssertionError(f"not settled: {[r for r in rids if r not in d.finished]}")
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_push_step_makes_the_same_round_trips_for_one_room_and_for_four(
+    rig: tuple[str, Proxy, Any], n: int
+) -> None:
+    url, _, model = rig
+    p, d = engines(url, url, model, f"flat{n}")
+    try:
+        rids = [f"r{i}" for i in range(n)]
+        handed_over(p, d, rids)
+        # poll_many, begin_many, the decode engine's registration (read once per engine
+        # incarnation: this is the first write to it), finish_many, clear_many
+        push = p.step()
+        assert push.hook_trips == {"get_finished": 5}, push.hook_trips
+        settle(p, d, rids)
+        assert room_keys(url) == []
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize(
+    "through",
+    [1, 2, 3, 4],
+    ids=["lost-at-begin", "lost-at-push", "lost-at-finish", "lost-at-clear"],
+)
+def test_redis_lost_mid_step_the_rooms_conclude_on_later_steps(
+    rig: tuple[str, Proxy, Any], through: int
+) -> None:
+    """The prefill's Redis drops after ``through`` requests of a push step (its
+    poll_many, begin_many, the receivers' registration read the first push makes,
+    finish_many, clear_many): the next steps take each room up where it stopped, the
+    decode gets its KV, no key is left and nothing waits for a timeout."""
+    url, proxy, model = rig
+    p, d = engines(url, proxy.url(), model, f"lost{through}")
+    try:
+        rids = ["a", "b"]
+        handed_over(p, d, rids)
+        proxy.drop_after(through)
+        lost = p.step()
+        assert lost.hook_trips.get("get_finished", 0) > through, lost.hook_trips
+        proxy.passthrough()
+        settle(p, d, rids)
+        assert room_keys(url) == []
+    finally:
+        p.close()
+        d.close()

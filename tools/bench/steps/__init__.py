@@ -1,0 +1,30 @@
+"""What kvstate's vLLM connector costs a scheduler step (issue 33 target 3), beside
+NixlConnector's scheduler side on the same vLLM 0.34 utilities.
+
+Two engines per connector in this process, each vLLM's own v1 Scheduler on its own
+config and KV cache planning (TP 1, CPU), one local request always running so every
+step has a forward (emulated: one token per scheduled request); kvstate's worker-side
+connector runs beside its scheduler (the real one: UCX transport, KV caches allocated
+as vLLM does, pages moved between the two engines). With ``n`` requests at a time
+(``--counts``, default 0 1 64 256) the requests go through the phases of a P/D route
+(``vllm_steps.PHASES``) and every step's hooks are timed:
+
+- scheduler side (both connectors): ``get_num_new_matched_tokens``,
+  ``update_state_after_alloc``, ``build_connector_meta``, ``request_finished``,
+  ``update_connector_output``;
+- worker side (kvstate only): ``start_load_kv``, ``get_finished``. NixlConnector's
+  worker side needs NIXL's agent and its side channel; it is not run here, so its
+  loads never conclude and its phases end with an abort.
+
+Per phase and count: hook us per step (median and mean; scheduler side, worker side,
+both), Redis round trips per step of the engine's thread (most and mean; counted at
+the socket, the KVManagers' heartbeat threads apart), hook calls; the ratios of
+kvstate to NIXL per step; the targets (0 round trips a step with nothing in flight,
+at most 1 otherwise). One redis-server of its own.
+
+    python tools/bench_vllm_steps.py [--counts 0 1 64 256] [--steps 20] [--json] [--smoke]
+
+Needs vLLM 0.34 (the [vllm] extra). Modules: ``engine`` (one engine, its hooks timed),
+``vllm_steps`` (the phases, the figures), ``cli``. SGLang's queues:
+``tools/bench_sglang_steps.py``.
+"""

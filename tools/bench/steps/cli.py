@@ -1,0 +1,56 @@
+"""The command line and the JSON document printed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import tools.bench.steps as package
+from kvstate.testing import RedisProcess, RoundTrips
+from tools.bench.steps.engine import write_model
+from tools.bench.steps.vllm_steps import PHASES, measure, ratios, targets
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=package.__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument("--counts", type=int, nargs="+", default=[0, 1, 64, 256])
+    ap.add_argument("--steps", type=int, default=20, help="steps timed per steady phase")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that the tool runs (tests): counts 0 1 4, 2 steps; figures meaningless",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    counts, steps = ([0, 1, 4], 2) if args.smoke else (sorted(set(args.counts)), args.steps)
+    logging.basicConfig(level=logging.ERROR)
+    load0 = os.getloadavg()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        RedisProcess(port="auto") as server,
+        RoundTrips.installed(),
+    ):
+        model = write_model(Path(tmp) / "model")
+        doc: dict[str, Any] = {"counts": counts, "steps_per_phase": steps, "phases": PHASES}
+        doc["vllm"] = measure(server.url, model, counts, steps)
+    doc["ratios_kvstate_over_nixl"] = ratios(doc["vllm"], counts)
+    doc["targets"] = targets(doc["vllm"], counts)
+    doc["loadavg"] = {
+        "start": [round(x, 2) for x in load0],
+        "end": [round(x, 2) for x in os.getloadavg()],
+    }
+    doc["command"] = "python tools/bench_vllm_steps.py " + (
+        "--smoke" if args.smoke else f"--counts {' '.join(map(str, counts))} --steps {steps}"
+    )
+    print(json.dumps(doc, indent=None if args.json else 2))

@@ -1,0 +1,294 @@
+"""One vLLM 0.34 engine in this process: vLLM's own config, KV cache planning and v1
+Scheduler, a connector's worker side beside it (kvstate's; NIXL's needs NIXL), and an
+emulated forward that samples one token per scheduled request. Every connector hook
+the scheduler and the worker call is timed, and the Redis round trips of each step are
+counted (this thread's, at the socket: the KVManagers' heartbeat threads apart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstate.testing import RoundTrips
+
+HEADS, HEAD_SIZE, LAYERS = 4, 8, 2
+BLOCK = 4  # tokens a block
+PROMPT = 8  # tokens a prompt: two blocks
+MAX_LEN = 128
+#: the scheduler-side hooks vLLM 0.34's Scheduler calls (both connectors; each one the
+#: connector has), and the worker-side ones (kvstate's)
+SCHED_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "request_finished",
+    "request_finished_all_groups",
+    "update_connector_output",
+    "on_new_request",
+    "has_pending_push_work",
+    "has_pending_block_frees",
+    "get_kv_connector_stats",
+    "take_events",
+)
+WORKER_HOOKS = ("start_load_kv", "get_finished")
+
+
+def write_model(path: Path) -> str:
+    """A config.json vLLM's ModelConfig reads without a hub (no weights are loaded)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": HEADS * HEAD_SIZE,
+                "intermediate_size": 64,
+                "num_attention_heads": HEADS,
+                "num_key_value_heads": HEADS,
+                "num_hidden_layers": LAYERS,
+                "vocab_size": 1024,
+                "max_position_embeddings": 4096,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    return str(path)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One engine: its role, connector, and room for ``seqs`` requests at once."""
+
+    role: str  # kv_producer | kv_consumer
+    engine_id: str
+    connector: str  # KVStateConnector | NixlConnector
+    url: str
+    model_dir: str
+    seqs: int
+    extra: tuple[tuple[str, Any], ...] = ()  # more kv_connector_extra_config (kvstate)
+
+    def config(self) -> Any:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+
+        kvstate = self.connector == "KVStateConnector"
+        return VllmConfig(
+            model_config=ModelConfig(
+                model=self.model_dir,
+                skip_tokenizer_init=True,
+                dtype="float16",
+                max_model_len=MAX_LEN,
+            ),
+            cache_config=CacheConfig(
+                block_size=BLOCK,
+                enable_prefix_caching=False,
+                num_gpu_blocks_override=4 * self.seqs + 64,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.seqs,
+                max_num_batched_tokens=PROMPT * self.seqs + 64,
+                max_model_len=MAX_LEN,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            parallel_config=ParallelConfig(),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=self.connector,
+                kv_connector_module_path="kvstate.integrations.vllm" if kvstate else None,
+                kv_role=self.role,
+                engine_id=self.engine_id,
+                kv_connector_extra_config={"redis_url": self.url, **dict(self.extra)}
+                if kvstate
+                else {},
+            ),
+            device_config=DeviceConfig(device="cpu"),
+        )
+
+
+def plan(config: Any) -> tuple[Any, Any]:
+    """vLLM's engine-core planning for one worker: the layers' specs, their groups, the
+    cache sizes, the layout (the backends' choice); the scheduler's config beside it."""
+    import torch
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    register_all_kvcache_specs(config)
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16
+    )
+    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(LAYERS)}]
+    layout = resolve_kv_cache_layout(config, [["LBNHC", "LBHNC"]], list(specs[0].values()))
+    groups = get_global_kv_cache_groups(config, specs)
+    worker = get_kv_cache_configs(config, specs, [1 << 30], groups)[0]
+    worker.kv_cache_layout = layout.name
+    sched = generate_scheduler_kv_cache_config([worker])
+    sched.hash_block_size = worker.hash_block_size = BLOCK
+    config.cache_config.num_gpu_blocks = sched.num_blocks
+    return worker, sched
+
+
+class Hooks:
+    """Wall time and calls of a connector's hooks: each named method ``conn`` has is
+    wrapped on the instance (the scheduler and the worker call them through it); a hook
+    called from inside another (request_finished_all_groups -> request_finished) counts
+    its time once, in the outer one."""
+
+    def __init__(self, conn: Any, names: tuple[str, ...]) -> None:
+        self.spent: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.trips: Counter[str] = Counter()  # Redis round trips made inside each hook
+        self.depth = 0
+        for name in names:
+            if hasattr(conn, name):
+                setattr(conn, name, self._timed(name, getattr(conn, name)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.depth += 1
+            r0, t0 = RoundTrips.by_thread["MainThread"], time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.spent[name] += time.perf_counter() - t0
+                    self.trips[name] += RoundTrips.by_thread["MainThread"] - r0
+                self.calls[name] += 1
+
+        return timed
+
+    def take(self) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+        out = dict(self.spent), dict(self.calls), {k: v for k, v in self.trips.items() if v}
+        self.spent.clear()
+        self.calls.clear()
+        self.trips.clear()
+        return out
+
+
+@dataclass
+class Step:
+    """What one engine step cost: seconds, calls and round trips per hook; all the
+    step's round trips."""
+
+    spent: dict[str, float]
+    calls: dict[str, int]
+    hook_trips: dict[str, int]
+    trips: int
+    scheduled: int
+
+
+class Engine:
+    """vLLM's Scheduler and, for kvstate, its worker-side connector (TP 1) in this
+    process; ``step()`` is EngineCore.step() with an emulated forward."""
+
+    def __init__(self, spec: Spec) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.spec = spec
+        self.config = spec.config()
+        worker_config, sched_config = plan(self.config)
+        self.worker: Any = None
+        if spec.connector == "KVStateConnector":
+            self.worker = self._worker(
+                worker_config, KVConnectorRole.WORKER, set_current_vllm_config
+            )
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=sched_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK,
+            hash_block_size=BLOCK,
+            log_stats=False,
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.hooks = Hooks(self.scheduler.connector, SCHED_HOOKS)
+        self.worker_hooks = Hooks(self.worker, WORKER_HOOKS) if self.worker else None
+        self.params: dict[str, dict[str, Any]] = {}
+        self.finished: set[str] = set()
+
+    def _worker(self, worker_config: Any, role: Any, current: Any) -> Any:
+        """The connector's worker side, its KV caches allocated as vLLM does."""
+        import torch
+        from vllm.v1.attention.backends.utils import record_kv_cache_layout
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        from kvstate.integrations.vllm import KVStateConnector
+
+        record_kv_cache_layout(self.config.cache_config, worker_config.kv_cache_layout)
+        with current(self.config):
+            layout = KVCacheLayout[worker_config.kv_cache_layout]
+            caches = allocate_kv_cache(worker_config, torch.device("cpu"), layout)
+            conn = KVStateConnector(self.config, role, worker_config)
+            conn.register_kv_caches(caches)
+        return conn
+
+    def add(self, rid: str, max_tokens: int, params: dict[str, Any] | None = None) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": dict(params)} if params else None
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        prompt = [(hash(rid) + i * 17) % 997 for i in range(PROMPT)]
+        self.scheduler.add_request(Request(rid, prompt, sp, None, block_hasher=self.hasher))
+
+    def step(self) -> Step:
+        """schedule -> the worker's hooks around an emulated forward -> update."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        before = RoundTrips.by_thread["MainThread"]
+        so = self.scheduler.schedule()
+        rids = list(so.num_scheduled_tokens)
+        kv = KVConnectorOutput()
+        if self.worker is not None:
+            self.worker.bind_connector_metadata(so.kv_connector_metadata)
+            self.worker.start_load_kv(None)
+            sent, loaded = self.worker.get_finished(so.finished_req_ids)
+            kv.finished_sending, kv.finished_recving = sent, loaded
+            kv.invalid_block_ids = self.worker.get_block_ids_with_load_errors()
+            self.worker.clear_connector_metadata()
+        out = ModelRunnerOutput(
+            req_ids=rids, sampled_token_ids=[[1] for _ in rids], kv_connector_output=kv
+        )
+        for client in self.scheduler.update_from_output(so, out).values():
+            for o in client.outputs:
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+                if o.kv_transfer_params:
+                    self.params[o.request_id] = o.kv_transfer_params
+        trips = RoundTrips.by_thread["MainThread"] - before
+        spent, calls, hook_trips = self.hooks.take()
+        if self.worker_hooks is not None:
+            w_spent, w_calls, w_trips = self.worker_hooks.take()
+            spent |= w_spent
+            calls |= w_calls
+            hook_trips |= w_trips
+        return Step(spent, calls, hook_trips, trips, len(rids))
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.scheduler.shutdown()
