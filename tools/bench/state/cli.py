@@ -13,6 +13,7 @@ from tools.bench.state.deployment import measure, rooms_per_step
 from tools.bench.state.durable import durable_runs
 from tools.bench.state.fcall import fcall_vs_eval
 from tools.bench.state.memory import HELD_ROOMS
+from tools.bench.state.pairs import engine_pairs
 from tools.bench.state.procs import processes
 from tools.bench.state.trace import trace_cost
 from tools.bench.state.workload import EVAL_ENV
@@ -53,7 +54,41 @@ def parser() -> argparse.ArgumentParser:
         help="only batched steps of N rooms each (e.g. 16 256 4096 10000): round trips per "
         "step and Redis us per lifecycle, standalone (and Cluster unless --no-cluster)",
     )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        metavar="N",
+        help="only N engine pairs (one client process each) on a 3-primary Cluster against "
+        "one standalone server, in alternating rounds (issue 33): Redis CPU per lifecycle "
+        "per primary, busiest / mean, scale-out, Cluster / standalone, memory per room",
+    )
+    ap.add_argument("--rounds", type=int, default=6, help="--pairs: rounds per deployment")
+    ap.add_argument(
+        "--placement",
+        choices=("named", "spread"),
+        default="named",
+        help="--pairs: the pairs' addresses as named (10.0.<i>.1:8998), or ports picked so "
+        "that their address trackers spread evenly over the primaries",
+    )
     return ap
+
+
+def pairs_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--pairs N``: engine pairs on the Cluster against a standalone server."""
+    steps, rounds, held = (
+        max(args.lifecycles // (args.pairs * args.batch), 1),
+        args.rounds,
+        HELD_ROOMS,
+    )
+    if args.smoke:
+        steps, rounds, held = 1, 2, SMOKE_HELD_ROOMS
+    doc = engine_pairs(args.pairs, args.batch, rounds, steps, args.placement, held)
+    doc["command"] = (
+        f"python tools/bench_state.py --pairs {args.pairs} --rounds {args.rounds} "
+        f"--lifecycles {args.lifecycles} --batch {args.batch} --placement {args.placement}"
+        + (" --smoke" if args.smoke else "")
+    )
+    return doc
 
 
 def steps_only(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ[EVAL_ENV] = "1"
     if args.rooms_per_step:
         print(json.dumps(steps_only(args), indent=None if args.json else 2))
+        return
+    if args.pairs:
+        print(json.dumps(pairs_only(args), indent=None if args.json else 2))
         return
     n, procs, held = args.lifecycles, args.procs, HELD_ROOMS
     if args.quick:

@@ -49,10 +49,11 @@ def batch_lifecycles(
 
 @contextmanager
 def pair(
-    store: Store, worker: int = 0, lease: float = HB
+    store: Store, worker: int = 0, lease: float = HB, addr: str | None = None
 ) -> Iterator[tuple[kvstate.KVManager, kvstate.KVManager]]:
-    """A prefill and a decode engine; each worker process its own (own address too)."""
-    addr = f"10.0.{worker}.1:8998"
+    """A prefill and a decode engine; each worker process its own (own address too:
+    ``addr``, else 10.0.<worker>.1:8998)."""
+    addr = addr or f"10.0.{worker}.1:8998"
     with (
         kvstate.KVManager(store, "prefill", f"prefill-{worker}.tp0", addr, lease=lease) as p,
         kvstate.KVManager(store, "decode", f"decode-{worker}.tp0", lease=lease) as d,
