@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from kvstate.keys import TRACKER_SHARDS
 from kvstate.store.functions import FUNCTIONS
 from kvstate.store.scripts import SHAS
 from tests.helpers import scaled
@@ -191,8 +192,10 @@ def test_bench_state_pairs_smoke() -> None:
         "--placement named --smoke"
     )
     assert doc["pairs"] == 2 and doc["rounds"] == 2
-    assert len(doc["tracker_primary_of_each_pair"]) == 2
-    assert sum(doc["trackers_per_primary"]) == 2
+    assert len(doc["index_primary_of_each_pair"]) == 2
+    assert sum(doc["indexes_per_primary"]) == 2
+    assert sum(doc["tracker_shards_per_primary"]) == 2 * (TRACKER_SHARDS + 1)
+    assert all(doc["tracker_shards_per_primary"]), doc  # spread over every primary
     for name, primaries_ in (
         ("standalone_tcp", 1),
         ("standalone_unix", 1),

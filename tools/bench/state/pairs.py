@@ -14,11 +14,13 @@ slot on one primary) tells the cost of cluster mode itself from that of a step s
 over three primaries (one round trip per node, each with a third of the rooms). Memory
 per room is the INFO used_memory slope of ``memory.held_room_memory`` on each deployment.
 
-Where each pair's address tracker (``addr:<bootstrap addr>``: the one per-engine key
-that every lifecycle writes, a receiver's create and clear) lands is printed, and
-``placement="spread"`` picks each pair's port so that the trackers spread evenly over the
-primaries (what an operator who chooses the addresses, or moves the slots, controls);
-``"named"`` takes the addresses as they come.
+Where each pair's per-engine keys land is printed: its address index
+(``engines_at:<addr>``, which the receivers' first step reads once per batch on a
+Cluster) and the shards of its address tracker (``addr:<addr>#<n>``, which every
+receiver's create and clear write; one sorted set per address before issue 33).
+``placement="spread"`` picks each pair's port so that the indexes spread evenly over
+the primaries (what an operator who chooses the addresses, or moves the slots,
+controls); ``"named"`` takes the addresses as they come.
 """
 
 from __future__ import annotations
@@ -100,14 +102,18 @@ def _text(info: Any) -> str:
     return info.decode() if isinstance(info, bytes) else str(info)
 
 
-def addresses(cluster: RedisCluster, count: int, placement: str) -> tuple[list[str], list[int]]:
-    """Each pair's bootstrap address and the primary its tracker lands on (index into
-    ``cluster.primaries()``): ``named``, 10.0.<i>.1:8998 as they come; ``spread``, the
-    first port from 8998 up whose tracker lands on primary i % 3."""
+def addresses(
+    cluster: RedisCluster, count: int, placement: str
+) -> tuple[list[str], list[int], list[int]]:
+    """Each pair's bootstrap address, the primary its address index lands on (index into
+    ``cluster.primaries()``), and how many of all pairs' tracker shards each primary
+    serves: ``named``, 10.0.<i>.1:8998 as they come; ``spread``, the first port from
+    8998 up whose index lands on primary i % 3."""
     keys = Keys(f"{NAMESPACE}-cluster3")
     ports = [n.port for n in cluster.primaries()]
     addrs: list[str] = []
     nodes: list[int] = []
+    shards = [0] * len(ports)
     with cluster.primaries()[0].client() as c:
         ranges = [
             (int(start), int(end), ports.index(int(master[1])))
@@ -122,12 +128,14 @@ def addresses(cluster: RedisCluster, count: int, placement: str) -> tuple[list[s
             port = 8998
             addr = f"10.0.{i}.1:{port}"
             if placement == "spread":
-                while node_of(keys.addr(addr)) != (i - 1) % len(ports):
+                while node_of(keys.engines_at(addr)) != (i - 1) % len(ports):
                     port += 1
                     addr = f"10.0.{i}.1:{port}"
             addrs.append(addr)
-            nodes.append(node_of(keys.addr(addr)))
-    return addrs, nodes
+            nodes.append(node_of(keys.engines_at(addr)))
+            for tracker in keys.trackers(addr):
+                shards[node_of(tracker)] += 1
+    return addrs, nodes, shards
 
 
 def _summary(costs: list[RedisCost], counts: list[int], walls: list[float]) -> dict[str, Any]:
@@ -188,9 +196,10 @@ def engine_pairs(
             "cluster1": primaries(single),
             "cluster3": primaries(cluster),
         }
-        addrs, tracker_nodes = addresses(cluster, count, placement)
-        out["tracker_primary_of_each_pair"] = tracker_nodes
-        out["trackers_per_primary"] = [tracker_nodes.count(i) for i in range(3)]
+        addrs, index_nodes, shards = addresses(cluster, count, placement)
+        out["index_primary_of_each_pair"] = index_nodes
+        out["indexes_per_primary"] = [index_nodes.count(i) for i in range(3)]
+        out["tracker_shards_per_primary"] = shards
         cmds = [ctx.Queue() for _ in range(count)]
         done = ctx.Queue()
         procs = [
