@@ -405,3 +405,34 @@ def test_an_address_tracker_spreads_over_the_primaries(redis_cluster: RedisClust
     every lifecycle writes) are served by every primary, not one slot (issue 33)."""
     served = {redis_cluster.node_for_key(t).port for t in Keys("t").trackers(PREFILL_ADDR)}
     assert served == {n.port for n in redis_cluster.primaries()}
+
+
+def test_bound_is_stored_only_while_short_of_peers(store: Store) -> None:
+    """A receiver keeps `bound` only while it is bound to fewer senders than its `peers`
+    (issue 33: missing, it is `peers`): bound to one of two senders it holds 1 and a
+    bootstrap timeout names 1 of 2; bound to both, the field goes, it publishes, and
+    `since_ms` is written only if that fell in another millisecond than its creation."""
+    c, k = store.client, store.keys
+    rx = k.participant(61, "rx", "d")
+    fields = {schema.PEER_ADDR: PREFILL_ADDR, schema.PEERS: 0, schema.STATUS: "Bootstrapping"}
+    store.execute([store.create(61, "rx", "d", fields)])
+    assert c.hget(rx, schema.BOUND) is None  # 0 of 0
+    store.execute([store.publish(61, "d", {"p0": "i0"}, required=2)])
+    assert c.hmget(rx, schema.BOUND, schema.PEERS) == [b"1", b"2"]
+    c.hset(rx, schema.CREATED_MS, store.server_time_ms() - 10_000)  # past the timeout
+    c.hset(rx, schema.TIMEOUTS_MS, "1000 0")
+    st = store.execute([store.poll(61, "rx", "d")])[0]
+    assert st.status == KVPoll.Failed and "bound 1 of 2 senders" in st.reason
+    store.execute(store.clear_calls(61, "rx", "d", senders=["p0"]))
+    c.delete(k.aborted(61))  # the timeout's failure mark
+    store.execute([store.create(62, "rx", "d", fields)])
+    store.execute([store.publish(62, "d", {"p0": "i0"}, required=2)])
+    st = store.execute([store.publish(62, "d", {"p1": "i1"}, b"info", required=2)])[0]
+    rx = k.participant(62, "rx", "d")
+    assert st.status == KVPoll.WaitingForInput
+    assert c.hget(rx, schema.BOUND) is None and c.hget(rx, schema.PEERS) == b"2"
+    created, since = c.hmget(rx, schema.CREATED_MS, schema.SINCE_MS)
+    assert since is None or since != created
+    st = store.execute([store.poll(62, "rx", "d")])[0]
+    assert st.status == KVPoll.WaitingForInput
+    store.execute(store.clear_calls(62, "rx", "d", senders=["p0", "p1"]))
