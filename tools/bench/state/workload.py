@@ -47,6 +47,22 @@ def batch_lifecycles(
     d.clear_many(rooms)
 
 
+def apart_room(store: Store, addr: str, start: int) -> int:
+    """The first room from ``start`` whose keys and whose address tracker shard (issue 33:
+    ``addr:<addr>#<room % 64>``) live on two different Cluster nodes (``start`` on a
+    standalone server): a single lifecycle then takes the Cluster's most round trips
+    (10), so runs that compare theirs (the trace's modes) compare like with like."""
+    if not store.cluster:
+        return start
+    client: Any = store.client
+    room = start
+    while client.get_node_from_key(store.keys.room_hash(room)) == client.get_node_from_key(
+        store.keys.tracker(addr, room)
+    ):
+        room += 1
+    return room
+
+
 @contextmanager
 def pair(
     store: Store, worker: int = 0, lease: float = HB, addr: str | None = None
