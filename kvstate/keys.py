@@ -16,6 +16,7 @@ from kvstate.schema import SIDES, Side
 __all__ = [
     "MAX_ROOM",
     "ROOT",
+    "TRACKER_SHARDS",
     "SIDES",
     "Keys",
     "RoomKey",
@@ -28,6 +29,13 @@ __all__ = [
 ]
 
 MAX_ROOM = 2**63
+# A prefill address's tracker is this many sorted sets, a room's receivers in shard
+# room % TRACKER_SHARDS (issue 33): each shard stays a listpack (<= 128 members, Redis'
+# zset-max-listpack-entries) up to ~8,000 rooms in flight per address, ~45 B a member
+# where one skiplist zset took ~135, and on a Cluster the shards spread an address's
+# tracker writes over the primaries instead of one slot. Every engine sharing a
+# namespace uses the same count (it is part of the key names).
+TRACKER_SHARDS = 64
 
 ROOT = "kvstate:"  # every kvstate key starts with it, then "<namespace>:"
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -135,9 +143,23 @@ class Keys:
 
     # -- shared ----------------------------------------------------------------
     def addr(self, bootstrap_addr: str) -> str:
-        """Receivers bound to a peer address (``tracker_member``), scored by deadline
-        (ms)."""
+        """A peer address's tracker as engines before issue 33 wrote it, one sorted set
+        (``trackers`` still lists it, so fan-out reads what they left); the prefix of
+        its shards (``tracker``)."""
         return f"{self.prefix}addr:{bootstrap_addr}"
+
+    def tracker(self, bootstrap_addr: str, room: int) -> str:
+        """The shard of ``bootstrap_addr``'s tracker that holds ``room``'s receivers
+        (``tracker_member``), scored by deadline (ms): ``addr:<addr>#<room % 64>``
+        (no address holds ``#``, ``check_name``)."""
+        return f"{self.addr(bootstrap_addr)}#{check_room(room) % TRACKER_SHARDS}"
+
+    def trackers(self, bootstrap_addr: str) -> list[str]:
+        """Every shard of ``bootstrap_addr``'s tracker, then its unsharded key (written
+        by engines before issue 33): what fan-out reads to find the bound receivers."""
+        return [f"{self.addr(bootstrap_addr)}#{n}" for n in range(TRACKER_SHARDS)] + [
+            self.addr(bootstrap_addr)
+        ]
 
     @staticmethod
     def tracker_member(room: int, receiver: str) -> str:

@@ -161,7 +161,8 @@ SEP: Final = ","
 ROOM_DATA: Final = (XFER_PREFIX, ACK_PREFIX, HOLD)  # the room hash's fields that are no member
 
 # -- other keys' members ---------------------------------------------------------------
-# tracker     addr:<addr> zset      members "<room> <receiver engine>" (keys.Keys.tracker_member)
+# tracker     addr:<addr>#<shard>   zset, members "<room> <receiver engine>"
+#                                   (keys.Keys.tracker, tracker_member)
 # index       engines_at:<addr>     members "<engine> <incarnation> <ranks> <role>"
 #                                   (registry.index_member), scored by lease deadline (ms)
 

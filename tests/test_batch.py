@@ -68,7 +68,7 @@ def test_step_batches_one_round_trip_per_node(store: Store) -> None:
         assert all(s.cleared for s in senders.values())
         assert p.clear_many(rooms) == {}  # again: nothing to do, nothing sent
         assert [k for k in keys_of(store) if ":engine" not in k] == []
-        assert not store.client.zrange(store.keys.addr(PREFILL_ADDR), 0, -1)
+        assert not any(store.client.exists(t) for t in store.keys.trackers(PREFILL_ADDR))
 
 
 def test_single_lifecycle_round_trips(store: Store) -> None:

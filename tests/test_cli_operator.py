@@ -289,7 +289,7 @@ def test_fix_gives_the_room_its_remaining_ttl(store: Store, redis_url: str) -> N
         c.pexpire(key, 36_000)  # the room has 36 s left
     mark = store.keys.aborted(41)
     c.set(mark, "boom")  # planted without a TTL
-    tracker_ttl = c.pttl(store.keys.addr(ADDR))
+    tracker_ttl = c.pttl(store.keys.tracker(ADDR, 41))
     result = run("--url", redis_url, "audit", "--fix", "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
@@ -297,7 +297,7 @@ def test_fix_gives_the_room_its_remaining_ttl(store: Store, redis_url: str) -> N
     assert "room's remaining TTL" in doc["findings"][0]["fixed"]
     assert 30_000 < c.pttl(mark) <= 36_000
     assert all(30_000 < c.pttl(k) <= 36_000 for k in room_keys)  # untouched
-    assert c.pttl(store.keys.addr(ADDR)) <= tracker_ttl  # keys with a TTL keep theirs
+    assert c.pttl(store.keys.tracker(ADDR, 41)) <= tracker_ttl  # keys with a TTL keep theirs
     # re-indexing a participant gives the index the room's TTL, not --room-ttl's 900 s
     c.hdel(store.keys.room_hash(41), "rx:decode-b.tp0")
     result = run("--url", redis_url, "audit", "--fix", "--json")

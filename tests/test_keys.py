@@ -3,6 +3,8 @@ and the validation of what people and engines pass in. No Redis."""
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from kvstate.errors import InvalidNameError, InvalidRoomError
 from kvstate.keys import (
     MAX_ROOM,
     ROOT,
+    TRACKER_SHARDS,
     Keys,
     check_name,
     check_namespace,
@@ -33,6 +36,8 @@ def test_builder_spells_every_key() -> None:
     assert k.aborted(42) == "kvstate:ns:{42}:aborted"
     assert k.part_member("tx", "p") == "tx:p"
     assert k.addr("10.0.0.1:8998") == "kvstate:ns:addr:10.0.0.1:8998"
+    assert k.tracker("10.0.0.1:8998", 42) == "kvstate:ns:addr:10.0.0.1:8998#42"
+    assert k.tracker("10.0.0.1:8998", 64 + 3) == "kvstate:ns:addr:10.0.0.1:8998#3"
     assert k.engine("p") == "kvstate:ns:engine:p"
     assert k.engines_at("h:1") == "kvstate:ns:engines_at:h:1"
     assert k.ledger == "kvstate:ns:ledger"
@@ -48,6 +53,19 @@ def test_tracker_members_name_their_receiver(room: int, engine: str) -> None:
     assert k.tracked_key(member) == k.participant(room, "rx", engine)
     # a member written before issue 22 (the receiver's key name) still names it
     assert k.tracked_key(k.participant(room, "rx", engine)) == k.participant(room, "rx", engine)
+
+
+def test_an_address_tracker_is_its_shards_and_its_unsharded_key() -> None:
+    """A room's receivers go to shard room % TRACKER_SHARDS; fan-out reads every shard
+    and the one sorted set engines before issue 33 wrote; every name matches the
+    SCAN pattern the audit and the views read trackers by."""
+    k = Keys("ns")
+    shards = k.trackers("h:1")
+    assert len(shards) == TRACKER_SHARDS + 1 and shards[-1] == k.addr("h:1")
+    assert {k.tracker("h:1", room) for room in range(3 * TRACKER_SHARDS)} == set(shards[:-1])
+    assert all(fnmatch.fnmatchcase(t, k.addr_pattern) for t in shards)
+    with pytest.raises(InvalidRoomError):
+        k.tracker("h:1", -1)
 
 
 def test_tracker_members_that_name_no_receiver() -> None:

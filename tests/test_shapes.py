@@ -504,7 +504,7 @@ def test_fan_out_reaches_a_receiver_that_outlived_its_tracker_entry(store: Store
     p = kvstate.KVManager(store, "prefill", "prefill-o.tp0", ADDR, lease=lease)
     rcv = d.receiver(1, ADDR)
     assert rcv.init([1]) == KVPoll.WaitingForInput
-    store.client.delete(store.keys.addr(ADDR))  # as if expired
+    store.client.delete(store.keys.tracker(ADDR, 1))  # as if expired
     p.close()
     assert wait_for(lambda: rcv.poll() == KVPoll.Failed, 2 * lease + 1.5)
     assert "prefill-o.tp0" in rcv.reason and "lost its lease" in rcv.reason

@@ -9,7 +9,9 @@ import pytest
 
 import kvstate
 from kvstate import KVPoll, schema
+from kvstate.keys import TRACKER_SHARDS, Keys
 from kvstate.store import Store
+from kvstate.testing import RedisCluster
 from tests.helpers import (
     PREFILL_ADDR,
     assert_every_key_has_ttl,
@@ -56,7 +58,7 @@ def test_a_room_is_three_keys_and_its_clears_leave_none(store: Store, first: str
         assert snd.poll() == KVPoll.WaitingForInput
         assert room_keys(store, 43, marks=True) == sorted([snd.key, rcv.key, k.room_hash(43)])
         assert sorted(_fields(store, 43)) == sorted([tx, rx, xfer])
-        tracked = store.client.zrange(k.addr(PREFILL_ADDR), 0, -1)
+        tracked = store.client.zrange(k.tracker(PREFILL_ADDR, 43), 0, -1)
         assert tracked == [f"43 {d.engine}".encode()]  # Keys.tracker_member
         assert k.tracked_key(tracked[0].decode()) == rcv.key
         assert 0 < store.client.pttl(k.room_hash(43)) <= 900_000
@@ -69,7 +71,7 @@ def test_a_room_is_three_keys_and_its_clears_leave_none(store: Store, first: str
         assert set(_fields(store, 43)) == ({tx} if first == "rx" else {rx, ack})
         (rcv if first == "tx" else snd).clear()
         assert room_keys(store, 43, marks=True) == []
-        assert not store.client.zrange(k.addr(PREFILL_ADDR), 0, -1)
+        assert not store.client.zrange(k.tracker(PREFILL_ADDR, 43), 0, -1)
 
 
 def test_a_failed_room_leaves_only_its_mark(store: Store) -> None:
@@ -94,7 +96,7 @@ def test_full_lifecycle_leaves_nothing(store: Store) -> None:
         snd.clear()
         rcv.clear()
         assert room_keys(store, 7) == []
-        assert not store.client.zrange(store.keys.addr(PREFILL_ADDR), 0, -1)
+        assert not store.client.zrange(store.keys.tracker(PREFILL_ADDR, 7), 0, -1)
         snd.clear()  # clear twice is fine
         rcv.clear()
     assert keys_of(store) == []  # close() dropped both leases
@@ -371,3 +373,66 @@ def test_abort_before_either_side_joined_reaches_both(store: Store) -> None:
         assert snd.failure_exception().reason == "router cancelled early"
         assert rcv.failure_exception().reason == "router cancelled early"
         assert room_keys(store, 81) == []  # the clears took the mark too
+
+
+def test_fan_out_reads_every_tracker_shard_and_the_unsharded_key(store: Store) -> None:
+    """A prefill address's tracker is TRACKER_SHARDS sorted sets (issue 33): a dead
+    prefill's fan-out reaches the receivers in every shard, and one that an engine
+    before issue 33 tracked in the address's one unsharded sorted set."""
+    p, d = managers(store)
+    k, c = store.keys, store.client
+    with p, d:
+        rooms = list(range(100, 102 + TRACKER_SHARDS))  # every shard, two of them twice
+        rcvs = [d.receiver(r, PREFILL_ADDR) for r in rooms]
+        d.init_many(dict.fromkeys(rooms, np.arange(8)))
+        assert {k.tracker(PREFILL_ADDR, r) for r in rooms} == set(k.trackers(PREFILL_ADDR)[:-1])
+        assert all(c.zcard(t) for t in k.trackers(PREFILL_ADDR)[:-1])
+        member = k.tracker_member(rooms[0], d.engine)  # as an older engine tracked it
+        assert c.zrem(k.tracker(PREFILL_ADDR, rooms[0]), member) == 1
+        c.zadd(k.addr(PREFILL_ADDR), {member: store.server_time_ms() + 60_000})
+        c.pexpire(k.addr(PREFILL_ADDR), 60_000)
+        assert store.fail_bound(PREFILL_ADDR, p.engine, "", "peer gone") == len(rooms)
+        assert {r.poll() for r in rcvs} == {KVPoll.Failed}
+        assert {r.reason for r in rcvs} == {"peer gone"}
+        assert d.clear_many(rooms) == {}
+        assert not any(c.exists(t) for t in k.trackers(PREFILL_ADDR)[:-1])
+        c.delete(k.addr(PREFILL_ADDR))
+
+
+@pytest.mark.cluster
+def test_an_address_tracker_spreads_over_the_primaries(redis_cluster: RedisCluster) -> None:
+    """On a Cluster the shards of one prefill address's tracker (the one per-engine key
+    every lifecycle writes) are served by every primary, not one slot (issue 33)."""
+    served = {redis_cluster.node_for_key(t).port for t in Keys("t").trackers(PREFILL_ADDR)}
+    assert served == {n.port for n in redis_cluster.primaries()}
+
+
+def test_bound_is_stored_only_while_short_of_peers(store: Store) -> None:
+    """A receiver keeps `bound` only while it is bound to fewer senders than its `peers`
+    (issue 33: missing, it is `peers`): bound to one of two senders it holds 1 and a
+    bootstrap timeout names 1 of 2; bound to both, the field goes, it publishes, and
+    `since_ms` is written only if that fell in another millisecond than its creation."""
+    c, k = store.client, store.keys
+    rx = k.participant(61, "rx", "d")
+    fields = {schema.PEER_ADDR: PREFILL_ADDR, schema.PEERS: 0, schema.STATUS: "Bootstrapping"}
+    store.execute([store.create(61, "rx", "d", fields)])
+    assert c.hget(rx, schema.BOUND) is None  # 0 of 0
+    store.execute([store.publish(61, "d", {"p0": "i0"}, required=2)])
+    assert c.hmget(rx, schema.BOUND, schema.PEERS) == [b"1", b"2"]
+    c.hset(rx, schema.CREATED_MS, store.server_time_ms() - 10_000)  # past the timeout
+    c.hset(rx, schema.TIMEOUTS_MS, "1000 0")
+    st = store.execute([store.poll(61, "rx", "d")])[0]
+    assert st.status == KVPoll.Failed and "bound 1 of 2 senders" in st.reason
+    store.execute(store.clear_calls(61, "rx", "d", senders=["p0"]))
+    c.delete(k.aborted(61))  # the timeout's failure mark
+    store.execute([store.create(62, "rx", "d", fields)])
+    store.execute([store.publish(62, "d", {"p0": "i0"}, required=2)])
+    st = store.execute([store.publish(62, "d", {"p1": "i1"}, b"info", required=2)])[0]
+    rx = k.participant(62, "rx", "d")
+    assert st.status == KVPoll.WaitingForInput
+    assert c.hget(rx, schema.BOUND) is None and c.hget(rx, schema.PEERS) == b"2"
+    created, since = c.hmget(rx, schema.CREATED_MS, schema.SINCE_MS)
+    assert since is None or since != created
+    st = store.execute([store.poll(62, "rx", "d")])[0]
+    assert st.status == KVPoll.WaitingForInput
+    store.execute(store.clear_calls(62, "rx", "d", senders=["p0", "p1"]))

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from kvstate.keys import TRACKER_SHARDS
 from kvstate.store.functions import FUNCTIONS
 from kvstate.store.scripts import SHAS
 from tests.helpers import scaled
@@ -300,6 +301,51 @@ def test_gpu_check_host_dry_run() -> None:
     lanes = doc["ucx_lanes"]["kvstate"]
     assert any(line.startswith(("intra-node", "inter-node")) for line in lanes), lanes
     assert any(line.startswith("put") for line in lanes), lanes
+
+
+@pytest.mark.redis
+def test_bench_state_pairs_smoke() -> None:
+    """Engine pairs on a 3-primary Cluster against one standalone server (issue 33):
+    per-primary CPU, the ratios with their baselines, where each pair's tracker landed."""
+    doc, _ = run_tool("bench_state.py", "--pairs", "2", "--smoke", "--json", timeout=300)
+    assert doc["command"] == (
+        "python tools/bench_state.py --pairs 2 --rounds 6 --lifecycles 2000 --batch 16 "
+        "--placement named --smoke"
+    )
+    assert doc["pairs"] == 2 and doc["rounds"] == 2
+    assert len(doc["index_primary_of_each_pair"]) == 2
+    assert sum(doc["indexes_per_primary"]) == 2
+    assert sum(doc["tracker_shards_per_primary"]) == 2 * (TRACKER_SHARDS + 1)
+    assert all(doc["tracker_shards_per_primary"]), doc  # spread over every primary
+    for name, primaries_ in (
+        ("standalone_tcp", 1),
+        ("standalone_unix", 1),
+        ("cluster1", 1),
+        ("cluster3", 3),
+    ):
+        d = doc[name]
+        assert d["lifecycles"] == 2 * 2 * 16, d
+        assert len(d["primary_cpu_us_per_lifecycle"]) == primaries_
+        assert_positive(
+            d,
+            "lifecycles_per_s",
+            "redis_cpu_us_per_lifecycle",
+            "busiest_primary_cpu_us_per_lifecycle",
+        )
+        assert d["busiest_over_mean"] >= 1.0
+    for name in ("standalone_tcp", "cluster3"):
+        assert_positive(doc[name], "room_memory_bytes", "room_memory_usage_bytes")
+    for ratio in doc["ratios"].values():
+        low, high = ratio["range"]
+        assert 0 < low <= ratio["median"] <= high, ratio
+    assert set(doc["ratios"]) == {
+        "cluster_busiest_over_mean",
+        "scale_out_by_busiest_primary_cpu_vs_standalone_tcp",
+        "scale_out_by_busiest_primary_cpu_vs_standalone_unix",
+        "cluster_total_cpu_over_standalone_tcp",
+        "cluster_total_cpu_over_standalone_unix",
+        "one_node_cluster_cpu_over_standalone_tcp",
+    }
 
 
 # -- tools/bench_transfer.py ------------------------------------------------------------------

@@ -45,7 +45,7 @@ def run_keys(store: Store, rtr: Router) -> Callable[[str], bool]:
     engines = set(rtr.prefills + rtr.decodes)
     addrs = set(rtr.addrs.values())
     named = {k.engine(e) for e in engines} | {k.transfer_stats(e) for e in engines}
-    named |= {k.addr(a) for a in addrs} | {k.engines_at(a) for a in addrs}
+    named |= {t for a in addrs for t in k.trackers(a)} | {k.engines_at(a) for a in addrs}
 
     def mine(key: str) -> bool:
         parsed = k.parse_room_key(key)

@@ -65,7 +65,8 @@ if not mark and (rank == 1 or rank == 2) then
     local b = (rank == 1) and redis.call('HMGET', key, F_PEER_ADDR, F_BOUND, F_PEERS) or {}
     if b[1] then  -- a receiver: how far its binding got
       local peers = count_of(key, F_PEERS, b[3] or '0', 0, MAX_PEERS)
-      local bound = count_of(key, F_BOUND, b[2] or '0', 0, MAX_PEERS)
+      -- bound is stored only while it differs from peers (publish.lua)
+      local bound = count_of(key, b[2] and F_BOUND or F_PEERS, b[2] or b[3] or '0', 0, MAX_PEERS)
       b[1] = string.sub(b[1], 1, 200)  -- an address, named in the reason
       timed_out = timed_out .. string.format('; bound %d of %s senders at %s',
         bound, (peers > 0) and tostring(peers) or '?', b[1])

@@ -84,8 +84,8 @@ end
 -- Everything read of the receiver, in one HMGET; everything written to it, in one HSET
 -- at the end. (HSET of read values rather than HSETNX/HINCRBY: the engine ACL in
 -- docs/security.md lists the commands kvstate needs, and the script is atomic anyway.)
-local want = {F_STATUS, F_REASON, F_BOUND, F_PEERS}
-for i = 1, #names do want[4 + i] = F_PEER_PREFIX .. names[i] end
+local want = {F_STATUS, F_REASON, F_BOUND, F_PEERS, F_CREATED_MS, F_SINCE_MS}
+for i = 1, #names do want[6 + i] = F_PEER_PREFIX .. names[i] end
 local h = redis.call('HMGET', rx, unpack(want))
 if not h[1] then return {'', 'missing'} end
 rank_of(rx, h[1])
@@ -96,7 +96,8 @@ local function put(field, value)
   writes[#writes + 1] = field
   writes[#writes + 1] = value
 end
-local bound = count_of(rx, F_BOUND, h[3] or '0', 0, MAX_PEERS)
+-- bound is stored only while it differs from peers: missing, it is peers (issue 33)
+local bound = count_of(rx, h[3] and F_BOUND or F_PEERS, h[3] or h[4] or '0', 0, MAX_PEERS)
 local required = tonumber(ARGV[4])
 local answered = {}  -- lookup: engine, incarnation of each listed sender bound after it
 if lookup then
@@ -107,24 +108,24 @@ if lookup then
   local kept, kinc, kheld, more = {}, {}, {}, 0
   for i = 1, #names do
     local take = false
-    if h[4 + i] then
+    if h[6 + i] then
       -- bound before: answered, and published to unless the caller knows it (then it
       -- publishes itself), so a caller whose earlier binding went unanswered catches up
       answered[#answered + 1] = names[i]
-      answered[#answered + 1] = h[4 + i]
+      answered[#answered + 1] = h[6 + i]
       take = not known[names[i]]
     elseif more < required - bound then
       take, more = true, more + 1
     end
     if take then
       kept[#kept + 1] = names[i]
-      kinc[#kept], kheld[#kept] = incs[i], h[4 + i]
+      kinc[#kept], kheld[#kept] = incs[i], h[6 + i]
     end
   end
   names, incs = kept, kinc
   for i, e in ipairs(names) do
-    h[4 + i] = kheld[i]
-    want[4 + i] = F_PEER_PREFIX .. e
+    h[6 + i] = kheld[i]
+    want[6 + i] = F_PEER_PREFIX .. e
     txk[i] = ARGV[6] .. e
   end
 end
@@ -132,10 +133,10 @@ local n = #names
 local held = {}  -- the incarnation each sender is bound at, after this call
 local newly = {}  -- senders bound by this call, traced once every read is done
 for i = 1, n do
-  held[i] = h[4 + i]
+  held[i] = h[6 + i]
   if not held[i] then
     held[i] = incs[i]
-    put(want[4 + i], held[i])
+    put(want[6 + i], held[i])
     bound = bound + 1
     newly[#newly + 1] = i
     answered[#answered + 1] = names[i]
@@ -147,12 +148,14 @@ local function answer(st)
   if lookup then return {st[1], st[2], answered, required} end
   return st
 end
-if #writes > 0 then put(F_BOUND, bound) end
 local peers = count_of(rx, F_PEERS, h[4], 0, MAX_PEERS)
 if required > 0 and peers < 1 then
   peers = required
   put(F_PEERS, required)
 end
+-- bound: written while it differs from peers, dropped once equal (missing: peers)
+local drop_bound = h[3] and bound == peers
+if bound ~= peers and (not h[3] or tonumber(h[3]) ~= bound) then put(F_BOUND, bound) end
 -- the bindings' trace entries, once, after the reads that can fail (a corrupt or
 -- mistyped key raises, and must leave nothing written: design rule 7)
 local function trace_bound()
@@ -166,10 +169,17 @@ local function finish_rx(status, reason)
   trace_bound()
   if status then
     put(F_STATUS, status)
-    put(F_SINCE_MS, now_text())
+    -- since_ms is left out while it would be created_ms (the first status change in
+    -- the creation's millisecond): readers take created_ms then (issue 33)
+    local now = now_text()
+    if h[6] or now ~= h[5] then put(F_SINCE_MS, now) end
     if reason then put(F_REASON, reason) end
   end
   if #writes > 0 then redis.call('HSET', rx, unpack(writes)) end
+  if drop_bound then
+    redis.call('HDEL', rx, F_BOUND)
+    drop_bound = false
+  end
   redis.call('PEXPIRE', rx, ttl)
   touch(KEYS[2], ttl)
 end

@@ -252,7 +252,8 @@ class Calls:
 
     def track(self, bootstrap_addr: str, room: int, receiver: str) -> Call:
         member = self.keys.tracker_member(room, receiver)
-        return self._script("track", [self.keys.addr(bootstrap_addr)], [member, self.ttl_ms])
+        key = self.keys.tracker(bootstrap_addr, room)
+        return self._script("track", [key], [member, self.ttl_ms])
 
     def clear_calls(
         self,
@@ -283,7 +284,7 @@ class Calls:
             calls.append(self._trace_cleared(room, me))
         if peer_addr is not None:
             member = k.tracker_member(room, engine)
-            calls.append(self._command("ZREM", k.addr(peer_addr), args=[member]))
+            calls.append(self._command("ZREM", k.tracker(peer_addr, room), args=[member]))
         return calls
 
     def _trace_cleared(self, room: int, participant: str) -> Call:

@@ -240,9 +240,9 @@ class Store(Calls, Admin):
     ) -> int:
         """Fail the receivers bound to ``peer_engine`` (that incarnation, or any if '')
         among the rooms tracked for ``bootstrap_addr``; returns how many failed."""
-        members = self.execute(
-            [self._command("ZRANGE", self.keys.addr(bootstrap_addr), args=[0, -1])]
-        )[0]
+        shards = self.keys.trackers(bootstrap_addr)  # one round trip per node
+        replies = self.execute([self._command("ZRANGE", t, args=[0, -1]) for t in shards])
+        members = [m for shard in replies for m in shard]
         # every member, not only those before their deadline: status changes keep a
         # receiver alive longer than the deadline its tracker entry got at creation
         # a corrupt room (or tracker member) fails alone: the others are still failed

@@ -33,7 +33,13 @@ so a busy machine moves them less than the absolute figures):
 - the scripts by FCALL (the Redis 7 function library) against the EVAL path forced, on
   the same server in alternating rounds: Redis command and CPU us per lifecycle, single
   and batched, and FCALL / EVAL as the median of the rounds' ratios (``--eval`` forces
-  the EVAL path for the whole run instead, to set against a run without it).
+  the EVAL path for the whole run instead, to set against a run without it);
+- ``--pairs N`` alone (issue 33): N engine pairs, one client process each, on a 3-primary
+  Cluster, a one-node Cluster and one standalone server (TCP and unix socket) in
+  alternating rounds: Redis CPU us per lifecycle of each primary, the busiest against the
+  primaries' mean, scale-out by the busiest primary's CPU, the Cluster's total against
+  standalone, where each pair's address tracker landed (``--placement spread`` picks
+  the addresses so that they spread evenly), and memory per room on each.
 
 - ``--tp-shapes`` (a mode of its own): rooms between TP groups of different sizes
   (prefill x decode ranks 2x4, 4x2, 1x4, 4x1) against equal-TP rooms (2x2, 4x4), in
@@ -50,9 +56,11 @@ measurement: 20 lifecycles, one client process, 64 and 256 held rooms.
                                 [--no-trace] [--no-fcall-vs-eval] [--eval]
                                 [--rooms-per-step 16 256 4096 10000]
                                 [--tp-shapes [--batch 16] [--rounds 30]]
+    python tools/bench_state.py --pairs 8 [--rounds 6] [--batch 16] [--lifecycles 2000]
+                                [--placement named|spread] [--smoke] [--json]
 
 Modules: ``workload`` (the lifecycles), ``redis_cost`` (Redis-side counters),
 ``rounds`` (the PING bound interleaved with the workload), ``deployment`` (one
-deployment's figures), ``memory``, ``procs``, ``durable``, ``trace``, ``fcall``, ``tp_shapes``,
-``cli``.
+deployment's figures), ``memory``, ``procs``, ``durable``, ``trace``, ``fcall``,
+``tp_shapes``, ``pairs``, ``cli``.
 """

@@ -13,6 +13,7 @@ from tools.bench.state.deployment import measure, rooms_per_step
 from tools.bench.state.durable import durable_runs
 from tools.bench.state.fcall import fcall_vs_eval
 from tools.bench.state.memory import HELD_ROOMS
+from tools.bench.state.pairs import engine_pairs
 from tools.bench.state.procs import processes
 from tools.bench.state.tp_shapes import tp_shapes
 from tools.bench.state.trace import trace_cost
@@ -61,12 +62,32 @@ def parser() -> argparse.ArgumentParser:
         "against equal-TP rooms (2x2, 4x4): round trips per batched step of each rank and "
         "Redis CPU per rank pair, with ratios (standalone; --batch rooms per step)",
     )
-    ap.add_argument("--rounds", type=int, default=30, help="--tp-shapes: alternated rounds")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        metavar="N",
+        help="only N engine pairs (one client process each) on a 3-primary Cluster against "
+        "one standalone server, in alternating rounds (issue 33): Redis CPU per lifecycle "
+        "per primary, busiest / mean, scale-out, Cluster / standalone, memory per room",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        help="alternated rounds: --tp-shapes (default 30), --pairs (per deployment, default 6)",
+    )
+    ap.add_argument(
+        "--placement",
+        choices=("named", "spread"),
+        default="named",
+        help="--pairs: the pairs' addresses as named (10.0.<i>.1:8998), or ports picked so "
+        "that their address trackers spread evenly over the primaries",
+    )
     return ap
 
 
 def shapes_only(args: argparse.Namespace) -> dict[str, Any]:
     """``--tp-shapes``: heterogeneous TP rooms against equal-TP ones, one server."""
+    args.rounds = args.rounds or 30
     rounds = 2 if args.smoke else args.rounds
     batch = 4 if args.smoke else args.batch
     with RedisProcess(port="auto") as server:
@@ -76,6 +97,25 @@ def shapes_only(args: argparse.Namespace) -> dict[str, Any]:
         " --smoke" if args.smoke else f" --batch {args.batch} --rounds {args.rounds}"
     )
     return out
+
+
+def pairs_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--pairs N``: engine pairs on the Cluster against a standalone server."""
+    args.rounds = args.rounds or 6
+    steps, rounds, held = (
+        max(args.lifecycles // (args.pairs * args.batch), 1),
+        args.rounds,
+        HELD_ROOMS,
+    )
+    if args.smoke:
+        steps, rounds, held = 1, 2, SMOKE_HELD_ROOMS
+    doc = engine_pairs(args.pairs, args.batch, rounds, steps, args.placement, held)
+    doc["command"] = (
+        f"python tools/bench_state.py --pairs {args.pairs} --rounds {args.rounds} "
+        f"--lifecycles {args.lifecycles} --batch {args.batch} --placement {args.placement}"
+        + (" --smoke" if args.smoke else "")
+    )
+    return doc
 
 
 def steps_only(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.rooms_per_step:
         print(json.dumps(steps_only(args), indent=None if args.json else 2))
+        return
+    if args.pairs:
+        print(json.dumps(pairs_only(args), indent=None if args.json else 2))
         return
     n, procs, held = args.lifecycles, args.procs, HELD_ROOMS
     if args.quick:

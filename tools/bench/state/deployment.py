@@ -15,7 +15,7 @@ from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
 from tools.bench.state.memory import HELD_ROOMS, held_room_memory
 from tools.bench.state.redis_cost import RedisCost, primaries, script_costs
 from tools.bench.state.rounds import workload_rounds
-from tools.bench.state.workload import batch_lifecycles, connect, lifecycle, pair
+from tools.bench.state.workload import apart_room, batch_lifecycles, connect, lifecycle, pair
 
 
 def measure(
@@ -32,9 +32,10 @@ def measure(
     with pair(store) as (p, d):
         lifecycle(p, d, 0, pages)  # warm: scripts loaded, peers resolved
         batch_lifecycles(p, d, range(1, 1 + batch), pages)
+        single_room = apart_room(store, p.bootstrap_addr, 100)  # a Cluster's most trips
         with RoundTrips.installed() as rt:
             before = rt.count
-            lifecycle(p, d, 100, pages)
+            lifecycle(p, d, single_room, pages)
             trips = rt.count - before
             before = rt.count
             batch_lifecycles(p, d, range(200, 200 + batch), pages)

@@ -12,7 +12,7 @@ import redis
 
 from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
 from tools.bench.state.redis_cost import redis_us
-from tools.bench.state.workload import batch_lifecycles, connect, lifecycle, pair
+from tools.bench.state.workload import apart_room, batch_lifecycles, connect, lifecycle, pair
 
 
 @contextmanager
@@ -55,9 +55,10 @@ def durable_cost(
         engines = {"plain": plain, "durable": durable}
         for mode, (p, d) in engines.items():
             lifecycle(p, d, 0, pages)  # warm
+            room = apart_room(stores[mode], p.bootstrap_addr, 100)
             with RoundTrips.installed() as rt:
                 before = rt.count
-                lifecycle(p, d, 1, pages)
+                lifecycle(p, d, room, pages)
                 out[f"{mode}_round_trips_per_lifecycle"] = rt.count - before
         room = 1000
         for r in range(rounds):

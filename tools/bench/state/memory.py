@@ -32,18 +32,22 @@ def _settled_used_memory(c: redis.Redis) -> int:
     return last
 
 
-def _memory_sample(store: Store, nodes: list[redis.Redis], tracker: str) -> dict[str, float]:
-    """used_memory, the keyspace's hash tables (MEMORY STATS: dict entries and bucket
-    arrays of the key and expiry dicts, the values' robj), the address tracker's MEMORY
-    USAGE, the clients' buffers (in used_memory, not the rooms': noise) and the key
-    count, summed over the primaries."""
+def _memory_usage(store: Store, key: str) -> int:
     node: Any = store.client
     if store.cluster:
-        node = node.get_node_from_key(tracker).redis_connection
+        node = node.get_node_from_key(key).redis_connection
+    return int(node.memory_usage(key, samples=0) or 0)
+
+
+def _memory_sample(store: Store, nodes: list[redis.Redis], trackers: list[str]) -> dict[str, float]:
+    """used_memory, the keyspace's hash tables (MEMORY STATS: dict entries and bucket
+    arrays of the key and expiry dicts, the values' robj), the address tracker's MEMORY
+    USAGE (its shards', issue 33), the clients' buffers (in used_memory, not the rooms':
+    noise) and the key count, summed over the primaries."""
     sample = {
         "used_memory": float(sum(_settled_used_memory(c) for c in nodes)),
         "client_buffers": float(sum(int(c.info("memory")["mem_clients_normal"]) for c in nodes)),
-        "address_tracker": float(node.memory_usage(tracker, samples=0) or 0),
+        "address_tracker": float(sum(_memory_usage(store, t) for t in trackers)),
         "hashtables": 0.0,
         "keys": float(sum(int(c.dbsize()) for c in nodes)),
     }
@@ -73,7 +77,7 @@ def held_room_memory(
     and left out of the MEMORY USAGE sum, which is a room's state."""
     base, held = HELD_ROOM_BASE, 0
     samples: list[dict[str, float]] = []
-    tracker = store.keys.addr(p.bootstrap_addr)
+    trackers = store.keys.trackers(p.bootstrap_addr)
     for target in counts:
         while held < target:
             chunk = list(range(base + held, base + min(held + 256, target)))
@@ -84,7 +88,7 @@ def held_room_memory(
             ready = p.poll_many(chunk)
             assert set(ready.values()) == {kvstate.KVPoll.WaitingForInput}, ready
             held += len(chunk)
-        samples.append(_memory_sample(store, nodes, tracker))
+        samples.append(_memory_sample(store, nodes, trackers))
     keys: dict[str, dict[str, Any]] = {}
     for key in sorted(store.scan(store.keys.room_prefix(base) + "*")):
         node: Any = store.client

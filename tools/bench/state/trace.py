@@ -11,7 +11,7 @@ import kvstate
 from kvstate.defaults import TRACE_RATE
 from kvstate.testing import RedisCluster, RedisProcess, RoundTrips
 from tools.bench.state.redis_cost import RedisCost, primaries
-from tools.bench.state.workload import batch_lifecycles, connect, lifecycle, pair
+from tools.bench.state.workload import apart_room, batch_lifecycles, connect, lifecycle, pair
 
 TRACE_MODES = {"off": 0.0, "default": TRACE_RATE, "full": 1.0}
 
@@ -42,9 +42,10 @@ def trace_cost(url: str, server: RedisProcess | RedisCluster, n: int, batch: int
         engines = {"off": off, "default": default, "full": full}
         for mode, (p, d) in engines.items():
             lifecycle(p, d, 0, pages)  # warm
+            room = apart_room(stores[mode], p.bootstrap_addr, 100)
             with RoundTrips.installed() as rt:
                 before = rt.count
-                lifecycle(p, d, 1, pages)
+                lifecycle(p, d, room, pages)
                 out[f"{mode}_round_trips_per_lifecycle"] = rt.count - before
         p, d = engines["full"]
         lifecycle(p, d, 2, pages)

@@ -47,12 +47,29 @@ def batch_lifecycles(
     d.clear_many(rooms)
 
 
+def apart_room(store: Store, addr: str, start: int) -> int:
+    """The first room from ``start`` whose keys and whose address tracker shard (issue 33:
+    ``addr:<addr>#<room % 64>``) live on two different Cluster nodes (``start`` on a
+    standalone server): a single lifecycle then takes the Cluster's most round trips
+    (10), so runs that compare theirs (the trace's modes) compare like with like."""
+    if not store.cluster:
+        return start
+    client: Any = store.client
+    room = start
+    while client.get_node_from_key(store.keys.room_hash(room)) == client.get_node_from_key(
+        store.keys.tracker(addr, room)
+    ):
+        room += 1
+    return room
+
+
 @contextmanager
 def pair(
-    store: Store, worker: int = 0, lease: float = HB
+    store: Store, worker: int = 0, lease: float = HB, addr: str | None = None
 ) -> Iterator[tuple[kvstate.KVManager, kvstate.KVManager]]:
-    """A prefill and a decode engine; each worker process its own (own address too)."""
-    addr = f"10.0.{worker}.1:8998"
+    """A prefill and a decode engine; each worker process its own (own address too:
+    ``addr``, else 10.0.<worker>.1:8998)."""
+    addr = addr or f"10.0.{worker}.1:8998"
     with (
         kvstate.KVManager(store, "prefill", f"prefill-{worker}.tp0", addr, lease=lease) as p,
         kvstate.KVManager(store, "decode", f"decode-{worker}.tp0", lease=lease) as d,
