@@ -172,6 +172,11 @@ def decode_req(room: int, slot: int) -> SimpleNamespace:
     return SimpleNamespace(req=req, metadata_buffer_index=slot)
 
 
+def wait_polls(ok: Any, polls: int = 3) -> bool:
+    """True once ``ok()`` holds, within a few polls (a step each)."""
+    return any(ok() for _ in range(polls))
+
+
 def init_group(rank: int, world: int, init_file: str) -> Any:
     import torch.distributed as dist
 
@@ -284,7 +289,9 @@ def pair(_index: int, url: str, out: str, scenario: str) -> None:
     tx = sg.cls("sender")(p.mgr, ADDR, pl["room"])
     assert poll([rx], group) == [KVPoll.WaitingForInput]
     rx.send_metadata(pl["dst"], pl["aux_dst"], [pl["state_dst"]], 0)
-    assert poll([tx], group) == [KVPoll.WaitingForInput]
+    # a sender learns how many decode ranks it waits for from their infos (kvstate.tp):
+    # it may report WaitingForInput one poll after the info landed
+    assert wait_polls(lambda: poll([tx], group) == [KVPoll.WaitingForInput])
     assert poll([rx], group) == [KVPoll.Transferring]
     if scenario == "prefill":
         tx.abort()
@@ -570,6 +577,9 @@ def scenarios(_index: int, url: str, out: str) -> None:
             r.init(0)
             r.poll()
             r.send_metadata(pl["dst"], pl["aux_dst"], [pl["state_dst"]], 0)
+        # the sender learns its count from the first info: it sees the second one (and
+        # refuses the pair) within a poll or two
+        wait_polls(lambda: tx.poll() == sg.KVPoll.Failed)
         out = {
             "tx": int(tx.poll()),
             "rx": [int(r.poll()) for r in rxs],
@@ -650,11 +660,33 @@ def scenarios(_index: int, url: str, out: str) -> None:
             wide = Rank(sg, "decode", 0, 2, seed=None).start()
         finally:
             os.environ.pop("KVSTATE_SGLANG_HOST")
+        import logging
+
+        from kvstate.integrations.sglang.metrics import refusal_count
+
+        seen: list[str] = []
+
+        class Catch(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if record.levelno == logging.WARNING:
+                    seen.append(record.getMessage())
+
+        catch = Catch()
+        logging.getLogger("kvstate.integrations.sglang.manager").addHandler(catch)
         assert wide.mgr.try_ensure_parallel_info(ADDR)
-        rx = Receiver(wide.mgr, ADDR, 15000)
-        rx.init(0)
-        out = {"rx": int(rx.poll()), "error": error(rx)}
-        rx.clear()
+        rxs = [Receiver(wide.mgr, ADDR, 15000 + k) for k in range(2)]
+        for rx in rxs:  # this pool gives no KV heads per rank: refused, not guessed
+            rx.init(0)
+        out = {
+            "rx": [int(rx.poll()) for rx in rxs],
+            "error": error(rxs[0]),
+            "warnings": seen,
+            "refusals": sum(wide.mgr.refusals.values()),
+            "metric": refusal_count(ADDR, wide.mgr.engine),
+        }
+        logging.getLogger("kvstate.integrations.sglang.manager").removeHandler(catch)
+        for rx in rxs:
+            rx.clear()
         wide.mgr.close()
         return out
 

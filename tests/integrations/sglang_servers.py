@@ -176,22 +176,21 @@ def launch(name: str, model: Path, logdir: Path, redis_url: str, *extra: str) ->
     )
 
 
-def prefill(model: Path, logdir: Path, redis_url: str) -> tuple[Proc, int]:
+def prefill(model: Path, logdir: Path, redis_url: str, *more: str) -> tuple[Proc, int]:
     bootstrap = free_port()
     p = launch(
         "prefill", model, logdir, redis_url,
         "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvstate",
-        "--disaggregation-bootstrap-port", str(bootstrap),
+        "--disaggregation-bootstrap-port", str(bootstrap), *more,
     )  # fmt: skip
     return p, bootstrap
 
 
-def decode(model: Path, logdir: Path, redis_url: str, *flags: str) -> Proc:
+def decode(model: Path, logdir: Path, redis_url: str, *more: str) -> Proc:
     extra = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvstate"]
-    extra += flags
     if not has_gpu():
         extra += ["--disaggregation-decode-retraction-backup", "none"]
-    return launch("decode", model, logdir, redis_url, *extra)
+    return launch("decode", model, logdir, redis_url, *extra, *more)
 
 
 def router(p: Proc, bootstrap: int, d: Proc, logdir: Path) -> Proc:

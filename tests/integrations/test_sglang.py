@@ -192,12 +192,14 @@ def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
     crashed = {k: v["crash"] for k, v in res.items() if isinstance(v, dict) and "crash" in v}
     assert not crashed, crashed
 
+    # a decode of another TP size whose pool gives no KV heads per rank cannot take
+    # the prefill's pages: both rooms fail with the reason, one WARNING for the pair,
+    # both counted (issue 29 item 5)
     tp = res["tp_mismatch"]
-    assert (
-        tp["rx"] == 0
-        and "TP mismatch: prefill at 127.0.0.1:18998 has attention TP size 1, this decode 2"
-        in tp["error"]
-    )
+    assert tp["rx"] == [0, 0] and "runs attention TP 1, this decode 2" in tp["error"]
+    assert "KVArgs.kv_head_num" in tp["error"]
+    assert len(tp["warnings"]) == 1 and "cannot load KV from prefill" in tp["warnings"][0]
+    assert tp["refusals"] == 2 and tp["metric"] == 2
 
     dup = res["duplicate_local"]
     assert dup["twin"] == 0 and "duplicate bootstrap_room 11000" in dup["twin_error"]
@@ -232,8 +234,14 @@ def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("pp_size", 2, "pipeline parallel size 2"),
+        ("pp_size", 2, "a decode with pipeline parallel size 2 \\(--pp-size\\)"),
         ("disaggregation_decode_allocation_policy", "prefill_complete", "bootstrap HTTP server"),
+        # host destinations (issue 29 item 3): refused, never run without
+        (
+            "disaggregation_decode_host_receive_threshold",
+            0.5,
+            "--disaggregation-decode-host-receive-threshold 0.5: host KV destinations",
+        ),
     ],
 )
 def test_unsupported_layouts_are_refused_at_start(field: str, value: object, message: str) -> None:
@@ -247,3 +255,34 @@ def test_unsupported_layouts_are_refused_at_start(field: str, value: object, mes
     setattr(sa, field, value)  # the check reads ServerArgs; no Redis, no buffers needed
     with pytest.raises(UnsupportedLayoutError, match=message):
         KVStateKVManager(KVArgs(), DisaggregationMode.DECODE, sa)
+
+
+@pytest.mark.parametrize(
+    "mode,env,field,message",
+    [
+        ("prefill", "SGLANG_DISAGG_STAGING_BUFFER", None, "unset SGLANG_DISAGG_STAGING_BUFFER"),
+        ("decode", "SGLANG_DISAGG_STAGING_BUFFER", None, "unset SGLANG_DISAGG_STAGING_BUFFER"),
+        # a PP prefill is served (test_sglang_tp), one with draft KV buffers refused
+        ("prefill", None, "pp_size", "size 2 \\(--pp-size\\) and speculative decoding"),
+    ],
+)
+def test_staging_and_pp_prefill_are_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, mode: str, env: str | None, field: str | None, message: str
+) -> None:
+    """Issue 29 items 3 and 4: SGLang's staging buffers, and a pipeline-parallel prefill
+    whose buffers kvstate cannot name by layer, are refused when the manager starts."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvstate.integrations.sglang import KVStateKVManager, UnsupportedLayoutError
+    from tests.integrations.rig import server_args
+
+    sa = server_args(mode, 1)
+    if env:
+        monkeypatch.setenv(env, "1")
+    args = KVArgs()
+    if field:
+        setattr(sa, field, 2)
+        args.num_draft_entries = 1
+    with pytest.raises(UnsupportedLayoutError, match=message):
+        KVStateKVManager(args, DisaggregationMode(mode), sa)

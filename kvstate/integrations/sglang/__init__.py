@@ -27,13 +27,14 @@ Settings (environment, read when the manager starts)
 """
 
 from kvstate.errors import UnsupportedLayoutError
-from kvstate.integrations.sglang.manager import KVStateKVManager, PrefillInfo, prefill_engine
+from kvstate.integrations.sglang.manager import KVStateKVManager
 from kvstate.integrations.sglang.mirror import mirrored
 from kvstate.integrations.sglang.participants import (
     KVStateBootstrapServer,
     KVStateKVReceiver,
     KVStateKVSender,
 )
+from kvstate.integrations.sglang.ranks import PrefillInfo, prefill_engine
 from kvstate.integrations.sglang.spaces import Settings, Spaces, raw_buffer
 
 __all__ = [

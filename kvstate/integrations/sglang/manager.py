@@ -6,18 +6,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, WAITING_TIMEOUT
 from kvstate.errors import KVStateError, StateConnectionError, UnsupportedLayoutError
 from kvstate.integrations.sglang.base import BaseManager
+from kvstate.integrations.sglang.metrics import count_refusal
+from kvstate.integrations.sglang.ranks import PrefillInfo, prefill_engine, prefill_info
+from kvstate.integrations.sglang.shape import KVShape
 from kvstate.integrations.sglang.spaces import Settings, Spaces, default_memory
+from kvstate.integrations.sglang.startup import refuse_unsupported
 from kvstate.integrations.sglang_release import check_version
 from kvstate.poll import KVPoll
 from kvstate.roles import KVManager, KVReceiver, KVSender
@@ -25,25 +27,6 @@ from kvstate.store import Store, connect
 from transports.base import Transport, TransportError
 
 log = logging.getLogger(__name__)
-
-
-_ENGINE = re.compile(r"^(?P<addr>.+)/dp(?P<dp>\d+)/tp(?P<tp>\d+)$")
-
-
-# -- manager ---------------------------------------------------------------------------
-
-
-@dataclass
-class PrefillInfo:
-    """What decode's scheduler reads from ``prefill_info_table`` (found in the registry)."""
-
-    dp_size: int
-    tp_size: int
-    follow_bootstrap_room: bool = True
-
-
-def prefill_engine(addr: str, dp_rank: int, tp_rank: int) -> str:
-    return f"{addr}/dp{dp_rank}/tp{tp_rank}"
 
 
 class Adapter:
@@ -75,6 +58,10 @@ class Adapter:
         """kvstate failed the room (here, or in Redis as of the last poll)."""
         part = self._part
         return bool(self._local_reason) or (part is not None and part.status == KVPoll.Failed)
+
+    def queued(self) -> bool:
+        """A decode request bound to its prefill, its pages not published yet."""
+        return False
 
     def _fail_local(self, reason: str) -> None:
         self._local_reason = reason
@@ -175,30 +162,19 @@ class KVStateKVManager(BaseManager):
             raise UnsupportedLayoutError(f"disaggregation mode {mode!r} needs no transfer backend")
         self.role: str = mode
         pp = int(getattr(server_args, "pp_size", 1) or 1)
-        if pp > 1:
-            raise UnsupportedLayoutError(
-                f"pipeline parallel size {pp}: kvstate's SGLang backend supports pp_size 1 "
-                "only; use the mooncake backend (with kvstate mirror mode) for PP"
-            )
-        if getattr(
-            server_args, "disaggregation_decode_allocation_policy", None
-        ) == "prefill_complete" or os.environ.get(
-            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", ""
-        ).lower() in ("1", "true"):
-            raise UnsupportedLayoutError(
-                "the prefill_complete decode allocation policy and forced prefill DP-rank "
-                "queries need SGLang's bootstrap HTTP server; kvstate's backend has none: "
-                "use the default allocation policy (the DP rank follows bootstrap_room)"
-            )
+        refuse_unsupported(server_args, args, self.role, pp)
+        self.pp_size = pp
+        self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
         dp = int(getattr(server_args, "dp_size", 1) or 1)
         tp = int(getattr(server_args, "tp_size", 1) or 1)
         self.tp_size = tp // dp if getattr(server_args, "enable_dp_attention", False) else tp
         self.tp_rank = int(getattr(args, "engine_rank", 0) or 0) % max(self.tp_size, 1)
+        self.shape = KVShape.of(args, self.tp_size, self.is_mla_backend)
         self.dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
         host = self.settings.host or _host(server_args)
         if self.role == "prefill":
             self.addr = f"{host}:{server_args.disaggregation_bootstrap_port}"
-            engine = prefill_engine(self.addr, self.dp_rank, self.tp_rank)
+            engine = prefill_engine(self.addr, self.dp_rank, self.tp_rank, self.pp_rank, pp)
         else:
             self.addr = f"{host}:{server_args.port}"
             engine = f"decode@{self.addr}/dp{self.dp_rank}/tp{self.tp_rank}"
@@ -208,12 +184,17 @@ class KVStateKVManager(BaseManager):
         self.mirror = mirror
         self.spaces: Transport | None = None
         if not mirror:
-            self.spaces = transport if transport is not None else Spaces(args, memory)
+            self.spaces = (
+                transport if transport is not None else Spaces(args, memory, shape=self.shape)
+            )
         env = os.environ
         waiting = float(env.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", str(WAITING_TIMEOUT)))
-        bootstrap = float(
-            env.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", str(BOOTSTRAP_TIMEOUT))
-        )
+        # a prefill keeps pages for a decode that neither publishes nor holds them for the
+        # settings' 30 s; a decode's own receivers wait while its queue holds the request
+        # (holds stop only the senders' timeout), so they keep SGLang's 300 s
+        bootstrap = self.settings.bootstrap_timeout
+        if self.role == "decode":
+            bootstrap = float(env.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", BOOTSTRAP_TIMEOUT))
         self.kv = KVManager(
             self.store,
             self.role,
@@ -223,6 +204,7 @@ class KVStateKVManager(BaseManager):
             lease=self.settings.lease,
             bootstrap_timeout=bootstrap,
             waiting_timeout=waiting,
+            ranks=self.tp_size * pp,  # a DP rank's ranks: ranks.prefill_info waits for all
         )
         self.engine = engine
         # restarted under the same name: fail and clear the rooms the killed process
@@ -235,6 +217,9 @@ class KVStateKVManager(BaseManager):
         self._cache_at = 0.0
         self._store_down_since: float | None = None
         self.batches = 0  # poll_many calls (for tests and benchmarks)
+        self.refusals: dict[tuple[str, str], int] = {}  # (prefill, reason) -> rooms
+        self._held_at = 0.0
+        self.holds = 0  # hold_many calls (for tests)
 
     def register_to_bootstrap(self) -> None:
         """Registration happened in the registry when the manager started (with a lease)."""
@@ -258,17 +243,26 @@ class KVStateKVManager(BaseManager):
         except KVStateError as exc:
             log.warning("looking up prefill %s: %s", bootstrap_addr, exc)
             return False
-        ranks = [m for m in (_ENGINE.match(p.engine) for p in peers) if m]
-        if not ranks:
+        info = prefill_info(peers)
+        if info is None:
             return False
-        self.prefill_info_table[bootstrap_addr] = PrefillInfo(
-            dp_size=max(int(m["dp"]) for m in ranks) + 1,
-            tp_size=max(int(m["tp"]) for m in ranks) + 1,
-        )
+        self.prefill_info_table[bootstrap_addr] = info
         return True
 
     def ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         return self.try_ensure_parallel_info(bootstrap_addr)
+
+    def refused(self, prefill: str, why: str) -> None:
+        """A room this decode cannot load from ``prefill`` (the pair's shapes): counted
+        (``refusals``, ``sglang:kv_transfer_refused_total``), WARNING once per pair
+        and reason; SGLang fails the request with the reason."""
+        with self._lock:
+            key = (prefill, why)
+            first = key not in self.refusals
+            self.refusals[key] = self.refusals.get(key, 0) + 1
+        count_refusal(prefill, self.engine)
+        if first:
+            log.warning("%s cannot load KV from prefill %s: %s", self.engine, prefill, why)
 
     # -- rooms ---------------------------------------------------------------------------
     def _admit(self, p: Adapter) -> str:
@@ -337,6 +331,21 @@ class KVStateKVManager(BaseManager):
         with self._lock:
             self._cache = dict(got)
             self._cache_at = time.monotonic()
+        self._hold([p.bootstrap_room for p in parts if p.queued()])
+
+    def _hold(self, rooms: list[int]) -> None:
+        """Decode: hold the rooms of requests still queued here (bound, pages not
+        published yet), so that their prefill keeps the pages past its bootstrap
+        timeout for as long as this decode keeps the request (``Store.hold_many``)."""
+        now = time.monotonic()
+        if not rooms or now - self._held_at < self.settings.hold_for_s / 4:
+            return
+        self._held_at = now
+        try:
+            self.store.hold_many(rooms, self.settings.hold_for_s)
+            self.holds += 1
+        except KVStateError as exc:
+            log.warning("%s: holding %d queued rooms failed: %s", self.engine, len(rooms), exc)
 
     def _store_trouble(self, parts: list[Adapter], exc: KVStateError) -> None:
         """Redis unreachable: keep the last statuses for a grace period, then fail

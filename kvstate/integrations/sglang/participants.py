@@ -10,13 +10,20 @@ import numpy as np
 
 from kvstate.errors import KVStateError, PeerNotFoundError
 from kvstate.integrations.sglang.base import BaseReceiver, BaseSender, BaseServer, conn
-from kvstate.integrations.sglang.manager import Adapter, KVStateKVManager, prefill_engine
+from kvstate.integrations.sglang.manager import Adapter, KVStateKVManager
+from kvstate.integrations.sglang.ranks import prefill_engine
+from kvstate.integrations.sglang.shape import plan, refusal, writes_slots
 from kvstate.integrations.sglang.spaces import Spaces
 from kvstate.poll import KVPoll
 from kvstate.roles import KVReceiver, KVSender
 from transports.base import TransportError
 
 log = logging.getLogger(__name__)
+
+
+def decode_engine(receiver: str) -> str:
+    """A decode receiver's engine less its TP rank: one request's receivers share it."""
+    return receiver.rsplit("/tp", 1)[0]
 
 
 class KVStateKVSender(Adapter, BaseSender):
@@ -40,7 +47,8 @@ class KVStateKVSender(Adapter, BaseSender):
             self._guard("creating the sender", self._create)
 
     def _create(self) -> None:
-        self._part = self.kv_mgr.kv.sender(self.bootstrap_room, required_receivers=1)
+        # as many decode ranks as they declare (kvstate.tp: TP sizes may differ)
+        self._part = self.kv_mgr.kv.sender(self.bootstrap_room, required_receivers=None)
 
     def poll(self) -> KVPoll:
         if self._part is None or self._local_reason:
@@ -49,7 +57,7 @@ class KVStateKVSender(Adapter, BaseSender):
         if st in (KVPoll.WaitingForInput, KVPoll.Transferring):
             assert isinstance(self._part, KVSender)
             infos = self._part.published
-            if len(infos) > 1:
+            if len({decode_engine(r) for r in infos}) > 1:
                 # a second decode request published into this room (sglang#40125)
                 with self._lock:
                     self._guard(
@@ -131,8 +139,10 @@ class KVStateKVSender(Adapter, BaseSender):
             for i, s in enumerate(state_indices or [])
             if s is not None
         ]
+        # the metadata (aux) is the last pipeline stage's output
+        last_stage = self.kv_mgr.pp_rank == self.kv_mgr.pp_size - 1
         for info in part.transfer_infos().values():
-            if info.dummy:
+            if not writes_slots(info.heads, info.dummy) or not last_stage:
                 continue
             peer = self.kv_mgr.kv.peer(info.receiver, info.incarnation)
             if self._aux is not None and info.aux_index is not None:
@@ -226,29 +236,42 @@ class KVStateKVReceiver(Adapter, BaseReceiver):
         self.abort_notified = False
         self.bootstrap_infos: list[Any] = []
         self._metadata_sent = False
+        self.prefill_tp = mgr.tp_size
 
     def init(self, prefill_dp_rank: int) -> None:
         with self._lock:
             if self._local_reason or self._part is not None:
                 return
             mgr = self.kv_mgr
-            info = mgr.prefill_info_table.get(self.bootstrap_addr)
-            if info is not None and info.tp_size != mgr.tp_size:
-                self._fail_local(
-                    f"TP mismatch: prefill at {self.bootstrap_addr} has attention TP size "
-                    f"{info.tp_size}, this decode {mgr.tp_size}; kvstate's SGLang backend "
-                    "maps rank i to rank i and needs equal sizes"
-                )
+            addr = self.bootstrap_addr
+            info = mgr.prefill_info_table.get(addr)
+            prefill_tp = info.tp_size if info is not None else mgr.tp_size
+            self.prefill_tp = prefill_tp
+            why = refusal(addr, prefill_tp, info.page_heads if info else None, mgr.shape)
+            if why:
+                mgr.refused(addr, why)
+                self._fail_local(why)
                 return
-            sender = prefill_engine(self.bootstrap_addr, int(prefill_dp_rank or 0), mgr.tp_rank)
+            dp = int(prefill_dp_rank or 0)
+            pp = info.pp_size if info is not None else 1
+            p = plan(
+                lambda r, stage: prefill_engine(addr, dp, r, stage, pp),
+                prefill_tp,
+                pp,
+                mgr.shape,
+                mgr.tp_rank,
+            )
             try:
                 self._part = mgr.kv.receiver(
-                    self.bootstrap_room, self.bootstrap_addr, required_senders=1, senders=[sender]
+                    self.bootstrap_room,
+                    addr,
+                    senders=p.senders,
+                    receivers_per_sender=p.per_sender,
                 )
             except PeerNotFoundError as exc:
                 self._fail_local(str(exc))
             except KVStateError as exc:
-                self._fail_local(f"binding to {sender} failed: {exc}")
+                self._fail_local(f"binding to {', '.join(p.senders)} failed: {exc}")
 
     def poll(self) -> KVPoll:
         if self._part is None or self._local_reason:
@@ -279,6 +302,16 @@ class KVStateKVReceiver(Adapter, BaseReceiver):
                 if s is not None
             ]
             state = np.concatenate(parts) if parts else None
+            if state is not None and state.size and self.prefill_tp != self.kv_mgr.tp_size:
+                why = (
+                    f"state slots (Mamba/SWA) between attention TP {self.prefill_tp} (prefill "
+                    f"{self.bootstrap_addr}) and {self.kv_mgr.tp_size} (this decode): kvstate "
+                    "moves state slots between equal TP sizes only; run equal TP sizes"
+                )
+                self.kv_mgr.refused(self.bootstrap_addr, why)
+                self._guard("send_metadata", lambda: self._part.abort(why))  # type: ignore[union-attr]
+                self._fail_local(why)
+                return
             part = self._part
             assert isinstance(part, KVReceiver)
             self._guard(
@@ -288,6 +321,9 @@ class KVStateKVReceiver(Adapter, BaseReceiver):
                 ),
             )
             self._metadata_sent = True
+
+    def queued(self) -> bool:
+        return self._part is not None and not self._metadata_sent and not self._local_reason
 
     def abort(self) -> None:
         self._abort("decode")

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvstate.defaults import LEASE
 from kvstate.errors import KVStateError, UnsupportedLayoutError
+from kvstate.integrations.sglang.shape import KVShape, buffer_names
 from transports.base import Geometry, Target, Transport, TransportError, TransportStats
 
 # -- settings and buffers ----------------------------------------------------------------
@@ -28,6 +29,11 @@ class Settings:
     memory: str | None = None
     step_cache_s: float = 0.5  # a cached poll older than this is asked again
     store_grace_s: float = 30.0  # Redis unreachable this long: rooms fail locally
+    # s a prefill keeps a room's pages for a decode that never publishes them (nor holds
+    # the request in its queue); NixlConnector's lease is 30 s too.
+    # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, when set, wins
+    bootstrap_timeout: float = 30.0
+    hold_for_s: float = 8.0  # a decode holds its queued rooms this long, renewed each 1/4
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -39,6 +45,12 @@ class Settings:
             max_rooms=int(env.get("KVSTATE_SGLANG_MAX_ROOMS", "65536")),
             lease=float(env.get("KVSTATE_SGLANG_LEASE", str(LEASE))),
             memory=env.get("KVSTATE_SGLANG_MEMORY") or None,
+            bootstrap_timeout=float(
+                env.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
+                or env.get("KVSTATE_SGLANG_BOOTSTRAP_TIMEOUT")
+                or "30"
+            ),
+            hold_for_s=float(env.get("KVSTATE_SGLANG_HOLD", "8")),
         )
 
 
@@ -79,14 +91,24 @@ class Spaces(Transport):
     moves aux and state slots."""
 
     def __init__(
-        self, kv_args: Any, memory: str, factory: Callable[[], Transport] | None = None
+        self,
+        kv_args: Any,
+        memory: str,
+        factory: Callable[[], Transport] | None = None,
+        shape: KVShape | None = None,
     ) -> None:
         if factory is None:
             from transports.ucx import UCXTransport
 
             factory = UCXTransport
+        ptrs = kv_args.kv_data_ptrs or []
         self.kv = self._space(
-            factory, kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens, memory
+            factory,
+            ptrs,
+            kv_args.kv_data_lens,
+            kv_args.kv_item_lens,
+            memory,
+            shape.geometry(buffer_names(kv_args, shape.mla), len(ptrs)) if shape else None,
         )
         if self.kv is None:
             raise UnsupportedLayoutError("SGLang registered no KV buffers (kv_data_ptrs empty)")
@@ -112,6 +134,7 @@ class Spaces(Transport):
         lens: Sequence[int],
         items: Sequence[int],
         memory: str,
+        geometry: Sequence[Geometry] | None = None,
     ) -> Transport | None:
         if not ptrs:
             return None
@@ -119,6 +142,7 @@ class Spaces(Transport):
         t.register_buffers(
             [raw_buffer(int(p), int(n), memory) for p, n in zip(ptrs, lens, strict=True)],
             [int(i) for i in items],
+            geometry,
         )
         return t
 

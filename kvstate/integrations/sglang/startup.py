@@ -1,0 +1,60 @@
+"""What kvstate's SGLang backend refuses when its manager starts, each with the option
+that asks for it and what to do instead: never a setting silently run without."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvstate.errors import UnsupportedLayoutError
+
+
+def _on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def refuse_unsupported(server_args: Any, kv_args: Any, role: str, pp_size: int) -> None:
+    """UnsupportedLayoutError naming the option, for what this backend cannot serve."""
+    if role == "decode" and pp_size > 1:
+        raise UnsupportedLayoutError(
+            f"a decode with pipeline parallel size {pp_size} (--pp-size): SGLang's decode "
+            "runs pp_size 1 with every backend; run the decode with --pp-size 1"
+        )
+    if role == "prefill" and pp_size > 1:
+        # each stage's KV buffers are named by the layers they hold (shape.buffer_names)
+        if int(getattr(kv_args, "num_draft_entries", 0) or 0):
+            raise UnsupportedLayoutError(
+                f"a prefill with pipeline parallel size {pp_size} (--pp-size) and "
+                "speculative decoding's draft KV buffers: kvstate cannot tell which layer "
+                "each buffer holds; run the prefill with --pp-size 1"
+            )
+        if getattr(kv_args, "state_data_ptrs", None):
+            raise UnsupportedLayoutError(
+                f"a prefill with pipeline parallel size {pp_size} (--pp-size) and state "
+                "pools (Mamba/SWA): kvstate moves state slots from pp_size 1 prefills "
+                "only; run the prefill with --pp-size 1"
+            )
+    if getattr(
+        server_args, "disaggregation_decode_allocation_policy", None
+    ) == "prefill_complete" or _on("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"):
+        raise UnsupportedLayoutError(
+            "the prefill_complete decode allocation policy and forced prefill DP-rank "
+            "queries need SGLang's bootstrap HTTP server; kvstate's backend has none: "
+            "use the default allocation policy (the DP rank follows bootstrap_room)"
+        )
+    if _on("SGLANG_DISAGG_STAGING_BUFFER"):
+        raise UnsupportedLayoutError(
+            "SGLANG_DISAGG_STAGING_BUFFER=1: kvstate's backend has no staging buffers; it "
+            "writes each decode rank's KV heads straight into its pages at any TP sizes: "
+            "unset SGLANG_DISAGG_STAGING_BUFFER"
+        )
+    threshold = float(getattr(server_args, "disaggregation_decode_host_receive_threshold", 1))
+    if role == "decode" and threshold < 1:
+        raise UnsupportedLayoutError(
+            f"--disaggregation-decode-host-receive-threshold {threshold:g}: host KV "
+            "destinations are not supported by kvstate's backend (nor by SGLang's own "
+            "backends in 0.5.23): leave it at 1"
+        )
+
+
+__all__ = ["refuse_unsupported"]
