@@ -57,11 +57,11 @@ def test_ucx_defaults_applied_and_environment_wins() -> None:
 def test_same_host_ucx_puts_go_zero_copy_over_cma_with_error_handling_on(
     tmp_path: Path,
 ) -> None:
-    """kvstate's UCX path on one host (its own CMA off), error handling on: UCX's
-    endpoint keeps a cma lane and puts go zero-copy over it, not emulated by active
-    messages over loopback TCP (what ucxx's RNDV_THRESH of 8192 made UCX 1.21 build;
-    transports/ucx/settings.py). Read from UCX's own log of its choices; the same
-    with ucxx's threshold back shows the emulation, so the log is what is read."""
+    """kvstate's UCX path on one host (its own CMA off), error handling on, with
+    KVSTATE_UCX_RNDV_THRESH=inf: UCX's endpoint keeps a cma lane and puts go zero-copy
+    over it, not emulated by active messages over loopback TCP (what ucxx's
+    RNDV_THRESH of 8192, the default, makes UCX 1.21 build; transports/ucx/settings.py).
+    Read from UCX's own log of its choices: the default shows the emulation."""
     from tools.bench.transfer.lanes import read
 
     def puts(key: str, extra: dict[str, str]) -> list[str]:
@@ -82,10 +82,10 @@ def test_same_host_ucx_puts_go_zero_copy_over_cma_with_error_handling_on(
             rx.stop()
         return [line for line in read(str(tmp_path))["same-host"][key] if line.startswith("put")]
 
-    default = puts("default", {})
-    assert default and all("zero-copy via cma/memory" in p for p in default), default
-    before = puts("ucxx", {"KVSTATE_UCX_RNDV_THRESH": "8192"})
-    assert before and all("software emulation via tcp" in p for p in before), before
+    zcopy = puts("inf", {"KVSTATE_UCX_RNDV_THRESH": "inf"})
+    assert zcopy and all("zero-copy via cma/memory" in p for p in zcopy), zcopy
+    default = puts("default", {})  # ucxx's threshold (the default: settings.py says why)
+    assert default and all("software emulation via tcp" in p for p in default), default
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -67,8 +67,9 @@ class Runtime:
         import ucxx  # heavy import, and UCX must see the environment set above
 
         # an option, not the environment: ucxx's import exports UCX_RNDV_THRESH=8192
+        thresh = self.settings.rndv_thresh
         ucxx.init(
-            options={"RNDV_THRESH": self.settings.rndv_thresh},
+            options={"RNDV_THRESH": thresh} if thresh else {},
             progress_mode=self.settings.progress_mode,
         )
         self.ctx = ucxx.core._get_ctx()

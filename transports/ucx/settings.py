@@ -30,22 +30,25 @@ Settings (each can be overridden)
       MiB on a sender writing to 4 receivers (+0.4 MiB on each receiver),
       against UCX's defaults. TX must not exceed RX (UCX refuses it; checked
       here with a clear error). RDMA, cuda_ipc and shared memory ignore them.
-    * ``KVSTATE_UCX_RNDV_THRESH`` (default ``inf``): UCX's ``RNDV_THRESH`` for
-      kvstate's UCX context, passed to ``ucxx.init`` as an option (it wins over
-      ``UCX_RNDV_THRESH``, which ucxx exports as 8192 on import whenever the
-      environment lacks it, so that variable cannot tell a user's choice from
-      ucxx's). With error handling on and a finite threshold, UCX 1.21 builds a
-      same-host endpoint on tcp/lo alone and emulates every put of host memory by
-      active messages over loopback TCP (``UCX_PROTO_INFO=y``: "software emulation
-      via tcp/lo"); with ``inf`` the endpoint keeps a cma lane and puts go
-      zero-copy over it ("zero-copy via cma/memory"), as NIXL's own UCX build does
-      with error handling on. Measured on one host, ``KVSTATE_UCX_CMA=0``, 64 MiB,
-      timed in turn (``tools/bench_transfer.py --ucx-lanes``, load 4.9, 2 CPUs):
-      contiguous 1.15 -> 4.61 GB/s, fragmented 1.12 -> 2.30 (NIXL 1.5.1's best 4.15
-      / 1.94). kvstate's data moves by puts only, so no message of its own takes
-      UCX's rendezvous. Between two network namespaces (TCP) puts then go
-      zero-copy over TCP instead of emulated (contiguous 0.93 -> 1.08 GB/s,
-      fragmented 0.82 -> 0.91, one run at load 3.4, ``--cross-host``).
+    * ``KVSTATE_UCX_RNDV_THRESH`` (default: unset, ucxx's 8192): UCX's
+      ``RNDV_THRESH`` for kvstate's UCX context, passed to ``ucxx.init`` as an
+      option when set (it wins over ``UCX_RNDV_THRESH``, which ucxx exports as 8192
+      on import whenever the environment lacks it, so that variable cannot tell a
+      user's choice from ucxx's). With error handling on and a finite threshold,
+      UCX 1.21 builds a same-host endpoint on tcp/lo alone and emulates every put of
+      host memory by active messages over loopback TCP (``UCX_PROTO_INFO=y``:
+      "software emulation via tcp/lo"); with ``inf`` the endpoint keeps a cma lane
+      and puts go zero-copy over it ("zero-copy via cma/memory"), as NIXL's own UCX
+      build does with error handling on. Measured on one host,
+      ``KVSTATE_UCX_CMA=0``, 64 MiB, timed in turn (``tools/bench_transfer.py
+      --ucx-lanes``, load 4.9, 2 CPUs): contiguous 1.15 -> 4.61 GB/s, fragmented
+      1.12 -> 2.30 (NIXL 1.5.1's best 4.15 / 1.94). Not the default: under load,
+      over TCP with ``inf``, a write to a receiver stopped by SIGSTOP was reported
+      complete in one loaded run
+      (``tests/test_transport.py::test_stalled_receiver_hits_the_deadline``), and
+      until that is understood kvstate keeps ucxx's threshold, with which the same
+      test holds. Set it for one-host deployments
+      whose same-host path is UCX (docs/benchmarks.md, Same host, UCX path).
     * ``UCX_TLS``, ``UCX_RNDV_SCHEME`` and the rest are left to UCX unless set
       in the environment (puts do not use rendezvous; UCX picks RDMA,
       cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is a
@@ -164,9 +167,10 @@ class UCXSettings:
     cma: bool = field(default_factory=lambda: _env_flag("KVSTATE_UCX_CMA", True))
     tls: str | None = field(default_factory=lambda: os.environ.get("UCX_TLS"))
     rndv_scheme: str | None = field(default_factory=lambda: os.environ.get("UCX_RNDV_SCHEME"))
-    #: UCX's RNDV_THRESH for kvstate's context (an option to ucxx.init); see the docstring
-    rndv_thresh: str = field(
-        default_factory=lambda: os.environ.get("KVSTATE_UCX_RNDV_THRESH", "").strip() or "inf"
+    #: UCX's RNDV_THRESH for kvstate's context (an option to ucxx.init), None: ucxx's;
+    #: see the docstring
+    rndv_thresh: str | None = field(
+        default_factory=lambda: os.environ.get("KVSTATE_UCX_RNDV_THRESH", "").strip() or None
     )
     #: largest UCX put of host memory in bytes (0: no limit); see the module docstring
     put_chunk: int = field(default_factory=_put_chunk)
