@@ -1,5 +1,5 @@
-"""SGLang ranks of attention TP groups of different sizes, for test_sglang_tp.py. SGLang's
-CPU engine cannot run TP > 1 (its TP group builds a PyNcclCommunicator), so each rank is
+"""SGLang ranks of attention TP groups of different sizes, for test_sglang_across_tp.py.
+SGLang's CPU engine cannot run TP > 1 (its TP group builds a PyNcclCommunicator), so each rank is
 what SGLang's scheduler builds for it: KVArgs (kv_data_ptrs, kv_head_num,
 total_kv_head_num, page_size, MetadataBuffers' aux buffers), ServerArgs, and the
 backend's manager/sender/receiver classes from SGLang's own ``get_kv_class``, one

@@ -262,7 +262,7 @@ def test_unsupported_layouts_are_refused_at_start(field: str, value: object, mes
     [
         ("prefill", "SGLANG_DISAGG_STAGING_BUFFER", None, "unset SGLANG_DISAGG_STAGING_BUFFER"),
         ("decode", "SGLANG_DISAGG_STAGING_BUFFER", None, "unset SGLANG_DISAGG_STAGING_BUFFER"),
-        # a PP prefill is served (test_sglang_tp), one with draft KV buffers refused
+        # a PP prefill is served (test_sglang_across_tp), one with draft KV buffers refused
         ("prefill", None, "pp_size", "size 2 \\(--pp-size\\) and speculative decoding"),
     ],
 )

@@ -1,7 +1,7 @@
 """Attention TP of different sizes on real ``sglang.launch_server`` processes behind
 SGLang's router (issue 29, item 1), for a CUDA host with 2 GPUs or more: SGLang's CPU
 engine cannot run TP > 1 (its TP group builds a PyNcclCommunicator), so on a CPU host
-these are skipped and test_sglang_tp.py runs the same shapes on SGLang's own classes per
+these are skipped and test_sglang_across_tp.py runs the same shapes on SGLang's own classes per
 rank. The tiny Llama has 2 KV heads: TP 2 holds one per rank. Greedy outputs through the
 pair must equal a plain server's, token for token; no room left, ``kvstate audit``
 clean."""
