@@ -172,21 +172,26 @@ class Engine:
         self.scheduler.shutdown()
 
 
-def start(specs: list[Spec]) -> list[Engine]:
+def start(specs: list[Spec], tries: int = 3) -> list[Engine]:
     """Engines whose ranks start side by side (start-up is mostly imports); a spec of
-    ``dp`` data-parallel engines starts them all (vLLM's copies of its config)."""
-    engines = []
-    for s in specs:
-        configs = dp_configs(s) if s.dp > 1 else [None]
-        engines += [Engine(s, wait=False, config=c) for c in configs]
-    try:
-        for e in engines:
-            e.workers.ready()
-    except BaseException:
-        for e in engines:
-            e.kill()
-        raise
-    return engines
+    ``dp`` data-parallel engines starts them all (vLLM's copies of its config). A start
+    that lost a rendezvous port vLLM had picked free (EADDRINUSE: another process took
+    it meanwhile) is tried again with fresh configs, which pick fresh ports."""
+    for attempt in range(tries):
+        engines: list[Engine] = []
+        try:
+            for s in specs:
+                configs = dp_configs(s) if s.dp > 1 else [None]
+                engines += [Engine(s, wait=False, config=c) for c in configs]
+            for e in engines:
+                e.workers.ready()
+            return engines
+        except BaseException as exc:
+            for e in engines:
+                e.kill()
+            if "EADDRINUSE" not in str(exc) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def drive(
