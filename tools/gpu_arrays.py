@@ -109,15 +109,7 @@ def host_layer(layer: int, nbytes: int) -> np.ndarray:
 
 
 def fragmented(pages: int, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    lens: list[int] = []
-    while sum(lens) < pages:
-        lens.append(min(int(rng.integers(1, 9)), pages - sum(lens)))
+    """Runs of 1-8 pages in random places on each side (the transfer benchmark's)."""
+    from tools.bench.transfer.workload import runs_layout
 
-    def place() -> np.ndarray:
-        order = rng.permutation(len(lens))
-        pos = np.empty(len(lens), dtype=np.int64)
-        pos[order] = np.concatenate(([0], np.cumsum([lens[k] for k in order])[:-1]))
-        return np.concatenate([np.arange(pos[k], pos[k] + lens[k]) for k in range(len(lens))])
-
-    return place().astype(np.int32), place().astype(np.int32)
+    return runs_layout(pages, 1, 8, seed)

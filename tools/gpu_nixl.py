@@ -112,12 +112,10 @@ def sender(
                 b"",
             )
 
+            from tools.bench.transfer.drivers import nixl_write
+
             def xfer(h: Any = h) -> None:
-                state = agent.transfer(h)
-                while state not in ("DONE", "ERR"):
-                    state = agent.check_xfer_state(h)
-                if state == "ERR":
-                    raise RuntimeError("NIXL transfer failed")
+                nixl_write(agent, h)
 
             xfer()  # warm-up
             times = []

@@ -19,6 +19,15 @@ from tools.bench.transfer.workload import Config
 IOV_MAX = 1024
 
 
+def nixl_write(agent: Any, handle: Any) -> None:
+    """Post one prepared NIXL transfer and spin until it is done (a failure raises)."""
+    state = agent.transfer(handle)
+    while state not in ("DONE", "ERR"):
+        state = agent.check_xfer_state(handle)
+    if state == "ERR":
+        raise RuntimeError("NIXL transfer failed")
+
+
 def send_views(sock: socket.socket, parts: list[memoryview]) -> None:
     """``sendmsg`` up to IOV_MAX runs per call, resuming after partial sends."""
     parts = list(parts)
@@ -131,14 +140,7 @@ def driver(
                 b"",
             )
 
-            def xfer(h: Any = h) -> None:
-                state = agent.transfer(h)
-                while state not in ("DONE", "ERR"):
-                    state = agent.check_xfer_state(h)
-                if state == "ERR":
-                    raise RuntimeError("NIXL transfer failed")
-
-            drv.ops[name] = xfer
+            drv.ops[name] = functools.partial(nixl_write, agent, h)
     elif system.kind == "mooncake":
         from mooncake.engine import TransferEngine
 
