@@ -55,7 +55,7 @@ def age_it(store: Store, key: str, seconds: float) -> None:
 
 def plant_no_ttl(store: Store) -> str:
     key = store.keys.aborted(5)
-    store.client.set(key, "boom")
+    store.client.hset(key, "reason", "boom")
     return key
 
 

@@ -288,7 +288,7 @@ def test_fix_gives_the_room_its_remaining_ttl(store: Store, redis_url: str) -> N
     for key in room_keys:
         c.pexpire(key, 36_000)  # the room has 36 s left
     mark = store.keys.aborted(41)
-    c.set(mark, "boom")  # planted without a TTL
+    c.hset(mark, "reason", "boom")  # planted without a TTL
     tracker_ttl = c.pttl(store.keys.tracker(ADDR, 41))
     result = run("--url", redis_url, "audit", "--fix", "--json")
     assert result.exit_code == 0, result.output

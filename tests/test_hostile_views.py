@@ -47,7 +47,7 @@ def run(url: str, *args: str) -> Result:
 def hostile(redis_url: str) -> Iterator[tuple[str, Store]]:
     """A namespace with a live room (1) and hostile keys beside it, each of a kind a view
     reads: a room hash that is a list (5) with a participant that is a string, a
-    failure mark that is a hash (6), traces that are a string (7) or hold non-JSON and
+    failure mark that is a string (6), traces that are a string (7) or hold non-JSON and
     out-of-range entries (8), a participant of corrupt numbers whose transfer info
     lists 2^31 pages (9), registrations that are a string or incomplete, an address
     index, tracker and counters that are strings, a ledger that is a hash, and a key
@@ -61,7 +61,7 @@ def hostile(redis_url: str) -> Iterator[tuple[str, Store]]:
     snd.poll()
     c.rpush(k.room_hash(5), "x")
     c.set(k.participant(5, "tx", "p0"), "x")
-    c.hset(k.aborted(6), "a", "b")
+    c.set(k.aborted(6), "a")
     c.hset(k.participant(6, "tx", "p0"), mapping={"status": "Failed", "created_ms": "1"})
     c.hset(k.room_hash(6), "tx:p0", "")
     c.set(k.trace(7), "x")

@@ -10,6 +10,9 @@ Redis, agree step by step with a small model of the rule written here:
   per room); an abort fails every participant not yet Failed with the mark's reason
   (its own, when it is the first); a participant created later starts Failed with it;
   clear leaves the mark;
+- the mark names the participants the room had when it failed and those created Failed
+  after: one of those created again once every participant cleared is a new request
+  (the mark goes, it starts Bootstrapping);
 - no resurrection: an update or abort of a participant that is gone writes nothing.
 
 Each example uses a room of its own on the flushed session server; a no-op must not
@@ -35,16 +38,31 @@ _rooms = itertools.count(1000)
 
 @dataclass
 class Model:
-    """What the rule says the room holds: participant -> (status, reason), abort mark."""
+    """What the rule says the room holds: participant -> (status, reason), the failure
+    mark's reason and the participants it names."""
 
     parts: dict[tuple[str, str], tuple[KVPoll, str]] = field(default_factory=dict)
     mark: str | None = None
+    named: set[tuple[str, str]] = field(default_factory=set)
 
     def create(self, who: tuple[str, str]) -> tuple[KVPoll, str]:
-        if who not in self.parts:
-            born = (KVPoll.Failed, self.mark) if self.mark is not None else None
-            self.parts[who] = born or (KVPoll.Bootstrapping, "")
+        if who in self.parts:
+            return self.parts[who]
+        if self.mark is not None and who in self.named and not self.parts:
+            self.mark, self.named = None, set()  # the room id used again: a new request
+        if self.mark is not None:
+            self.named.add(who)
+            self.parts[who] = (KVPoll.Failed, self.mark)
+        else:
+            self.parts[who] = (KVPoll.Bootstrapping, "")
         return self.parts[who]
+
+    def fail_room(self, reason: str) -> str:
+        """The mark's reason after a failure: the first one stays, with the
+        participants of that moment."""
+        if self.mark is None:
+            self.mark, self.named = reason, set(self.parts)
+        return self.mark
 
     def update(self, who: tuple[str, str], new: KVPoll, reason: str) -> tuple[KVPoll, str] | None:
         cur = self.parts.get(who)
@@ -55,7 +73,7 @@ class Model:
             return cur
         if new == KVPoll.Failed:
             self.parts[who] = (KVPoll.Failed, reason)
-            self.mark = reason if self.mark is None else self.mark
+            self.fail_room(reason)
         elif new > status and self.mark is not None:
             self.parts[who] = (KVPoll.Failed, self.mark)
         elif new > status:
@@ -63,7 +81,7 @@ class Model:
         return self.parts[who]
 
     def abort(self, reason: str) -> int:
-        self.mark = reason = reason if self.mark is None else self.mark
+        reason = self.fail_room(reason)
         moved = 0
         for who, (status, _) in self.parts.items():
             if status != KVPoll.Failed:
@@ -155,8 +173,12 @@ def test_status_merge_follows_the_rule(store: Store, steps: list[tuple]) -> None
             assert (status, reason) == (expected[0].name, expected[1]), (step, w)
             if before[w][0] == status and step[0] != "create":
                 assert since == before[w][2], ("a no-op restamped since_ms", step, w)
-        mark = store.client.get(store.keys.aborted(room))
-        assert (None if mark is None else mark.decode()) == model.mark, step
+        mark = {
+            k.decode(): v.decode()
+            for k, v in store.client.hgetall(store.keys.aborted(room)).items()
+        }
+        assert mark.pop("reason", None) == model.mark, step
+        assert set(mark) == {f"{side}:{engine}" for side, engine in model.named}, step
     assert_every_key_has_ttl(store)
     for side, engine in PARTICIPANTS:  # idempotent; each one also deletes the mark
         store.clear(room, side, engine)  # type: ignore[arg-type]

@@ -429,7 +429,7 @@ def test_publish_with_a_corrupt_sender_writes_nothing(store: Store) -> None:
 def test_a_corrupt_mark_is_named_and_abort_replaces_it(store: Store) -> None:
     p, d = managers(store)
     with p, d:
-        store.client.hset(store.keys.aborted(22), "x", "y")
+        store.client.set(store.keys.aborted(22), "x")  # a mark is a hash
         store.client.pexpire(store.keys.aborted(22), 60_000)
         snd = p.sender(22)
         with pytest.raises(CorruptStateError, match="aborted"):

@@ -35,15 +35,17 @@ MAX_REASON = 1000  # characters of an operator's --reason
     is_flag=True,
     help="Mark a room that has no participant yet (a router cancelling a request "
     "before either side joined): whoever joins while the mark lasts (the room TTL, "
-    "at least 300 s) starts Failed. Without it, aborting an empty room is refused (exit 1).",
+    "at least 300 s) starts Failed, once per engine (its next join, after all cleared, is "
+    "a new request). Without it, aborting an empty room is refused (exit 1).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
 @click.pass_obj
 def abort(obj: Ctx, room: str, reason: str, pre_emptive: bool, as_json: bool) -> None:
     """Fail every participant of ROOM (one whose status is garbage too); each side sees
     Failed with REASON on its next poll, and a participant created later (while the
-    room's failure mark lasts: the room TTL, at least 300 s) starts Failed. A room that
-    already failed keeps its first reason. Exit status 1 when there is nothing to abort
+    room's failure mark lasts: the room TTL, at least 300 s) starts Failed, unless its
+    engine took part and every participant cleared (a new request under the same id).
+    A room that already failed keeps its first reason. Exit status 1 when there is nothing to abort
     (finished and cleared, mistyped, or another namespace)."""
     r = parse_room_text(room)
     with opened(obj) as store:

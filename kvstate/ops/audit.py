@@ -47,7 +47,7 @@ DEFAULT_GRACE = AUDIT_GRACE
 _TYPES = {
     "participant": ("hash", "participant"),
     "room": ("hash", "room hash"),
-    "aborted": ("string", "failure mark"),
+    "aborted": ("hash", "failure mark"),
     "trace": ("list", "room trace"),
     "addr": ("zset", "address tracker"),
     "engine": ("hash", "engine registration"),

@@ -66,9 +66,9 @@ def acks_of(keys: Keys, room: int, receiver: str) -> Call:
 
 
 def mark_of(keys: Keys, room: int) -> list[Call]:
-    """The room's failure mark (None if it has none) and the mark's PTTL."""
+    """The room's failure mark's reason (None if it has none) and the mark's PTTL."""
     key = keys.aborted(room)
-    return [command_call("GET", key), command_call("PTTL", key)]
+    return [command_call("HGET", key, args=[schema.REASON]), command_call("PTTL", key)]
 
 
 def unmark(keys: Keys, room: int) -> Call:

@@ -339,7 +339,7 @@ def room_view(store: Store, room: int) -> RoomView:
     )
     mark, mark_ttl, traced = raw
     if isinstance(mark, CorruptStateError):
-        corrupt.append(f"{k.aborted(room)}: not a string (no kvstate code wrote it)")
+        corrupt.append(f"{k.aborted(room)}: not a hash (no kvstate code wrote it)")
         mark = None
     parts.sort(key=lambda p: (p.side != "tx", p.engine))
     aborted = None if mark is None else mark.decode("utf-8", "replace")

@@ -168,20 +168,54 @@ local function infos_in(all, sender)
   return out
 end
 
--- The room's failure mark (KEYS: kvstate:<ns>:{<room>}:aborted): the reason of the
--- room's first failure, or nil. A mark that is not a string is corrupt (named here,
--- before the calling script wrote anything: design rule 7).
+-- The room's failure mark (KEYS: kvstate:<ns>:{<room>}:aborted), a hash: `reason`, the
+-- reason of the room's first failure, and one field per participant of the failed
+-- request (its room-hash member, value ''). read_mark returns the reason, or nil. A
+-- mark that is not a hash is corrupt (named here, before the calling script wrote
+-- anything: design rule 7).
 local function read_mark(mark)
-  return checked(mark, 'not a string', redis.pcall('GET', mark))
+  return checked(mark, 'not a hash', redis.pcall('HGET', mark, F_REASON))
+end
+
+-- Whether a room-hash field is a participant (tx:<engine> / rx:<engine>).
+local function is_member(field)
+  local side = string.sub(field, 1, 3)
+  return side == 'tx:' or side == 'rx:'
+end
+
+-- Whether the room hash (`room`) still lists a participant.
+local function has_members(room)
+  for _, f in ipairs(room_call(room, 'HKEYS')) do
+    if is_member(f) then return true end
+  end
+  return false
 end
 
 -- Record that the room failed (design rule 3, one outcome per room): the first reason
--- stays; the TTL is refreshed either way, so the call always writes (durable mode's
--- WAIT then covers an earlier, unconfirmed one). clear() never deletes the mark.
-local function mark_room(mark, reason, ttl)
-  if not redis.call('SET', mark, reason, 'NX', 'PX', ttl) then
-    redis.call('PEXPIRE', mark, ttl)
+-- stays, with the participants the room had then (`room`: the room hash), so that each
+-- one's next participant, once all have cleared, is a new request (create.lua); the
+-- TTL is refreshed either way, so the call always writes (durable mode's WAIT then
+-- covers an earlier, unconfirmed one). clear() never deletes the mark. A mark of
+-- another type (written by hand) is replaced, as abort.lua does.
+local function mark_room(mark, room, reason, ttl)
+  local first = redis.pcall('HSETNX', mark, F_REASON, reason)
+  if type(first) == 'table' then
+    if not string.find(first.err, 'WRONGTYPE', 1, true) then raise(first) end
+    redis.call('DEL', mark)
+    first = redis.call('HSET', mark, F_REASON, reason)
   end
+  if first == 1 then
+    local named, fields = {}, redis.pcall('HKEYS', room)
+    if fields.err then fields = {} end  -- a corrupt room hash names nobody: no error
+    for _, f in ipairs(fields) do
+      if is_member(f) then
+        named[#named + 1] = f
+        named[#named + 1] = ''
+      end
+    end
+    if #named > 0 then redis.call('HSET', mark, unpack(named)) end
+  end
+  redis.call('PEXPIRE', mark, ttl)
 end
 
 -- {status, reason} of a participant; {'', 'missing'} when it does not exist.

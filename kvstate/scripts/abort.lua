@@ -7,7 +7,7 @@
 -- participant joined or cleared), nothing is written and -1 is returned so the caller
 -- reads them again.
 -- KEYS[1] room hash
--- KEYS[2] room failure mark (string: the reason)
+-- KEYS[2] room failure mark (hash: the reason, the failed request's participants)
 -- KEYS[2+i] (i = 1..n) participant hash of room member i
 -- ARGV[1] ttl in ms
 -- ARGV[2] reason (unless the room already failed: its first reason stays)
@@ -39,18 +39,14 @@ local statuses = {}
 for i = 1, n do
   statuses[i] = redis.call('HGET', KEYS[2 + i], F_STATUS)
 end
--- the room's first failure reason stays: participants fail with it
-local reason = ARGV[2]
-local first = redis.pcall('GET', KEYS[2])
+-- the room's first failure reason stays: participants fail with it; a corrupt mark
+-- (another type) is replaced by mark_room
+local first = redis.pcall('HGET', KEYS[2], F_REASON)
 if type(first) == 'table' and not string.find(first.err, 'WRONGTYPE', 1, true) then
-  raise(first)  -- the ACL refusing GET...: as it is
+  raise(first)  -- the ACL refusing HGET...: as it is
 end
-if type(first) == 'string' then
-  reason = first
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-else  -- none, or a corrupt mark (SET replaces a key of any type)
-  redis.call('SET', KEYS[2], reason, 'PX', ARGV[3])
-end
+local reason = type(first) == 'string' and first or ARGV[2]
+mark_room(KEYS[2], room, reason, ARGV[3])
 local now = now_text()
 local failed = 0
 for i = 1, n do

@@ -3,9 +3,12 @@
 -- already exists (a retried create changes nothing).
 -- KEYS[1] participant hash   kvstate:<ns>:{<room>}:<tx|rx>:<engine>
 -- KEYS[2] room hash         kvstate:<ns>:{<room>}:room (member -> ''; infos)
--- KEYS[3] room failure mark  kvstate:<ns>:{<room>}:aborted (reason), left by every
---         script that fails a participant (abort, timeout, fan-out...) and kept past
---         clear(): a participant created after its room failed starts Failed with it
+-- KEYS[3] room failure mark  kvstate:<ns>:{<room>}:aborted (reason, the failed request's
+--         participants), left by every script that fails a participant (abort, timeout,
+--         fan-out...) and kept past clear(): a participant created after its room failed
+--         starts Failed with it and is named in it, unless its member is named already
+--         and no participant is left (all cleared): then the mark goes and the room
+--         starts over, a new request under the same room id
 -- ARGV[1] ttl in ms
 -- ARGV[2] room-hash member (tx:<engine> | rx:<engine>); a sender reads the infos
 --         addressed to it there (xfer:<engine>,<receiver>), to start in
@@ -23,10 +26,17 @@ take_trace()
 local key = KEYS[1]
 local ttl = ARGV[1]
 if redis.call('EXISTS', key) == 1 then return read_status(key) end
-local status, reason, infos, peers = 'Bootstrapping', nil, nil, nil
+local status, reason, infos, peers, was = 'Bootstrapping', nil, nil, nil, nil
 local aborted = read_mark(KEYS[3])
-if aborted then
+if aborted and redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 and not has_members(KEYS[2]) then
+  -- this engine's participant of the failed request cleared, and so did every other
+  -- one: a room id used again (SGLang's bootstrap_room) is a new request
+  redis.call('DEL', KEYS[3])
+  aborted, was = nil, 'Failed'
+end
+if aborted then  -- a late joiner of the failed request: Failed, and named in the mark
   status, reason = 'Failed', aborted
+  redis.call('HSET', KEYS[3], ARGV[2], '')
 elseif string.sub(ARGV[2], 1, 3) == 'tx:' then
   for i = 3, #ARGV - 1, 2 do
     if ARGV[i] == F_PEERS then peers = ARGV[i + 1] end
@@ -48,7 +58,7 @@ redis.call('HSET', key, unpack(fields))
 redis.call('PEXPIRE', key, ttl)
 redis.call('HSET', KEYS[2], ARGV[2], '')  -- the field is the entry: no value to store
 redis.call('PEXPIRE', KEYS[2], ttl)
-trace(key, F_EV_CREATED, F_STATUS, status, F_REASON, reason)
+trace(key, F_EV_CREATED, F_STATUS, status, F_REASON, reason, F_TRACE_WAS, was)
 if status == 'WaitingForInput' or (peers == 0 and #infos > 0) then
   return {status, '', infos, 0}
 end

@@ -29,6 +29,6 @@ if ARGV[3] ~= '' then
 end
 set_status(key, 'Failed', now_text(), ARGV[1], ARGV[2])
 touch(KEYS[2], ARGV[1])
-mark_room(KEYS[3], ARGV[2], ARGV[5])
+mark_room(KEYS[3], KEYS[2], ARGV[2], ARGV[5])
 trace(key, 'Failed', F_REASON, ARGV[2])
 return 1

@@ -84,7 +84,7 @@ why = why or mark
 if why then
   set_status(tx, 'Failed', now_text(), ttl, why)
   touch(KEYS[2], ttl)
-  mark_room(KEYS[3], why, ARGV[3])
+  mark_room(KEYS[3], KEYS[2], why, ARGV[3])
   trace(tx, 'Failed', F_REASON, why)
   return {'Failed', why}
 end

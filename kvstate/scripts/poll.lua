@@ -9,7 +9,7 @@
 -- reason, Success included: at rest, the participants of a room agree (design rule 3).
 -- KEYS[1] participant hash
 -- KEYS[2] room hash (TTL refreshed with the participant's; the transfer infos)
--- KEYS[3] room failure mark (string: the first failure's reason)
+-- KEYS[3] room failure mark (hash: the first failure's reason, _lib.lua)
 -- ARGV[1] ttl in ms (refreshed only when the poll fails the participant)
 -- ARGV[2] the infos version the caller holds (with ARGV[4]): the infos are returned
 --         only when the sender's infos_v (bumped by publish.lua) differs from it
@@ -80,7 +80,7 @@ if mark or timed_out then
   status, reason = 'Failed', mark or timed_out
   set_status(key, status, now_text(), ARGV[1], reason)
   touch(KEYS[2], ARGV[1])
-  if timed_out then mark_room(KEYS[3], reason, ARGV[3]) end
+  if timed_out then mark_room(KEYS[3], KEYS[2], reason, ARGV[3]) end
   trace(key, 'Failed', F_REASON, reason)
   return {status, reason}
 end

@@ -233,7 +233,7 @@ if n > 0 and not first_write_checks then
 end
 if why then
   finish_rx('Failed', why)
-  mark_room(KEYS[3], why, ARGV[5])
+  mark_room(KEYS[3], KEYS[2], why, ARGV[5])
   trace(rx, 'Failed', F_REASON, why)
   return answer({'Failed', why})
 end

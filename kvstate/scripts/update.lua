@@ -26,7 +26,7 @@ if new == 0 or (mark and new > RANK[cur[1]]) then
   if new ~= 0 then reason = mark end
   set_status(key, 'Failed', now_text(), ARGV[3], reason)
   touch(KEYS[2], ARGV[3])
-  mark_room(KEYS[3], reason, ARGV[4])
+  mark_room(KEYS[3], KEYS[2], reason, ARGV[4])
   trace(key, 'Failed', F_REASON, reason)
   return {'Failed', reason}
 end

@@ -557,6 +557,31 @@ def scenarios(_index: int, url: str, out: str) -> None:
         rx.clear()
         return out
 
+    def reused_after_abort() -> dict[str, Any]:
+        """A client sends a bootstrap_room again after the decode aborted its first
+        request and both sides cleared: the second request moves its pages exactly."""
+        pl = room_plan(2, 11000)
+        tx, rx = Sender(p.mgr, ADDR, pl["room"]), Receiver(d.mgr, ADDR, pl["room"])
+        rx.init(0)
+        tx.poll()
+        rx.abort()
+        first = [int(tx.poll()), int(rx.poll())]
+        tx.clear()
+        rx.clear()
+        tx, rx = Sender(p.mgr, ADDR, pl["room"]), Receiver(d.mgr, ADDR, pl["room"])
+        rx.init(0)
+        second = list(run(pl, tx, rx))
+        out = {
+            "first": first,
+            "second": second,
+            "pages_equal": p.pages(0, pl["src"]) == d.pages(0, pl["dst"]),
+            "state_equal": p.state_slots(pl["state_src"]) == d.state_slots(pl["state_dst"]),
+        }
+        tx.clear()
+        rx.clear()
+        out["keys_left"] = list(store.scan(store.keys.room_prefix(pl["room"]) + "*"))
+        return out
+
     def duplicate_decodes() -> dict[str, Any]:
         import dataclasses
 
@@ -693,6 +718,7 @@ def scenarios(_index: int, url: str, out: str) -> None:
     check("tp_mismatch", tp_mismatch)
     check("duplicate_local", duplicate_local)
     check("duplicate_decodes", duplicate_decodes)
+    check("reused_after_abort", reused_after_abort)
     check("cap_and_ttl", cap_and_ttl)
     check("threads", threads)
     p.mgr.close()

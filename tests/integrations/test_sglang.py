@@ -183,8 +183,9 @@ def test_sigkilled_decode_fails_the_prefill_room_through_sglangs_queue(
 
 
 def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
-    """sglang#40125 (duplicate bootstrap_room), #39428 (injected rooms), the sender used
-    from two threads, and mirror mode under another backend."""
+    """sglang#40125 (duplicate bootstrap_room), #39428 (injected rooms), a room id used
+    again after an abort, the sender used from two threads, and mirror mode under
+    another backend."""
     from tests.integrations.rig import scenarios
 
     _join(_spawn(scenarios, (redis_url, str(tmp_path))))
@@ -209,6 +210,12 @@ def test_user_reports_fixed_by_design(redis_url: str, tmp_path: Path) -> None:
     assert dup["tx"] == 0 and dup["rx"] == [0, 0]
     assert "2 decode receivers" in dup["tx_error"]
     assert all("duplicate bootstrap_room 11001" in e for e in dup["rx_error"])
+
+    # a room id used again after an abort (issue 29 item 6): the first request Failed on
+    # both sides, the second a new request, byte-exact, no mark left
+    reused = res["reused_after_abort"]
+    assert reused["first"] == [0, 0] and reused["second"] == [4, 4], reused
+    assert reused["pages_equal"] and reused["state_equal"] and reused["keys_left"] == []
 
     cap = res["cap_and_ttl"]
     assert cap["polls"][:40] == [1] * 40 and cap["polls"][40] == 0
