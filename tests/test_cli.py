@@ -174,6 +174,9 @@ def test_abort_from_another_process(room: tuple[Store, Any, Any], state_url: str
     assert "already failed (router gave up)" in again.output
     shown = run("show", "77", "--url", state_url)
     assert shown.exit_code == 0 and "aborted: router gave up" in shown.output
+    assert "participants: rx:decode-b.tp0, tx:prefill-a.tp0" in shown.output
+    mark = json.loads(run("show", "77", "--json", "--url", state_url).stdout)["aborted"]
+    assert mark["participants"] == ["rx:decode-b.tp0", "tx:prefill-a.tp0"]
     assert snd.poll() == KVPoll.Failed
     assert rcv.poll() == KVPoll.Failed
     assert snd.failure_exception().reason == "router gave up"

@@ -55,8 +55,8 @@ def ready_room(
 
 
 def mark_of(store: Store, room: int) -> tuple[str | None, int]:
-    reason, pttl = store.execute(reads.mark_of(store.keys, room))
-    return (None if reason is None else reason.decode()), int(pttl)
+    mark, pttl = store.execute(reads.mark_of(store.keys, room))
+    return (None if mark is None else mark[0]), int(pttl)
 
 
 def agree(*parts: kvstate.KVSender | kvstate.KVReceiver) -> set[KVPoll]:

@@ -159,11 +159,15 @@ def _show(store: Store, r: int, as_json: bool, limit: int) -> int:
         out.print(
             styled(
                 f"aborted: {cut(view.aborted)} (mark expires in "
-                f"{fmt_ms(view.aborted_ttl_ms)}; a participant joining before "
-                "then starts Failed)",
+                f"{fmt_ms(view.aborted_ttl_ms)}; a participant joining before then "
+                "starts Failed, unless the mark names it and nobody is left: a new "
+                "request)",
                 "red",
             )
         )
+        if view.aborted_named:
+            names = ", ".join(cut(m) for m in view.aborted_named[:limit])
+            out.print(f"the mark names the failed request's participants: {names}")
     for what in view.corrupt:
         out.print(styled(f"corrupt: {what}", "red"))
     if view.participants:

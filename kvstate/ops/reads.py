@@ -66,9 +66,16 @@ def acks_of(keys: Keys, room: int, receiver: str) -> Call:
 
 
 def mark_of(keys: Keys, room: int) -> list[Call]:
-    """The room's failure mark's reason (None if it has none) and the mark's PTTL."""
+    """The room's failure mark, (reason, the members it names) or None if it has none,
+    and the mark's PTTL."""
     key = keys.aborted(room)
-    return [command_call("HGET", key, args=[schema.REASON]), command_call("PTTL", key)]
+    return [command_call("HGETALL", key, parse=_mark), command_call("PTTL", key)]
+
+
+def _mark(raw: dict[bytes, bytes]) -> tuple[str, list[str]] | None:
+    fields = {k.decode("utf-8", "replace"): v for k, v in raw.items()}
+    reason = text_or_none(fields.pop(schema.REASON, None))
+    return None if reason is None else (reason, sorted(fields))
 
 
 def unmark(keys: Keys, room: int) -> Call:

@@ -249,11 +249,12 @@ class RoomView:
     participants: list[StoredParticipant]
     infos: dict[str, dict[str, TransferInfo | str]]  # sender -> receiver -> info or error
     acks: dict[str, list[str]]  # receiver -> senders that acked
-    aborted: str | None = None  # the abort mark's reason, if the room was aborted
+    aborted: str | None = None  # the failure mark's reason, if the room failed
     aborted_ttl_ms: int | None = None
     traced: bool = False  # the room has a trace (kvstate trace ROOM), even once cleared
     held_until_ms: int | None = None  # a decode engine holds it queued until then (hold.lua)
     corrupt: list[str] = field(default_factory=list)  # what does not read: key, why
+    aborted_named: list[str] = field(default_factory=list)  # the failed request's members
 
     @property
     def empty(self) -> bool:
@@ -302,7 +303,11 @@ class RoomView:
             "acks": {r: senders[:limit] for r, senders in self.acks.items()},
             "aborted": None
             if self.aborted is None
-            else {"reason": self.aborted, "ttl_ms": self.aborted_ttl_ms},
+            else {
+                "reason": self.aborted,
+                "ttl_ms": self.aborted_ttl_ms,
+                "participants": self.aborted_named[:limit],
+            },
             "traced": self.traced,
             "held_until_ms": self.held_until_ms,
             "corrupt": self.corrupt,
@@ -342,7 +347,7 @@ def room_view(store: Store, room: int) -> RoomView:
         corrupt.append(f"{k.aborted(room)}: not a hash (no kvstate code wrote it)")
         mark = None
     parts.sort(key=lambda p: (p.side != "tx", p.engine))
-    aborted = None if mark is None else mark.decode("utf-8", "replace")
+    aborted, named = mark if mark is not None else (None, [])
     return RoomView(
         room,
         now,
@@ -355,6 +360,7 @@ def room_view(store: Store, room: int) -> RoomView:
         bool(traced),
         held_until,
         corrupt,
+        aborted_named=named,
     )
 
 
