@@ -148,8 +148,8 @@ ENGINE_ACL = (
     "ACL SETUSER kvstate-engine reset on >{password} ~kvstate:{ns}:* resetchannels -@all "
     "+ping +client|setname +time +scan "
     "+fcall +function|list +evalsha +eval +script|load "
-    "+multi +exec +del +exists +pexpire +pttl +get +set "
-    "+hget +hmget +hgetall +hset +hdel +hkeys "
+    "+multi +exec +del +exists +pexpire +pttl "
+    "+hget +hmget +hgetall +hset +hsetnx +hexists +hdel +hkeys "
     "+zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
 )
 # The FCALL path's two commands: without them (Redis 6.2, whose ACL SETUSER refuses

@@ -58,8 +58,8 @@ CLUSTER_EXTRA = "+cluster|slots +command"
 
 def engine_paths(url: str, *admins: redis.Redis, ns: str = "acl") -> None:
     """Every path an engine takes: connect, register, resolve peers by address and by
-    name, publish, transfer, finish, poll_many, abort, dead-peer fan-out, a bootstrap
-    timeout, NOSCRIPT recovery, heartbeats, clear, close."""
+    name, publish, transfer, finish, poll_many, abort, a room id used again, dead-peer
+    fan-out, a bootstrap timeout, NOSCRIPT recovery, heartbeats, clear, close."""
     # every room traced: the trace's RPUSH and RPUSHX are on the paths too
     store = kvstate.connect(url, namespace=ns, options=kvstate.Options(trace_rate=1.0))
     made: list[kvstate.KVManager] = []
@@ -96,6 +96,9 @@ def engine_paths(url: str, *admins: redis.Redis, ns: str = "acl") -> None:
         assert s2.poll() == KVPoll.Failed
         s2.clear()
         r2.clear()
+        reused = p.sender(2)  # the room id used again: a new request (HEXISTS)
+        assert reused.poll() == KVPoll.Bootstrapping
+        reused.clear()
         r3 = d.receiver(3, PREFILL_ADDR)
         r3.init([1])
         assert d.fail_peer(PREFILL_ADDR, "peer gone") == 1

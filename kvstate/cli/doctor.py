@@ -181,8 +181,8 @@ OPERATOR_ACL = (
     "ACL SETUSER kvstate-operator reset on >PASSWORD ~kvstate:NAMESPACE:* resetchannels "
     "&__keyevent@*__:expired -@all +ping +client|setname +time +scan +evalsha +eval "
     "+script|load +multi +exec +del +exists +pexpire +pttl +get +set +hget +hmget +hgetall "
-    "+hset +hdel +hkeys +zadd +zrange +zrem +zremrangebyscore +info +xadd +xrevrange "
-    "+rpush +rpushx +lrange +llen +type +subscribe +unsubscribe +acl|whoami"
+    "+hset +hsetnx +hexists +hdel +hkeys +zadd +zrange +zrem +zremrangebyscore +info +xadd "
+    "+xrevrange +rpush +rpushx +lrange +llen +type +subscribe +unsubscribe +acl|whoami"
 )
 OPERATOR_ACL_7 = OPERATOR_ACL + " +fcall +function|list"
 
