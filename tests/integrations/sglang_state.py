@@ -54,21 +54,34 @@ MAMBA_SRC, MAMBA_DST = 3, 1
 
 @dataclass(frozen=True)
 class StateShape:
-    """A pair of TP groups (``sglang_tp.Shape``: sizes, KV heads, bootstrap port) and
-    the state pool both sides hold."""
+    """A pair of TP groups (``sglang_tp.Shape``: sizes, KV heads, bootstrap port), the
+    state pool both sides hold, and the reason a decode refuses the room with ('' for
+    a room that moves)."""
 
     kv: Shape
     state: str  # "swa" or "mamba"
+    refused: str = ""
 
     @property
     def name(self) -> str:
         return self.kv.name
 
 
+MAMBA_REFUSED = "Mamba state slots between attention TP {} (prefill 127.0.0.1:{}) and {}"
 SHAPES = [
     StateShape(Shape("SWA 1->1", 1, 1, 2, False, 19121), "swa"),
     StateShape(Shape("SWA 2->2", 2, 2, 2, False, 19122), "swa"),
     StateShape(Shape("Mamba 2->2", 2, 2, 2, False, 19123), "mamba"),
+    # across TP sizes SWA pages are sliced by KV heads as the KV pages are
+    StateShape(Shape("SWA 1->2", 1, 2, 2, False, 19124), "swa"),  # a head to each rank
+    StateShape(Shape("SWA 2->1", 2, 1, 2, False, 19125), "swa"),  # a head from each rank
+    # Mamba tensors are sharded per rank in ways kvstate does not reslice: refused
+    StateShape(
+        Shape("Mamba 1->2", 1, 2, 2, False, 19126), "mamba", MAMBA_REFUSED.format(1, 19126, 2)
+    ),
+    StateShape(
+        Shape("Mamba 2->1", 2, 1, 2, False, 19127), "mamba", MAMBA_REFUSED.format(2, 19127, 1)
+    ),
 ]
 
 
@@ -159,9 +172,13 @@ class StateSide:
     def check(self) -> list[str]:
         """Every byte of this decode rank's pools: the room's KV and SWA pages hold this
         rank's heads of the prefill's, its Mamba slot the slot of the prefill rank of its
-        own TP rank (equal TP), every other page and slot is zero."""
+        own TP rank (equal TP), every other page and slot is zero (all of them, in a
+        refused room)."""
         bad: list[str] = []
         name = f"{self.shape.name} decode {self.rank}"
+        if self.shape.refused:  # nothing may have landed anywhere
+            pools = (*self.kv, *self.swa, self.mamba)
+            return [f"{name}: bytes in a refused room's pools" for t in pools if t.any()][:1]
 
         def compare(what: str, got: np.ndarray, dst: np.ndarray, want: np.ndarray) -> None:
             if not np.array_equal(got[dst], want):
@@ -223,8 +240,8 @@ def run_rank(role: str, rank: int, url: str, out: str, names: list[str]) -> None
             st = part.poll()
             if st in (KVPoll.Success, KVPoll.Failed):
                 done[name] = int(st)
-                if role == "decode" and st == KVPoll.Success:
-                    result[f"{name}:mismatch"] = side.check()  # at the step it is reported
+                if role == "decode":  # the pools at the step the outcome is reported
+                    result[f"{name}:mismatch"] = side.check()
                 continue
             if name in acted or st != KVPoll.WaitingForInput:
                 continue

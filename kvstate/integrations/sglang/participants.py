@@ -12,11 +12,11 @@ from kvstate.errors import KVStateError, PeerNotFoundError
 from kvstate.integrations.sglang.base import BaseReceiver, BaseSender, BaseServer, conn
 from kvstate.integrations.sglang.manager import Adapter, KVStateKVManager
 from kvstate.integrations.sglang.ranks import prefill_engine
-from kvstate.integrations.sglang.shape import plan, refusal, writes_slots
+from kvstate.integrations.sglang.shape import plan, refusal, state_refusal, writes_slots
 from kvstate.integrations.sglang.spaces import Spaces
 from kvstate.poll import KVPoll
 from kvstate.roles import KVReceiver, KVSender
-from transports.base import TransportError
+from transports.base import Heads, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +142,11 @@ class KVStateKVSender(Adapter, BaseSender):
         # the metadata (aux) is the last pipeline stage's output
         last_stage = self.kv_mgr.pp_rank == self.kv_mgr.pp_size - 1
         for info in part.transfer_infos().values():
-            if not writes_slots(info.heads, info.dummy) or not last_stage:
+            if info.dummy or not last_stage:
                 continue
+            whole = writes_slots(info.heads, info.dummy)
             peer = self.kv_mgr.kv.peer(info.receiver, info.incarnation)
-            if self._aux is not None and info.aux_index is not None:
+            if whole and self._aux is not None and info.aux_index is not None:
                 spaces.write_space(
                     spaces.aux,
                     peer.layout.get("aux"),
@@ -167,20 +168,30 @@ class KVStateKVSender(Adapter, BaseSender):
                     f"{dst.size} published by {info.receiver}"
                 )
             remote = peer.layout.get("state") or []
+            heads = None if info.heads is None else Heads(*info.heads)
             at = 0
             for i, src in state:
-                space = spaces.state[i] if i < len(spaces.state) else None
+                at += src.size
+                sliced = i < len(spaces.state_heads) and spaces.state_heads[i] > 0
+                if heads is not None and not sliced:
+                    # the decode refuses this first (state_refusal); never move a
+                    # whole slot that holds other heads than the receiver's
+                    raise TransportError(
+                        f"room {room}: state type {i} moves between equal TP sizes only"
+                    )
+                if heads is None and not whole:
+                    continue
                 spaces.write_space(
-                    space,
+                    spaces.state[i] if i < len(spaces.state) else None,
                     remote[i] if i < len(remote) else None,
                     f"state type {i}",
                     room,
                     peer.endpoint,
                     src,
-                    dst[at : at + src.size],
+                    dst[at - src.size : at],
                     timeout,
+                    heads,
                 )
-                at += src.size
 
     def mirror(self, theirs: int, backend: str) -> KVPoll:
         """Mirror mode: record what the other backend's sender reports and answer
@@ -302,12 +313,12 @@ class KVStateKVReceiver(Adapter, BaseReceiver):
                 if s is not None
             ]
             state = np.concatenate(parts) if parts else None
-            if state is not None and state.size and self.prefill_tp != self.kv_mgr.tp_size:
-                why = (
-                    f"state slots (Mamba/SWA) between attention TP {self.prefill_tp} (prefill "
-                    f"{self.bootstrap_addr}) and {self.kv_mgr.tp_size} (this decode): kvstate "
-                    "moves state slots between equal TP sizes only; run equal TP sizes"
-                )
+            kinds = [
+                i for i, s in enumerate(state_indices or []) if s is not None and np.asarray(s).size
+            ]
+            mgr = self.kv_mgr
+            why = state_refusal(mgr.kv_args, mgr.shape, self.bootstrap_addr, self.prefill_tp, kinds)
+            if why:
                 self.kv_mgr.refused(self.bootstrap_addr, why)
                 self._guard("send_metadata", lambda: self._part.abort(why))  # type: ignore[union-attr]
                 self._fail_local(why)

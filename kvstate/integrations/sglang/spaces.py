@@ -13,8 +13,15 @@ import numpy as np
 
 from kvstate.defaults import LEASE
 from kvstate.errors import KVStateError, UnsupportedLayoutError
-from kvstate.integrations.sglang.shape import KVShape, buffer_names
-from transports.base import Geometry, Target, Transport, TransportError, TransportStats
+from kvstate.integrations.sglang.shape import KVShape, buffer_names, state_heads
+from transports.base import (
+    Geometry,
+    Heads,
+    Target,
+    Transport,
+    TransportError,
+    TransportStats,
+)
 
 # -- settings and buffers ----------------------------------------------------------------
 
@@ -123,8 +130,21 @@ class Spaces(Transport):
         ptrs = getattr(kv_args, "state_data_ptrs", None) or []
         lens = getattr(kv_args, "state_data_lens", None) or []
         items = getattr(kv_args, "state_item_lens", None) or []
+        # SWA pages split by KV heads as the KV pages do (state_heads), so that a sender
+        # of another TP size writes only a decode rank's heads; other slots move whole
+        self.state_heads = [
+            state_heads(kv_args, shape, k) if shape else 0 for k in range(len(ptrs))
+        ]
         self.state = [
-            self._space(factory, p, n, i, memory) for p, n, i in zip(ptrs, lens, items, strict=True)
+            self._space(
+                factory,
+                p,
+                n,
+                i,
+                memory,
+                [Geometry("", h, shape.page_size)] * len(p) if h and shape else None,
+            )
+            for p, n, i, h in zip(ptrs, lens, items, self.state_heads, strict=True)
         ]
 
     @staticmethod
@@ -192,10 +212,13 @@ class Spaces(Transport):
         src: np.ndarray,
         dst: np.ndarray,
         timeout: float,
+        heads: Heads | None = None,
     ) -> None:
+        """Aux or state slots ``src`` into ``dst`` of one receiver (``heads``: only those
+        heads of each page)."""
         if space is None or remote is None:
             raise TransportError(f"room {room}: {what} is not registered on both sides")
-        space.write(room, src, [Target(endpoint, remote, dst)], timeout)
+        space.write(room, src, [Target(endpoint, remote, dst, heads)], timeout)
 
     def release(self, room: int) -> None:
         assert self.kv is not None
