@@ -61,6 +61,7 @@ class StateShape:
     kv: Shape
     state: str  # "swa" or "mamba"
     refused: str = ""
+    drift: bool = False  # the decode's window is a page shorter than the prefill's
 
     @property
     def name(self) -> str:
@@ -81,6 +82,10 @@ SHAPES = [
     ),
     StateShape(
         Shape("Mamba 2->1", 2, 1, 2, False, 19127), "mamba", MAMBA_REFUSED.format(2, 19127, 1)
+    ),
+    # windows of different lengths: which pages pair up is not known; refused, not cut
+    StateShape(
+        Shape("SWA drift", 1, 1, 2, False, 19128), "swa", "2 state slots here, 1 published", True
     ),
 ]
 
@@ -166,7 +171,7 @@ class StateSide:
         """What SGLang's ``_swa_payload`` / ``_mamba_payload`` hand send / send_metadata."""
         prefill = self.role == "prefill"
         if self.shape.state == "swa":
-            return [SWA_SRC if prefill else SWA_DST]
+            return [SWA_SRC if prefill else SWA_DST[: 1 if self.shape.drift else None]]
         return [np.array([MAMBA_SRC if prefill else MAMBA_DST], np.int32)]
 
     def check(self) -> list[str]:
@@ -176,8 +181,8 @@ class StateSide:
         refused room)."""
         bad: list[str] = []
         name = f"{self.shape.name} decode {self.rank}"
-        if self.shape.refused:  # nothing may have landed anywhere
-            pools = (*self.kv, *self.swa, self.mamba)
+        if self.shape.refused:  # no slot landed (nor KV pages, where refused before)
+            pools = (*self.swa, self.mamba, *(() if self.shape.drift else self.kv))
             return [f"{name}: bytes in a refused room's pools" for t in pools if t.any()][:1]
 
         def compare(what: str, got: np.ndarray, dst: np.ndarray, want: np.ndarray) -> None:

@@ -153,6 +153,7 @@ def test_state_slots_move_byte_exact(redis_url: str, tmp_path: Path) -> None:
             assert got[f"{s.name}:mismatch"] == [], (s.name, r)
             if s.refused:
                 assert got[s.name] == 0 and s.refused in got[f"{s.name}:error"], (s.name, r)
+                assert not got[f"{s.name}:aux"], (s.name, r)
                 continue
             assert got[s.name] == 4, (s.name, r, got.get(f"{s.name}:error"))
             assert got[f"{s.name}:aux"], (s.name, r)
@@ -163,8 +164,10 @@ def test_state_slots_move_byte_exact(redis_url: str, tmp_path: Path) -> None:
                 assert got[s.name] == 0 and s.refused in got[f"{s.name}:error"], (s.name, r)
             else:
                 assert got[s.name] == 4, (s.name, r)
-        # KV bytes (the sender's metric counts KV pages): every head once per decode rank
-        want = 0 if s.refused else len(SRC) * 2 * LAYERS * TOKENS * DIM * kv.kv_heads
+        # KV bytes (the sender's metric counts KV pages): every head once per decode
+        # rank; none where the decode refused before publishing its pages
+        kv_bytes = len(SRC) * 2 * LAYERS * TOKENS * DIM * kv.kv_heads
+        want = 0 if s.refused and not s.drift else kv_bytes
         assert moved == want, (s.name, moved)
     swa = len(SWA_SRC) * 2 * SWA_LAYERS * TOKENS * SWA_DIM * 2
     print(

@@ -145,6 +145,18 @@ class KVStateKVSender(Adapter, BaseSender):
             if info.dummy or not last_stage:
                 continue
             whole = writes_slots(info.heads, info.dummy)
+            dst = (
+                np.empty(0, np.int64)
+                if info.state_indices is None
+                else info.state_indices.astype(np.int64)
+            )
+            # before any slot moves: a window of another length (Mooncake truncates
+            # both lists to the shorter, whose pages need not be the same positions)
+            if sum(s.size for _, s in state) != dst.size:
+                raise TransportError(
+                    f"room {room}: {sum(s.size for _, s in state)} state slots here, "
+                    f"{dst.size} published by {info.receiver}"
+                )
             peer = self.kv_mgr.kv.peer(info.receiver, info.incarnation)
             if whole and self._aux is not None and info.aux_index is not None:
                 spaces.write_space(
@@ -156,16 +168,6 @@ class KVStateKVSender(Adapter, BaseSender):
                     np.array([self._aux]),
                     np.array([info.aux_index]),
                     timeout,
-                )
-            dst = (
-                np.empty(0, np.int64)
-                if info.state_indices is None
-                else info.state_indices.astype(np.int64)
-            )
-            if sum(s.size for _, s in state) != dst.size:
-                raise TransportError(
-                    f"room {room}: {sum(s.size for _, s in state)} state slots here, "
-                    f"{dst.size} published by {info.receiver}"
                 )
             remote = peer.layout.get("state") or []
             heads = None if info.heads is None else Heads(*info.heads)
