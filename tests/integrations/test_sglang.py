@@ -286,3 +286,21 @@ def test_staging_and_pp_prefill_are_refused_at_start(
         args.num_draft_entries = 1
     with pytest.raises(UnsupportedLayoutError, match=message):
         KVStateKVManager(args, DisaggregationMode(mode), sa)
+
+
+@pytest.mark.parametrize("kind", ["dsa_tail", "some_future_state"])
+def test_state_types_that_are_not_item_lists_are_refused_at_start(kind: str) -> None:
+    """dsa_tail's indices are a 6-number descriptor of a ring's live range (SGLang's
+    get_dsa_tail_state_indices), not items: moved as items they would put the wrong
+    bytes in the decode's pool and report Success, so such a pool is refused."""
+    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvstate.integrations.sglang import KVStateKVManager, UnsupportedLayoutError
+    from tests.integrations.rig import server_args
+
+    args = KVArgs()
+    args.state_types = [StateType.SWA, StateType(kind) if kind == "dsa_tail" else kind]
+    for mode in ("prefill", "decode"):
+        with pytest.raises(UnsupportedLayoutError, match=f"state type '{kind}'"):
+            KVStateKVManager(args, DisaggregationMode(mode), server_args(mode, 1))

@@ -162,7 +162,7 @@ class KVStateKVManager(BaseManager):
             raise UnsupportedLayoutError(f"disaggregation mode {mode!r} needs no transfer backend")
         self.role: str = mode
         pp = int(getattr(server_args, "pp_size", 1) or 1)
-        refuse_unsupported(server_args, args, self.role, pp)
+        refuse_unsupported(server_args, args, self.role, pp, moves=not mirror)
         self.pp_size = pp
         self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
         dp = int(getattr(server_args, "dp_size", 1) or 1)
