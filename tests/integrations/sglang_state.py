@@ -76,6 +76,9 @@ SHAPES = [
     # across TP sizes SWA pages are sliced by KV heads as the KV pages are
     StateShape(Shape("SWA 1->2", 1, 2, 2, False, 19124), "swa"),  # a head to each rank
     StateShape(Shape("SWA 2->1", 2, 1, 2, False, 19125), "swa"),  # a head from each rank
+    # GQA: each of the 2 heads on two decode ranks; two prefill ranks send, two are dummies
+    StateShape(Shape("SWA 1->4", 1, 4, 2, False, 19129), "swa"),
+    StateShape(Shape("SWA 4->1", 4, 1, 2, False, 19130), "swa"),
     # Mamba tensors are sharded per rank in ways kvstate does not reslice: refused
     StateShape(
         Shape("Mamba 1->2", 1, 2, 2, False, 19126), "mamba", MAMBA_REFUSED.format(1, 19126, 2)

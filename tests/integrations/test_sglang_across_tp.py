@@ -127,7 +127,7 @@ def test_state_slots_move_byte_exact(redis_url: str, tmp_path: Path) -> None:
     procs = {
         (role, r): ctx.Process(target=run_rank, args=(role, r, redis_url, str(tmp_path), names))
         for role in ("prefill", "decode")
-        for r in range(2)
+        for r in range(4)
     }
     t0 = time.monotonic()
     for p in procs.values():
@@ -166,7 +166,8 @@ def test_state_slots_move_byte_exact(redis_url: str, tmp_path: Path) -> None:
                 assert got[s.name] == 4, (s.name, r)
         # KV bytes (the sender's metric counts KV pages): every head once per decode
         # rank; none where the decode refused before publishing its pages
-        kv_bytes = len(SRC) * 2 * LAYERS * TOKENS * DIM * kv.kv_heads
+        copies = max(1, kv.decode_tp // kv.kv_heads)  # GQA: a head on several ranks
+        kv_bytes = len(SRC) * 2 * LAYERS * TOKENS * DIM * kv.kv_heads * copies
         want = 0 if s.refused and not s.drift else kv_bytes
         assert moved == want, (s.name, moved)
     swa = len(SWA_SRC) * 2 * SWA_LAYERS * TOKENS * SWA_DIM * 2
