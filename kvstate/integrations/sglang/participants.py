@@ -176,13 +176,12 @@ class KVStateKVSender(Adapter, BaseSender):
                 at += src.size
                 sliced = i < len(spaces.state_heads) and spaces.state_heads[i] > 0
                 if heads is not None and not sliced:
-                    # the decode refuses this first (state_refusal); never move a
-                    # whole slot that holds other heads than the receiver's
+                    # a heads route (TP sizes differ): the decode refuses this first
+                    # (state_refusal); never move a whole slot that holds other heads
+                    # than the receiver's. No heads: the one sender (whole) moves slots
                     raise TransportError(
                         f"room {room}: state type {i} moves between equal TP sizes only"
                     )
-                if heads is None and not whole:
-                    continue
                 spaces.write_space(
                     spaces.state[i] if i < len(spaces.state) else None,
                     remote[i] if i < len(remote) else None,

@@ -137,7 +137,8 @@ def state_heads(kv_args: Any, mine: KVShape, index: int) -> int:
         return 0
     if getattr(kv_args, "swa_kv_cache_layout", None) != "nhd":
         return 0
-    items = [int(i) for i in (kv_args.state_item_lens[index] or [])]
+    lens = list(getattr(kv_args, "state_item_lens", None) or [])
+    items = [int(i) for i in (lens[index] if index < len(lens) else None) or []]
     per = mine.page_size * mine.page_heads
     return mine.page_heads if items and not any(i % per for i in items) else 0
 
