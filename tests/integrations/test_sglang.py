@@ -304,3 +304,22 @@ def test_state_types_that_are_not_item_lists_are_refused_at_start(kind: str) -> 
     for mode in ("prefill", "decode"):
         with pytest.raises(UnsupportedLayoutError, match=f"state type '{kind}'"):
             KVStateKVManager(args, DisaggregationMode(mode), server_args(mode, 1))
+
+
+def test_a_prefill_is_not_taken_for_fewer_dp_ranks_than_it_has() -> None:
+    """A decode that looks a DP prefill up while only DP rank 0 registered must not read
+    it as a prefill of one DP rank: it keeps that table, and would bind every request
+    to DP rank 0 (seen once as info_dp 1 in test_sglang_across_tp's DP2 shape)."""
+    from kvstate.integrations.sglang.ranks import prefill_info
+    from kvstate.registry import EngineInfo
+
+    def rank(dp: int) -> EngineInfo:
+        layout = {"transport": "kvstate-sglang", "dp": 2, "kv": {"buffers": [{"heads": 1}]}}
+        return EngineInfo(f"127.0.0.1:1/dp{dp}/tp0", "prefill", "127.0.0.1:1", "i", layout=layout)
+
+    assert prefill_info([rank(0)]) is None
+    info = prefill_info([rank(0), rank(1)])
+    assert info is not None and (info.dp_size, info.tp_size, info.page_heads) == (2, 1, 1)
+    # a registration without the field (mirror mode: no kvstate spaces) as before
+    alone = EngineInfo("127.0.0.1:1/dp0/tp0", "prefill", "127.0.0.1:1", "i")
+    assert prefill_info([alone]) is not None

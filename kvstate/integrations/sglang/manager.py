@@ -185,7 +185,9 @@ class KVStateKVManager(BaseManager):
         self.spaces: Transport | None = None
         if not mirror:
             self.spaces = (
-                transport if transport is not None else Spaces(args, memory, shape=self.shape)
+                transport
+                if transport is not None
+                else Spaces(args, memory, shape=self.shape, dp=dp)
             )
         env = os.environ
         waiting = float(env.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", str(WAITING_TIMEOUT)))

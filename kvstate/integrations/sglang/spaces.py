@@ -103,7 +103,9 @@ class Spaces(Transport):
         memory: str,
         factory: Callable[[], Transport] | None = None,
         shape: KVShape | None = None,
+        dp: int = 1,
     ) -> None:
+        self.dp = dp  # the engine's DP ranks, published so a decode waits for all of them
         if factory is None:
             from transports.ucx import UCXTransport
 
@@ -182,6 +184,7 @@ class Spaces(Transport):
         assert self.kv is not None
         return {
             "transport": "kvstate-sglang",
+            "dp": self.dp,
             "kv": self.kv.layout(),
             "aux": self.aux.layout() if self.aux else None,
             "state": [s.layout() if s else None for s in self.state],
