@@ -88,7 +88,10 @@ SHAPES = [
     ),
     # windows of different lengths: which pages pair up is not known; refused, not cut
     StateShape(
-        Shape("SWA drift", 1, 1, 2, False, 19128), "swa", "2 state slots here, 1 published", True
+        Shape("SWA drift", 1, 1, 2, False, 19128),
+        "swa",
+        "state type 0: 2 slots here, 1 published",
+        True,
     ),
 ]
 

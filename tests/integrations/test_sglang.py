@@ -323,3 +323,29 @@ def test_a_prefill_is_not_taken_for_fewer_dp_ranks_than_it_has() -> None:
     # a registration without the field (mirror mode: no kvstate spaces) as before
     alone = EngineInfo("127.0.0.1:1/dp0/tp0", "prefill", "127.0.0.1:1", "i")
     assert prefill_info([alone]) is not None
+
+
+def test_state_counts_per_type_refuse_what_a_flat_list_would_mispair() -> None:
+    """Two state types (DeepSeek-V4 registers two SWA components) whose windows differ
+    the opposite ways: the flat list a decode published before has the sender's total,
+    and paired the first type's second page with the second type's first; each type's
+    count refuses the room instead (slots.pack / unpack)."""
+    import numpy as np
+
+    from kvstate.integrations.sglang.slots import pack, unpack
+    from transports.base import TransportError
+
+    mine = [(0, np.array([5, 6])), (1, np.array([7, 8]))]
+    ok = pack([np.array([1, 2]), None, np.array([3, 4])])
+    got = unpack(ok, True, [(0, np.array([5, 6])), (2, np.array([7, 8]))], 1, "d")
+    assert [g.tolist() for g in got] == [[1, 2], [3, 4]]
+    drift = pack([np.array([1]), np.array([2, 3, 4])])
+    assert drift is not None
+    with pytest.raises(TransportError, match="state type 0: 2 slots here, 1 published by d"):
+        unpack(drift, True, mine, 1, "d")
+    flat = np.array([1, 2, 3, 4])  # what the flat list let through (an earlier decode)
+    assert [g.tolist() for g in unpack(flat, False, mine, 1, "d")] == [[1, 2], [3, 4]]
+    with pytest.raises(TransportError, match="state type\\(s\\) \\[1\\], none here"):
+        unpack(pack([np.array([1, 2]), np.array([3])]), True, mine[:1], 1, "d")
+    with pytest.raises(TransportError, match="malformed"):
+        unpack(np.array([2, 1]), True, mine, 1, "d")

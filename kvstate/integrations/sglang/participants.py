@@ -13,6 +13,7 @@ from kvstate.integrations.sglang.base import BaseReceiver, BaseSender, BaseServe
 from kvstate.integrations.sglang.manager import Adapter, KVStateKVManager
 from kvstate.integrations.sglang.ranks import prefill_engine
 from kvstate.integrations.sglang.shape import plan, refusal, state_refusal, writes_slots
+from kvstate.integrations.sglang.slots import COUNTED, pack, unpack
 from kvstate.integrations.sglang.spaces import Spaces
 from kvstate.poll import KVPoll
 from kvstate.roles import KVReceiver, KVSender
@@ -145,19 +146,12 @@ class KVStateKVSender(Adapter, BaseSender):
             if info.dummy or not last_stage:
                 continue
             whole = writes_slots(info.heads, info.dummy)
-            dst = (
-                np.empty(0, np.int64)
-                if info.state_indices is None
-                else info.state_indices.astype(np.int64)
-            )
-            # before any slot moves: a window of another length (Mooncake truncates
-            # both lists to the shorter, whose pages need not be the same positions)
-            if sum(s.size for _, s in state) != dst.size:
-                raise TransportError(
-                    f"room {room}: {sum(s.size for _, s in state)} state slots here, "
-                    f"{dst.size} published by {info.receiver}"
-                )
             peer = self.kv_mgr.kv.peer(info.receiver, info.incarnation)
+            # before any slot moves, each type's count against the decode's: a window of
+            # another length is refused (Mooncake cuts both lists to the shorter, whose
+            # pages need not be the same positions)
+            counted = bool(peer.layout.get(COUNTED))
+            dsts = unpack(info.state_indices, counted, state, room, info.receiver)
             if whole and self._aux is not None and info.aux_index is not None:
                 spaces.write_space(
                     spaces.aux,
@@ -171,9 +165,7 @@ class KVStateKVSender(Adapter, BaseSender):
                 )
             remote = peer.layout.get("state") or []
             heads = None if info.heads is None else Heads(*info.heads)
-            at = 0
-            for i, src in state:
-                at += src.size
+            for (i, src), dst in zip(state, dsts, strict=True):
                 sliced = i < len(spaces.state_heads) and spaces.state_heads[i] > 0
                 if heads is not None and not sliced:
                     # a heads route (TP sizes differ): the decode refuses this first
@@ -189,7 +181,7 @@ class KVStateKVSender(Adapter, BaseSender):
                     room,
                     peer.endpoint,
                     src,
-                    dst[at - src.size : at],
+                    dst,
                     timeout,
                     heads,
                 )
@@ -308,12 +300,11 @@ class KVStateKVReceiver(Adapter, BaseReceiver):
             if getattr(destination, "value", destination) == "host":
                 self._fail_local("host KV destinations are not supported by kvstate's backend")
                 return
-            parts = [
-                np.asarray(s, dtype=np.int64).reshape(-1)
-                for s in state_indices or []
-                if s is not None
-            ]
-            state = np.concatenate(parts) if parts else None
+            # each type's count first (slots.pack), where this side's spaces move them;
+            # mirror mode publishes the flat list it always did
+            parts = [np.asarray(s).reshape(-1) for s in state_indices or [] if s is not None]
+            flat = np.concatenate(parts) if parts else None
+            state = pack(state_indices) if isinstance(self.kv_mgr.spaces, Spaces) else flat
             kinds = [
                 i for i, s in enumerate(state_indices or []) if s is not None and np.asarray(s).size
             ]

@@ -14,6 +14,7 @@ import numpy as np
 from kvstate.defaults import LEASE
 from kvstate.errors import KVStateError, UnsupportedLayoutError
 from kvstate.integrations.sglang.shape import KVShape, buffer_names, state_heads
+from kvstate.integrations.sglang.slots import COUNTED
 from transports.base import (
     Geometry,
     Heads,
@@ -185,6 +186,7 @@ class Spaces(Transport):
         return {
             "transport": "kvstate-sglang",
             "dp": self.dp,
+            COUNTED: True,  # its receivers publish each state type's count (slots.pack)
             "kv": self.kv.layout(),
             "aux": self.aux.layout() if self.aux else None,
             "state": [s.layout() if s else None for s in self.state],
