@@ -293,3 +293,66 @@ def test_staging_and_pp_prefill_are_refused_at_start(
         args.num_draft_entries = 1
     with pytest.raises(UnsupportedLayoutError, match=message):
         KVStateKVManager(args, DisaggregationMode(mode), sa)
+
+
+@pytest.mark.parametrize("kind", ["dsa_tail", "some_future_state"])
+def test_state_types_that_are_not_item_lists_are_refused_at_start(kind: str) -> None:
+    """dsa_tail's indices are a 6-number descriptor of a ring's live range (SGLang's
+    get_dsa_tail_state_indices), not items: moved as items they would put the wrong
+    bytes in the decode's pool and report Success, so such a pool is refused."""
+    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvstate.integrations.sglang import KVStateKVManager, UnsupportedLayoutError
+    from tests.integrations.rig import server_args
+
+    args = KVArgs()
+    args.state_types = [StateType.SWA, StateType(kind) if kind == "dsa_tail" else kind]
+    for mode in ("prefill", "decode"):
+        with pytest.raises(UnsupportedLayoutError, match=f"state type '{kind}'"):
+            KVStateKVManager(args, DisaggregationMode(mode), server_args(mode, 1))
+
+
+def test_a_prefill_is_not_taken_for_fewer_dp_ranks_than_it_has() -> None:
+    """A decode that looks a DP prefill up while only DP rank 0 registered must not read
+    it as a prefill of one DP rank: it keeps that table, and would bind every request
+    to DP rank 0 (seen once as info_dp 1 in test_sglang_across_tp's DP2 shape)."""
+    from kvstate.integrations.sglang.ranks import prefill_info
+    from kvstate.registry import EngineInfo
+
+    def rank(dp: int) -> EngineInfo:
+        layout = {"transport": "kvstate-sglang", "dp": 2, "kv": {"buffers": [{"heads": 1}]}}
+        return EngineInfo(f"127.0.0.1:1/dp{dp}/tp0", "prefill", "127.0.0.1:1", "i", layout=layout)
+
+    assert prefill_info([rank(0)]) is None
+    info = prefill_info([rank(0), rank(1)])
+    assert info is not None and (info.dp_size, info.tp_size, info.page_heads) == (2, 1, 1)
+    # a registration without the field (mirror mode: no kvstate spaces) as before
+    alone = EngineInfo("127.0.0.1:1/dp0/tp0", "prefill", "127.0.0.1:1", "i")
+    assert prefill_info([alone]) is not None
+
+
+def test_state_counts_per_type_refuse_what_a_flat_list_would_mispair() -> None:
+    """Two state types (DeepSeek-V4 registers two SWA components) whose windows differ
+    the opposite ways: the flat list a decode published before has the sender's total,
+    and paired the first type's second page with the second type's first; each type's
+    count refuses the room instead (slots.pack / unpack)."""
+    import numpy as np
+
+    from kvstate.integrations.sglang.slots import pack, unpack
+    from transports.base import TransportError
+
+    mine = [(0, np.array([5, 6])), (1, np.array([7, 8]))]
+    ok = pack([np.array([1, 2]), None, np.array([3, 4])])
+    got = unpack(ok, True, [(0, np.array([5, 6])), (2, np.array([7, 8]))], 1, "d")
+    assert [g.tolist() for g in got] == [[1, 2], [3, 4]]
+    drift = pack([np.array([1]), np.array([2, 3, 4])])
+    assert drift is not None
+    with pytest.raises(TransportError, match="state type 0: 2 slots here, 1 published by d"):
+        unpack(drift, True, mine, 1, "d")
+    flat = np.array([1, 2, 3, 4])  # what the flat list let through (an earlier decode)
+    assert [g.tolist() for g in unpack(flat, False, mine, 1, "d")] == [[1, 2], [3, 4]]
+    with pytest.raises(TransportError, match="state type\\(s\\) \\[1\\], none here"):
+        unpack(pack([np.array([1, 2]), np.array([3])]), True, mine[:1], 1, "d")
+    with pytest.raises(TransportError, match="malformed"):
+        unpack(np.array([2, 1]), True, mine, 1, "d")

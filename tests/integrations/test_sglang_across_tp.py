@@ -2,7 +2,11 @@
 prefill TP 1 -> decode TP 2 and 4, prefill TP 2 and 4 -> decode TP 1, GQA with fewer KV
 heads than ranks, MLA; and pipeline-parallel prefills (item 4: each stage sends its own
 layers). One process per rank (sglang_tp.py), real Redis, UCX/CMA; every byte of every
-decode rank's pool compared; one decode rank's abort fails every rank."""
+decode rank's pool compared; one decode rank's abort fails every rank. And hybrid models'
+state slots (item 2, sglang_state.py): the SWA pool's window pages and Mamba slots.
+
+Runs before test_sglang_e2e (file order): that module's servers spin idle until the
+session ends and would starve these rank processes."""
 
 from __future__ import annotations
 
@@ -104,4 +108,71 @@ def test_heterogeneous_tp_and_mla_move_byte_exact(redis_url: str, tmp_path: Path
     }
     # the DP shape's ok room (bootstrap_room % 2 == 0) bound to DP rank 0's sender only
     assert set(shown["DP2 1->1"]) == {"127.0.0.1:19109/dp0/tp0"}
+    assert keys_of(connect(redis_url)) == []
+
+
+def test_state_slots_move_byte_exact(redis_url: str, tmp_path: Path) -> None:
+    from tests.integrations.sglang_state import (
+        MAMBA_BYTES,
+        SHAPES,
+        SWA_DIM,
+        SWA_LAYERS,
+        SWA_SRC,
+        run_rank,
+    )
+    from tests.integrations.sglang_tp import DIM, LAYERS, SRC, TOKENS
+
+    names = [s.name for s in SHAPES]
+    ctx = mp.get_context("spawn")
+    procs = {
+        (role, r): ctx.Process(target=run_rank, args=(role, r, redis_url, str(tmp_path), names))
+        for role in ("prefill", "decode")
+        for r in range(4)
+    }
+    t0 = time.monotonic()
+    for p in procs.values():
+        p.start()
+    try:
+        for (role, r), p in procs.items():
+            path = tmp_path / f"{role}{r}.json"
+            assert wait_for(lambda: path.exists() or not p.is_alive(), TIMEOUT), path  # noqa: B023
+            assert path.exists(), f"{role} rank {r} exited with {p.exitcode}"
+        res = {k: json.loads((tmp_path / f"{k[0]}{k[1]}.json").read_text()) for k in procs}
+        (tmp_path / "clear").write_text("1")
+        for p in procs.values():
+            p.join(TIMEOUT)
+    finally:
+        for p in procs.values():
+            p.kill()
+    for s in SHAPES:
+        kv = s.kv
+        for r in range(kv.decode_tp):
+            got = res[("decode", r)]
+            # the pools at the poll that reported the outcome: the room's pages and
+            # slots exact, nothing elsewhere (nothing at all in a refused room)
+            assert got[f"{s.name}:mismatch"] == [], (s.name, r)
+            if s.refused:
+                assert got[s.name] == 0 and s.refused in got[f"{s.name}:error"], (s.name, r)
+                assert not got[f"{s.name}:aux"], (s.name, r)
+                continue
+            assert got[s.name] == 4, (s.name, r, got.get(f"{s.name}:error"))
+            assert got[f"{s.name}:aux"], (s.name, r)
+        moved = sum(res[("prefill", r)][f"{s.name}:bytes"] for r in range(kv.prefill_tp))
+        for r in range(kv.prefill_tp):
+            got = res[("prefill", r)]
+            if s.refused:  # the decode's refusal fails the prefill's room too
+                assert got[s.name] == 0 and s.refused in got[f"{s.name}:error"], (s.name, r)
+            else:
+                assert got[s.name] == 4, (s.name, r)
+        # KV bytes (the sender's metric counts KV pages): every head once per decode
+        # rank; none where the decode refused before publishing its pages
+        copies = max(1, kv.decode_tp // kv.kv_heads)  # GQA: a head on several ranks
+        kv_bytes = len(SRC) * 2 * LAYERS * TOKENS * DIM * kv.kv_heads * copies
+        want = 0 if s.refused and not s.drift else kv_bytes
+        assert moved == want, (s.name, moved)
+    swa = len(SWA_SRC) * 2 * SWA_LAYERS * TOKENS * SWA_DIM * 2
+    print(
+        f"SGLang state shapes: SWA {swa} B and Mamba {MAMBA_BYTES} B per room compared "
+        f"in {time.monotonic() - t0:.0f}s"
+    )
     assert keys_of(connect(redis_url)) == []

@@ -162,7 +162,7 @@ class KVStateKVManager(BaseManager):
             raise UnsupportedLayoutError(f"disaggregation mode {mode!r} needs no transfer backend")
         self.role: str = mode
         pp = int(getattr(server_args, "pp_size", 1) or 1)
-        refuse_unsupported(server_args, args, self.role, pp)
+        refuse_unsupported(server_args, args, self.role, pp, moves=not mirror)
         self.pp_size = pp
         self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
         dp = int(getattr(server_args, "dp_size", 1) or 1)
@@ -185,7 +185,9 @@ class KVStateKVManager(BaseManager):
         self.spaces: Transport | None = None
         if not mirror:
             self.spaces = (
-                transport if transport is not None else Spaces(args, memory, shape=self.shape)
+                transport
+                if transport is not None
+                else Spaces(args, memory, shape=self.shape, dp=dp)
             )
         env = os.environ
         waiting = float(env.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", str(WAITING_TIMEOUT)))

@@ -12,11 +12,12 @@ from kvstate.errors import KVStateError, PeerNotFoundError
 from kvstate.integrations.sglang.base import BaseReceiver, BaseSender, BaseServer, conn
 from kvstate.integrations.sglang.manager import Adapter, KVStateKVManager
 from kvstate.integrations.sglang.ranks import prefill_engine
-from kvstate.integrations.sglang.shape import plan, refusal, writes_slots
+from kvstate.integrations.sglang.shape import plan, refusal, state_refusal, writes_slots
+from kvstate.integrations.sglang.slots import COUNTED, pack, unpack
 from kvstate.integrations.sglang.spaces import Spaces
 from kvstate.poll import KVPoll
 from kvstate.roles import KVReceiver, KVSender
-from transports.base import TransportError
+from transports.base import Heads, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +143,16 @@ class KVStateKVSender(Adapter, BaseSender):
         # the metadata (aux) is the last pipeline stage's output
         last_stage = self.kv_mgr.pp_rank == self.kv_mgr.pp_size - 1
         for info in part.transfer_infos().values():
-            if not writes_slots(info.heads, info.dummy) or not last_stage:
+            if info.dummy or not last_stage:
                 continue
+            whole = writes_slots(info.heads, info.dummy)
             peer = self.kv_mgr.kv.peer(info.receiver, info.incarnation)
-            if self._aux is not None and info.aux_index is not None:
+            # before any slot moves, each type's count against the decode's: a window of
+            # another length is refused (Mooncake cuts both lists to the shorter, whose
+            # pages need not be the same positions)
+            counted = bool(peer.layout.get(COUNTED))
+            dsts = unpack(info.state_indices, counted, state, room, info.receiver)
+            if whole and self._aux is not None and info.aux_index is not None:
                 spaces.write_space(
                     spaces.aux,
                     peer.layout.get("aux"),
@@ -156,31 +163,28 @@ class KVStateKVSender(Adapter, BaseSender):
                     np.array([info.aux_index]),
                     timeout,
                 )
-            dst = (
-                np.empty(0, np.int64)
-                if info.state_indices is None
-                else info.state_indices.astype(np.int64)
-            )
-            if sum(s.size for _, s in state) != dst.size:
-                raise TransportError(
-                    f"room {room}: {sum(s.size for _, s in state)} state slots here, "
-                    f"{dst.size} published by {info.receiver}"
-                )
             remote = peer.layout.get("state") or []
-            at = 0
-            for i, src in state:
-                space = spaces.state[i] if i < len(spaces.state) else None
+            heads = None if info.heads is None else Heads(*info.heads)
+            for (i, src), dst in zip(state, dsts, strict=True):
+                sliced = i < len(spaces.state_heads) and spaces.state_heads[i] > 0
+                if heads is not None and not sliced:
+                    # a heads route (TP sizes differ): the decode refuses this first
+                    # (state_refusal); never move a whole slot that holds other heads
+                    # than the receiver's. No heads: the one sender (whole) moves slots
+                    raise TransportError(
+                        f"room {room}: state type {i} moves between equal TP sizes only"
+                    )
                 spaces.write_space(
-                    space,
+                    spaces.state[i] if i < len(spaces.state) else None,
                     remote[i] if i < len(remote) else None,
                     f"state type {i}",
                     room,
                     peer.endpoint,
                     src,
-                    dst[at : at + src.size],
+                    dst,
                     timeout,
+                    heads,
                 )
-                at += src.size
 
     def mirror(self, theirs: int, backend: str) -> KVPoll:
         """Mirror mode: record what the other backend's sender reports and answer
@@ -296,18 +300,17 @@ class KVStateKVReceiver(Adapter, BaseReceiver):
             if getattr(destination, "value", destination) == "host":
                 self._fail_local("host KV destinations are not supported by kvstate's backend")
                 return
-            parts = [
-                np.asarray(s, dtype=np.int64).reshape(-1)
-                for s in state_indices or []
-                if s is not None
+            # each type's count first (slots.pack), where this side's spaces move them;
+            # mirror mode publishes the flat list it always did
+            parts = [np.asarray(s).reshape(-1) for s in state_indices or [] if s is not None]
+            flat = np.concatenate(parts) if parts else None
+            state = pack(state_indices) if isinstance(self.kv_mgr.spaces, Spaces) else flat
+            kinds = [
+                i for i, s in enumerate(state_indices or []) if s is not None and np.asarray(s).size
             ]
-            state = np.concatenate(parts) if parts else None
-            if state is not None and state.size and self.prefill_tp != self.kv_mgr.tp_size:
-                why = (
-                    f"state slots (Mamba/SWA) between attention TP {self.prefill_tp} (prefill "
-                    f"{self.bootstrap_addr}) and {self.kv_mgr.tp_size} (this decode): kvstate "
-                    "moves state slots between equal TP sizes only; run equal TP sizes"
-                )
+            mgr = self.kv_mgr
+            why = state_refusal(mgr.kv_args, mgr.shape, self.bootstrap_addr, self.prefill_tp, kinds)
+            if why:
                 self.kv_mgr.refused(self.bootstrap_addr, why)
                 self._guard("send_metadata", lambda: self._part.abort(why))  # type: ignore[union-attr]
                 self._fail_local(why)

@@ -48,7 +48,10 @@ def prefill_info(peers: Sequence[EngineInfo]) -> PrefillInfo | None:
     tp = max(t for _, t, _ in ranks) + 1
     dp = max(d for d, _, _ in ranks) + 1
     pp = max(s for _, _, s in ranks) + 1
-    if tp * pp != per_dp or len(ranks) < dp * per_dp:
+    # and how many DP ranks it has (its layout, kvstate's SGLang spaces): DP rank 0 alone
+    # must not pass for a prefill of one DP rank (the decode keeps the table it read)
+    dp_size = max(int(p.layout.get("dp", 0) or 0) for p in peers)
+    if tp * pp != per_dp or len(ranks) < dp * per_dp or dp < dp_size:
         return None
     return PrefillInfo(dp_size=dp, tp_size=tp, page_heads=page_heads(peers[0].layout), pp_size=pp)
 

@@ -124,11 +124,73 @@ def plan(engine_of: Any, prefill_tp: int, pp: int, mine: KVShape, rank: int) -> 
     )
 
 
+def state_heads(kv_args: Any, mine: KVShape, index: int) -> int:
+    """KV heads per page of state type ``index``'s buffers when its pages split by heads
+    as the KV pages do, else 0 (slots move whole). Only SGLang's SWA pool does: the
+    sliding-window layers' own MHA pool, pages ``[page_size, heads, head_dim]`` when
+    ``swa_kv_cache_layout`` is "nhd", as many heads per rank as the full pool (what
+    Mooncake's SWA head slicing assumes too)."""
+    types = list(getattr(kv_args, "state_types", None) or [])
+    if index >= len(types) or mine.mla or not mine.page_heads:
+        return 0
+    if getattr(types[index], "value", types[index]) != "swa":
+        return 0
+    if getattr(kv_args, "swa_kv_cache_layout", None) != "nhd":
+        return 0
+    lens = list(getattr(kv_args, "state_item_lens", None) or [])
+    items = [int(i) for i in (lens[index] if index < len(lens) else None) or []]
+    per = mine.page_size * mine.page_heads
+    return mine.page_heads if items and not any(i % per for i in items) else 0
+
+
+def state_refusal(
+    kv_args: Any, mine: KVShape, prefill: str, prefill_tp: int, kinds: list[int]
+) -> str:
+    """Why this decode rank cannot load the state slots of types ``kinds`` (indices
+    into ``kv_args.state_types``) from a prefill of attention TP ``prefill_tp`` ('' if
+    it can): across TP sizes only SWA pages move, their heads sliced as the KV pages'."""
+    if prefill_tp == mine.tp:
+        return ""
+    types = list(getattr(kv_args, "state_types", None) or [])
+    pair = f"between attention TP {prefill_tp} (prefill {prefill}) and {mine.tp} (this decode)"
+    for i in kinds:
+        kind = str(getattr(types[i], "value", types[i])) if i < len(types) else f"#{i}"
+        if state_heads(kv_args, mine, i):
+            continue
+        if kind == "mamba":
+            return (
+                f"Mamba state slots {pair}: SGLang shards each Mamba tensor per TP rank "
+                "(conv and temporal state, GDN's q|k|v groups apart) and kvstate does not "
+                "reslice them; run equal TP sizes"
+            )
+        if kind == "swa":
+            return (
+                f"SWA pages {pair}: kvstate slices them by KV heads only for an MHA pool "
+                "in the NHD layout (swa_kv_cache_layout 'nhd') whose pages hold "
+                f"{mine.page_heads or '?'} whole head(s) of {mine.page_size} tokens here; "
+                "run equal TP sizes"
+            )
+        return (
+            f"{kind} state slots {pair}: kvstate moves them between equal TP sizes only; "
+            "run equal TP sizes"
+        )
+    return ""
+
+
 def writes_slots(route_heads: tuple[int, int, int] | None, dummy: bool) -> bool:
-    """Whether a sender writes a receiver's aux and state slots: one sender per decode
-    rank, the one that writes whole pages or its first heads (the others write
-    heads only)."""
+    """Whether a sender writes a receiver's aux slot and its whole state slots: one
+    sender per decode rank, the one that writes whole pages or its first heads (the
+    others write heads only: of KV pages, and of SWA pages, ``state_heads``)."""
     return not dummy and (route_heads is None or route_heads[1] == 0)
 
 
-__all__ = ["KVShape", "Plan", "buffer_names", "plan", "refusal", "writes_slots"]
+__all__ = [
+    "KVShape",
+    "Plan",
+    "buffer_names",
+    "plan",
+    "refusal",
+    "state_heads",
+    "state_refusal",
+    "writes_slots",
+]

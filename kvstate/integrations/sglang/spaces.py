@@ -13,8 +13,16 @@ import numpy as np
 
 from kvstate.defaults import LEASE
 from kvstate.errors import KVStateError, UnsupportedLayoutError
-from kvstate.integrations.sglang.shape import KVShape, buffer_names
-from transports.base import Geometry, Target, Transport, TransportError, TransportStats
+from kvstate.integrations.sglang.shape import KVShape, buffer_names, state_heads
+from kvstate.integrations.sglang.slots import COUNTED
+from transports.base import (
+    Geometry,
+    Heads,
+    Target,
+    Transport,
+    TransportError,
+    TransportStats,
+)
 
 # -- settings and buffers ----------------------------------------------------------------
 
@@ -96,7 +104,9 @@ class Spaces(Transport):
         memory: str,
         factory: Callable[[], Transport] | None = None,
         shape: KVShape | None = None,
+        dp: int = 1,
     ) -> None:
+        self.dp = dp  # the engine's DP ranks, published so a decode waits for all of them
         if factory is None:
             from transports.ucx import UCXTransport
 
@@ -123,8 +133,21 @@ class Spaces(Transport):
         ptrs = getattr(kv_args, "state_data_ptrs", None) or []
         lens = getattr(kv_args, "state_data_lens", None) or []
         items = getattr(kv_args, "state_item_lens", None) or []
+        # SWA pages split by KV heads as the KV pages do (state_heads), so that a sender
+        # of another TP size writes only a decode rank's heads; other slots move whole
+        self.state_heads = [
+            state_heads(kv_args, shape, k) if shape else 0 for k in range(len(ptrs))
+        ]
         self.state = [
-            self._space(factory, p, n, i, memory) for p, n, i in zip(ptrs, lens, items, strict=True)
+            self._space(
+                factory,
+                p,
+                n,
+                i,
+                memory,
+                [Geometry("", h, shape.page_size)] * len(p) if h and shape else None,
+            )
+            for p, n, i, h in zip(ptrs, lens, items, self.state_heads, strict=True)
         ]
 
     @staticmethod
@@ -162,6 +185,8 @@ class Spaces(Transport):
         assert self.kv is not None
         return {
             "transport": "kvstate-sglang",
+            "dp": self.dp,
+            COUNTED: True,  # its receivers publish each state type's count (slots.pack)
             "kv": self.kv.layout(),
             "aux": self.aux.layout() if self.aux else None,
             "state": [s.layout() if s else None for s in self.state],
@@ -192,10 +217,13 @@ class Spaces(Transport):
         src: np.ndarray,
         dst: np.ndarray,
         timeout: float,
+        heads: Heads | None = None,
     ) -> None:
+        """Aux or state slots ``src`` into ``dst`` of one receiver (``heads``: only those
+        heads of each page)."""
         if space is None or remote is None:
             raise TransportError(f"room {room}: {what} is not registered on both sides")
-        space.write(room, src, [Target(endpoint, remote, dst)], timeout)
+        space.write(room, src, [Target(endpoint, remote, dst, heads)], timeout)
 
     def release(self, room: int) -> None:
         assert self.kv is not None

@@ -13,8 +13,41 @@ def _on(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def refuse_unsupported(server_args: Any, kv_args: Any, role: str, pp_size: int) -> None:
-    """UnsupportedLayoutError naming the option, for what this backend cannot serve."""
+# SGLang 0.5.23's state types whose indices list items (pages, slots, rows) of their
+# buffers, moved item for item as the KV pages are (Mooncake's generic path, and its
+# Mamba path at equal TP); others, e.g. dsa_tail (a 6-number descriptor of a ring's live
+# range) or a hardware backend's own, would move the wrong bytes as item lists
+SLOT_STATES = frozenset(
+    {
+        "mamba",
+        "swa",
+        "swa_ring",
+        "dsa",
+        "qsa_pending",
+        "qsa_compressed",
+        "c128_state",
+        "request_row",
+        "block_scale",
+        "block_scale_swa",
+        "minimax_index_k",
+        "minimax_dense_kv",
+    }
+)
+
+
+def refuse_unsupported(
+    server_args: Any, kv_args: Any, role: str, pp_size: int, moves: bool = True
+) -> None:
+    """UnsupportedLayoutError naming the option, for what this backend cannot serve
+    (``moves`` False: mirror mode, where another backend moves the state)."""
+    for st in (getattr(kv_args, "state_types", None) or []) if moves else []:
+        kind = str(getattr(st, "value", st))
+        if kind not in SLOT_STATES:
+            raise UnsupportedLayoutError(
+                f"state type {kind!r}: its state indices are not a list of the state "
+                "buffers' items (pages, slots, rows), which is all kvstate's backend "
+                "moves; use SGLang's mooncake or nixl backend for this model"
+            )
     if role == "decode" and pp_size > 1:
         raise UnsupportedLayoutError(
             f"a decode with pipeline parallel size {pp_size} (--pp-size): SGLang's decode "
@@ -57,4 +90,4 @@ def refuse_unsupported(server_args: Any, kv_args: Any, role: str, pp_size: int) 
         )
 
 
-__all__ = ["refuse_unsupported"]
+__all__ = ["SLOT_STATES", "refuse_unsupported"]
