@@ -63,6 +63,8 @@ def keys_of(
         if not traces and store.keys.is_trace(key):
             assert store.client.pttl(key) > 0, f"trace {key} has no TTL"
             continue
+        if not store.client.exists(key):  # expired since SCAN met it (the monitor's 1 ms
+            continue  # probe on a busy Cluster node): it had a TTL, nothing left behind
         kept.append(key)
     return kept
 
