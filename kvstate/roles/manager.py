@@ -28,6 +28,7 @@ from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.roles import batch
 from kvstate.roles.contract import Bound, LookupKey, Step
 from kvstate.roles.lease import Lease
+from kvstate.roles.notices import Notices
 from kvstate.roles.peers import PeerWatch
 from kvstate.roles.predecessor import clear_predecessor
 from kvstate.roles.receiver import KVReceiver
@@ -108,6 +109,12 @@ class KVManager:
         self.forked = False  # this copy lives in a forked child: it may not act
         self.closed = False
         self._parts = Participants(self.engine)
+        # change notices (issue 33 target 3): subscribed before the first step, whose
+        # drain then answers "everything" until the subscription is confirmed
+        self.notices = Notices(
+            store.changes(self.engine) if store.options.notices else None,
+            store.options.notice_sweep,
+        )
         self._peers = PeerWatch(self.engine)
         self.info = EngineInfo(
             engine=self.engine,
@@ -239,6 +246,7 @@ class KVManager:
     def forget(self, part: Step) -> None:
         """A participant cleared: the batches and the heartbeat no longer see it."""
         self._parts.forget(part)
+        self.notices.forget(part.room)
 
     def prefill_engines(self, key: LookupKey) -> list[EngineInfo]:
         """The live prefill engines at an address (or among named ones), read fresh for
@@ -342,6 +350,9 @@ class KVManager:
                 f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
             )
         parts = self._parts.resolve(rooms, op)
+        kept: dict[int, KVPoll] = {}
+        if op == "poll":  # a waiting room nobody changed answers its last status
+            parts, kept = self.notices.select(parts, self.store.cluster)
         lapsed = self.lease_lapsed() if op == "finish" else ""  # once for the batch
         found = batch.lookups(
             (p for _, p in parts if p is not None), self.store.cluster, self.prefill_engines
@@ -354,7 +365,11 @@ class KVManager:
             pages or {},
             lambda r: self.store.poll(r, self.side, self.engine),
         )
-        out, bound = batch.run(self.store, plan)
+        out, bound = batch.run(self.store, plan) if plan.calls else (PollResults(), [])
+        self.notices.polled(r for r in out if r not in out.errors)
+        for r in out.errors:
+            self.notices.forget(r)
+        out.update(kept)
         for b in bound:
             self._peers.watch(b)
         for _, p in parts:
@@ -402,10 +417,8 @@ class KVManager:
         self.closed = True
         if self.forked:
             return
+        self.notices.close()
         self.heartbeat.close(self.recorder.close if self.recorder is not None else lambda: None)
-
-
-__all__ = ["ROLES", "KVManager", "open_managers"]
 
 
 __all__ = ["ROLES", "KVManager", "open_managers"]

@@ -1,0 +1,87 @@
+"""An engine's change notices as they arrive (docs/design.md, "Change notices"): one
+subscription, on a connection of its own, to ``Keys.changed(engine)``, read without
+waiting. Here because it is redis-py's PubSub; ``kvstate.roles.notices`` decides what a
+step polls from what it answers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import redis
+
+from kvstate.keys import check_room
+
+log = logging.getLogger(__name__)
+
+# what drain() answers when it cannot name the rooms that changed: poll them all
+EVERYTHING = None
+
+
+class ChangeFeed:
+    """A subscription to one channel of room ids. ``drain()`` answers the rooms named
+    since its last call, or EVERYTHING where notices may have been lost: until the
+    first subscribe confirmation, at each later one (redis-py subscribes again after a
+    reconnect, silently: what was published meanwhile is gone), after any error, and
+    once closed. It never waits on the network: a read finds what has arrived."""
+
+    def __init__(self, client: redis.Redis, channel: str) -> None:
+        self.channel = channel
+        self._client = client  # its own pool: closed with the feed
+        self.closed = False
+        self._confirmed = False
+        self._sub: redis.client.PubSub | None = None
+        try:
+            sub: redis.client.PubSub = client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
+            self._sub = sub
+            sub.subscribe(channel)  # the confirmation is read by drain()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("change notices off for now (%s): every step polls every room", exc)
+
+    def drain(self) -> set[int] | None:
+        """The rooms named since the last call; EVERYTHING (None) when notices may have
+        been lost since, or the feed is not (yet, or any more) subscribed."""
+        if self.closed or self._sub is None:
+            return EVERYTHING
+        rooms: set[int] = set()
+        everything = not self._confirmed
+        try:
+            while True:
+                msg = self._sub.get_message(timeout=0.0)
+                if msg is None:
+                    break
+                kind = msg.get("type")
+                if kind == "message":
+                    rooms.add(_room(msg["data"]))
+                elif kind == "subscribe":
+                    self._confirmed = everything = True
+                elif kind == "unsubscribe":
+                    self._confirmed, everything = False, True
+        except (redis.RedisError, OSError, ValueError) as exc:
+            log.info("change notices on %s interrupted (%s): polling every room", self.channel, exc)
+            self._confirmed = False  # the next confirmation says it is back
+            return EVERYTHING
+        return EVERYTHING if everything else rooms
+
+    def close(self) -> None:
+        """Unsubscribe and drop the connection; a broken one is closed quietly."""
+        self.closed = True
+        if self._sub is not None:
+            with contextlib.suppress(redis.RedisError, OSError):
+                self._sub.close()
+        with contextlib.suppress(redis.RedisError, OSError):
+            self._client.connection_pool.disconnect()
+
+
+def _room(data: object) -> int:
+    """A notice's room id; anything else raises ValueError (then everything is polled)."""
+    text = data.decode() if isinstance(data, bytes) else str(data)
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(f"not a room id: {text[:64]!r}")
+    try:
+        return check_room(int(text))
+    except Exception as exc:
+        raise ValueError(str(exc)) from None
+
+
+__all__ = ["EVERYTHING", "ChangeFeed"]
