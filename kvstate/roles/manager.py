@@ -352,7 +352,7 @@ class KVManager:
         parts = self._parts.resolve(rooms, op)
         kept: dict[int, KVPoll] = {}
         if op == "poll":  # a waiting room nobody changed answers its last status
-            parts, kept = self.notices.select(parts, self.store.cluster)
+            parts, kept = self.notices.select(parts)
         lapsed = self.lease_lapsed() if op == "finish" else ""  # once for the batch
         found = batch.lookups(
             (p for _, p in parts if p is not None), self.store.cluster, self.prefill_engines

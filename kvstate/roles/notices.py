@@ -17,10 +17,6 @@ from kvstate.poll import KVPoll
 from kvstate.roles.contract import Step
 from kvstate.store import EVERYTHING, ChangeFeed
 
-# a participant in these changes only by its own calls (whose replies it takes in) or
-# by another's script, which notifies it; any other status is polled every step
-WAITING = frozenset({KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring})
-
 
 class Notices:
     """A rank's change notices and each room's last poll (monotonic seconds)."""
@@ -37,7 +33,7 @@ class Notices:
         self._polled: dict[int, float] = {}
 
     def select(
-        self, parts: list[tuple[int, Step | None]], cluster: bool
+        self, parts: list[tuple[int, Step | None]]
     ) -> tuple[list[tuple[int, Step | None]], dict[int, KVPoll]]:
         """(the rooms this step polls, room -> the last status of each one it need not
         poll). ``drain()`` runs once per step, every step, so notices never pile up."""
@@ -49,15 +45,8 @@ class Notices:
         kept: dict[int, KVPoll] = {}
         for room, p in parts:
             last = self._polled.get(room)
-            if (
-                p is None
-                or last is None
-                or room in changed
-                or now - last >= self.sweep
-                or p.status not in WAITING
-                or not p.create_sent
-                or p.lookup_key(cluster) is not None  # a binding is due: its poll binds
-            ):
+            due = last is None or room in changed or now - last >= self.sweep
+            if p is None or due or not p.waiting:  # not waiting: it has something to write
                 send.append((room, p))
             else:
                 kept[room] = p.status
@@ -80,4 +69,4 @@ class Notices:
             self.feed = None
 
 
-__all__ = ["WAITING", "Notices"]
+__all__ = ["Notices"]

@@ -1,0 +1,190 @@
+"""Change notices (docs/design.md, "Change notices"; issue 33 target 3): a waiting step
+makes no round trip, a change another participant made is polled at the next step, and
+lost notices (a killed subscription) or none at all (a timeout) still conclude every
+room: a resubscribe polls everything, the sweep polls every waiting room."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+
+import kvstate
+from kvstate import KVPoll
+from kvstate.errors import InvalidOptionError
+from kvstate.keys import Keys
+from kvstate.store import Store
+from kvstate.testing import RedisProcess, RoundTrips
+from tests.helpers import PREFILL_ADDR, managers, scaled, wait_for
+
+NAMESPACE = "notice.ns-1"  # '.' and '-': the Lua derivation of the channel must keep them
+# no sweep within a test: only a notice (or a resubscribe) makes a waiting room polled
+OPTIONS = kvstate.Options(notice_sweep=3600.0)
+ROOMS = list(range(100, 116))
+
+
+def quiet_step(mgr: kvstate.KVManager, rooms: list[int]) -> None:
+    """Step until one makes no round trip (the subscription's confirmation, then the
+    first polls, come first)."""
+    assert wait_for(lambda: trips(mgr, rooms) == 0, 5.0), "a waiting step kept polling"
+
+
+def trips(mgr: kvstate.KVManager, rooms: list[int]) -> int:
+    with RoundTrips.installed() as rt:
+        before = rt.by_thread["MainThread"]
+        mgr.poll_many(rooms)
+        return rt.by_thread["MainThread"] - before
+
+
+def test_waiting_step_makes_no_round_trip_and_a_change_is_polled(store: Store) -> None:
+    p, d = managers(store, lease=60.0)
+    with p, d:
+        for r in ROOMS:
+            p.sender(r)
+            d.receiver(r, PREFILL_ADDR)
+        assert set(p.poll_many(ROOMS).values()) == {KVPoll.Bootstrapping}
+        quiet_step(p, ROOMS)
+        for _ in range(3):
+            assert trips(p, ROOMS) == 0
+        assert d.init_many({ROOMS[3]: np.arange(4)})[ROOMS[3]] == KVPoll.WaitingForInput
+        # publish.lua notified the prefill: its next step polls that room (the notice
+        # crosses a Cluster's bus, hence the wait), no other room changes
+        assert wait_for(lambda: p.poll_many(ROOMS)[ROOMS[3]] == KVPoll.WaitingForInput, 5.0)
+        answers = p.poll_many(ROOMS)
+        assert answers[ROOMS[3]] == KVPoll.WaitingForInput
+        assert {answers[r] for r in ROOMS if r != ROOMS[3]} == {KVPoll.Bootstrapping}
+        quiet_step(p, ROOMS)
+        # the decode side waits too; the sender's transfer (finish.lua) notifies it
+        d.init_many({r: np.arange(4) for r in ROOMS if r != ROOMS[3]})
+        quiet_step(d, ROOMS)
+        p.poll_many(ROOMS)  # every sender saw its receiver's infos
+        assert p.begin_many(ROOMS[:2]) == dict.fromkeys(ROOMS[:2], KVPoll.Transferring)
+        assert p.finish_many(ROOMS[:2]) == dict.fromkeys(ROOMS[:2], KVPoll.Success)
+        assert wait_for(
+            lambda: [d.poll_many(ROOMS)[r] for r in ROOMS[:2]] == [KVPoll.Success] * 2, 5.0
+        )
+        assert {d.poll_many(ROOMS)[r] for r in ROOMS[2:]} == {KVPoll.WaitingForInput}
+        # an abort from the prefill side fails the decode's room: mark_room notifies
+        p.sender(ROOMS[5]).abort("notice test")
+        assert wait_for(lambda: d.poll_many(ROOMS)[ROOMS[5]] == KVPoll.Failed, 5.0)
+        p.clear_many(ROOMS)
+        d.clear_many(ROOMS)
+
+
+def test_lost_notices_poll_everything_after_a_resubscribe(
+    redis_url: str, redis_proc: RedisProcess
+) -> None:
+    """A killed subscription loses what was published meanwhile: redis-py subscribes
+    again and its confirmation makes the next step poll every room."""
+    store = kvstate.connect(redis_url, namespace=NAMESPACE, options=OPTIONS)
+    admin = redis_proc.client()
+    p, d = managers(store, lease=60.0)
+    try:
+        with p, d:
+            for r in ROOMS:
+                p.sender(r)
+                d.receiver(r, PREFILL_ADDR)
+            p.poll_many(ROOMS)
+            quiet_step(p, ROOMS)
+            assert admin.client_kill_filter(_type="pubsub") >= 2  # both managers'
+            d.init_many({ROOMS[0]: np.arange(4)})  # its notice reaches nobody
+            assert wait_for(lambda: p.poll_many(ROOMS)[ROOMS[0]] == KVPoll.WaitingForInput, 5.0)
+            quiet_step(p, ROOMS)  # subscribed again: waiting steps are free again
+            d.init_many({ROOMS[1]: np.arange(4)})  # and notices reach it
+            assert wait_for(lambda: p.poll_many(ROOMS)[ROOMS[1]] == KVPoll.WaitingForInput, 5.0)
+            p.clear_many(ROOMS)
+            d.clear_many(ROOMS)
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def sweeping(redis_url: str) -> Iterator[Store]:
+    store = kvstate.connect(
+        redis_url, namespace=NAMESPACE, options=kvstate.Options(notice_sweep=0.3)
+    )
+    yield store
+    store.close()
+
+
+def test_timeouts_fire_within_the_sweep(sweeping: Store) -> None:
+    """Nobody publishes: no notice ever comes, and the sweep polls the room in time for
+    poll.lua to fail it; the decode side learns it from the failure's notice."""
+    p = kvstate.KVManager(sweeping, "prefill", "prefill-a.tp0", PREFILL_ADDR, bootstrap_timeout=0.5)
+    d = kvstate.KVManager(sweeping, "decode", "decode-b.tp0", "10.0.0.2:8998")
+    with p, d:
+        snd = p.sender(ROOMS[0])
+        rcv = d.receiver(ROOMS[0], PREFILL_ADDR)
+        rcv.poll()  # bound (no pages yet): it waits for its sender
+        assert p.poll_many(ROOMS[:1]) == {ROOMS[0]: KVPoll.Bootstrapping}
+        assert d.poll_many(ROOMS[:1]) == {ROOMS[0]: KVPoll.Bootstrapping}
+        assert wait_for(lambda: p.poll_many(ROOMS[:1])[ROOMS[0]] == KVPoll.Failed, 3.0)
+        assert "bootstrap timeout" in snd.reason
+        assert wait_for(lambda: d.poll_many(ROOMS[:1])[ROOMS[0]] == KVPoll.Failed, 3.0)
+        p.clear_many(ROOMS[:1])
+        d.clear_many(ROOMS[:1])
+
+
+def test_notify_names_the_channel_keys_spells(redis_url: str) -> None:
+    """_lib.lua's notify builds the channel from a participant's key: it must be
+    Keys.changed's (an engine name with the characters names may hold)."""
+    engine = "decode-[b]:1.tp0@x/y"
+    store = kvstate.connect(redis_url, namespace=NAMESPACE)
+    sub = redis.Redis(unix_socket_path=redis_url[len("unix://") :]).pubsub()  # type: ignore[no-untyped-call]
+    sub.subscribe(Keys(NAMESPACE).changed(engine))
+    try:
+        assert wait_for(lambda: sub.get_message(timeout=0.05) is not None, 5.0)  # subscribed
+        d = kvstate.KVManager(store, "decode", engine, "10.0.0.2:8998")
+        with d:
+            d.receiver(ROOMS[0], PREFILL_ADDR).poll()  # a member of the room
+            store.abort(ROOMS[0], "channel test")
+            rooms: list[bytes] = []
+            deadline = time.monotonic() + scaled(5.0)
+            while str(ROOMS[0]).encode() not in rooms and time.monotonic() < deadline:
+                msg = sub.get_message(timeout=0.05)
+                if msg and msg["type"] == "message":
+                    rooms.append(msg["data"])
+            assert rooms == [str(ROOMS[0]).encode()]
+            d.clear_many(ROOMS[:1])
+    finally:
+        sub.close()
+        store.close()
+
+
+def test_close_drops_the_subscription(redis_url: str, redis_proc: RedisProcess) -> None:
+    store = kvstate.connect(redis_url, namespace=NAMESPACE)
+    admin = redis_proc.client()
+    try:
+        before = len(admin.client_list(_type="pubsub"))
+        mgr = kvstate.KVManager(store, "decode", "decode-c.tp0", "10.0.0.2:8998")
+        assert len(admin.client_list(_type="pubsub")) == before + 1
+        mgr.close()
+        assert wait_for(lambda: len(admin.client_list(_type="pubsub")) == before, 5.0)
+        off = kvstate.connect(
+            redis_url, namespace=NAMESPACE, options=kvstate.Options(notices=False)
+        )
+        with kvstate.KVManager(off, "decode", "decode-d.tp0", "10.0.0.2:8998"):
+            assert len(admin.client_list(_type="pubsub")) == before
+        off.close()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"notice_sweep": 0},
+        {"notice_sweep": -1.0},
+        {"notice_sweep": True},
+        {"notice_sweep": "1"},
+        {"notice_sweep": 7200},
+        {"notices": "yes"},
+        {"notices": 1},
+    ],
+)
+def test_notice_options_are_checked(kw: dict[str, object]) -> None:
+    with pytest.raises(InvalidOptionError):
+        kvstate.Options(**kw)  # type: ignore[arg-type]
