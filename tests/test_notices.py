@@ -16,7 +16,7 @@ import kvstate
 from kvstate import KVPoll
 from kvstate.errors import InvalidOptionError
 from kvstate.keys import Keys
-from kvstate.store import Store
+from kvstate.store import Store, notices
 from kvstate.testing import RedisProcess, RoundTrips
 from tests.helpers import PREFILL_ADDR, managers, scaled, wait_for
 
@@ -41,7 +41,16 @@ def trips(mgr: kvstate.KVManager, rooms: list[int]) -> int:
         return rt.count - before
 
 
-def test_waiting_step_makes_no_round_trip_and_a_change_is_polled(store: Store) -> None:
+@pytest.fixture
+def only_redis(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Notices reach the managers only through Redis (PUBLISH, the subscription), not
+    from this process's own calls (``told_here``), which would mask the Lua side."""
+    monkeypatch.setattr(notices, "told_here", lambda calls: None)
+
+
+def test_waiting_step_makes_no_round_trip_and_a_change_is_polled(
+    store: Store, only_redis: None
+) -> None:
     p, d = managers(store, lease=60.0)
     with p, d:
         for r in ROOMS:
@@ -77,7 +86,7 @@ def test_waiting_step_makes_no_round_trip_and_a_change_is_polled(store: Store) -
 
 
 def test_lost_notices_poll_everything_after_a_resubscribe(
-    redis_url: str, redis_proc: RedisProcess
+    redis_url: str, redis_proc: RedisProcess, only_redis: None
 ) -> None:
     """A killed subscription loses what was published meanwhile: redis-py subscribes
     again and its confirmation makes the next step poll every room."""
@@ -190,3 +199,25 @@ def test_close_drops_the_subscription(redis_url: str, redis_proc: RedisProcess) 
 def test_notice_options_are_checked(kw: dict[str, object]) -> None:
     with pytest.raises(InvalidOptionError):
         kvstate.Options(**kw)  # type: ignore[arg-type]
+
+
+def test_a_step_right_after_a_call_in_this_process_sees_it(store: Store) -> None:
+    """Both sides in one process, one after the other (a test, the demo, a benchmark):
+    the finish's PUBLISH may reach the decode's subscription after the prefill has its
+    reply, so the process tells its own feeds at once (``told_here``)."""
+    p, d = managers(store, lease=60.0)
+    with p, d:
+        for n in range(8):
+            rooms = [1000 + 16 * n + i for i in range(16)]
+            for r in rooms:
+                d.receiver(r, PREFILL_ADDR)
+                p.sender(r)
+            d.poll_many(rooms)
+            d.init_many(dict.fromkeys(rooms, np.arange(4)))
+            assert set(p.poll_many(rooms).values()) == {KVPoll.WaitingForInput}
+            assert set(d.poll_many(rooms).values()) == {KVPoll.WaitingForInput}
+            p.begin_many(rooms)
+            p.finish_many(rooms)
+            assert set(d.poll_many(rooms).values()) == {KVPoll.Success}
+            p.clear_many(rooms)
+            d.clear_many(rooms)

@@ -143,7 +143,8 @@ class Admin(Executor):
         # a pool of its own: a subscribed connection taken from the store's pool would
         # make the store's next call open (and handshake) another one
         own = redis.ConnectionPool(connection_class=pool.connection_class, **pool.connection_kwargs)
-        return ChangeFeed(redis.Redis(connection_pool=own), self.keys.changed(engine))
+        client = redis.Redis(connection_pool=own)
+        return ChangeFeed(client, self.keys.namespace, engine, self.keys.changed(engine))
 
     def whoami(self) -> str | None:
         """The ACL user this store runs as; None when the server does not say (ACL

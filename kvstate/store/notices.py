@@ -7,15 +7,45 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import threading
+import weakref
+from collections.abc import Sequence
 
 import redis
 
 from kvstate.keys import check_room
+from kvstate.store.calls import Call
 
 log = logging.getLogger(__name__)
 
 # what drain() answers when it cannot name the rooms that changed: poll them all
 EVERYTHING = None
+# the scripts that notify (_lib.lua's notify): also told to this process's own feeds
+NOTIFYING = frozenset({"publish", "finish", "abort", "fail_bound", "update", "begin"})
+_FIRST_KEY = re.compile(r"^kvstate:([^:]+):\{(\d+)\}:(?:[tr]x:(.+))?")
+_FEEDS: weakref.WeakSet[ChangeFeed] = weakref.WeakSet()
+
+
+def told_here(calls: Sequence[Call]) -> None:
+    """A batch with notifying scripts ran (or may have) in this process: its rooms go
+    to this process's feeds at once, but the caller's own engine's. A PUBLISH may reach
+    a subscriber after the caller has its reply (Redis writes both in one pass, in
+    any order): without this, a step right after another engine's call in the same
+    process (a test, the demo, one process holding both sides) could miss it."""
+    if not _FEEDS:
+        return
+    feeds = list(_FEEDS)
+    for call in calls:
+        if call.script not in NOTIFYING or not call.keys:
+            continue
+        m = _FIRST_KEY.match(call.keys[0])
+        if m is None:
+            continue
+        ns, room, engine = m[1], int(m[2]), m[3]
+        for feed in feeds:
+            if feed.namespace == ns and feed.engine != engine:
+                feed.tell(room)
 
 
 class ChangeFeed:
@@ -25,9 +55,11 @@ class ChangeFeed:
     reconnect, silently: what was published meanwhile is gone), after any error, and
     once closed. It never waits on the network: a read finds what has arrived."""
 
-    def __init__(self, client: redis.Redis, channel: str) -> None:
-        self.channel = channel
+    def __init__(self, client: redis.Redis, namespace: str, engine: str, channel: str) -> None:
+        self.namespace, self.engine, self.channel = namespace, engine, channel
         self._client = client  # its own pool: closed with the feed
+        self._lock = threading.Lock()  # told_here may run on a heartbeat's thread
+        self._here: set[int] = set()
         self.closed = False
         self._confirmed = False
         self._sub: redis.client.PubSub | None = None
@@ -37,13 +69,20 @@ class ChangeFeed:
             sub.subscribe(channel)  # the confirmation is read by drain()
         except (redis.RedisError, OSError) as exc:
             log.warning("change notices off for now (%s): every step polls every room", exc)
+        _FEEDS.add(self)
+
+    def tell(self, room: int) -> None:
+        """A room changed by a call of this process (``told_here``)."""
+        with self._lock:
+            self._here.add(room)
 
     def drain(self) -> set[int] | None:
         """The rooms named since the last call; EVERYTHING (None) when notices may have
         been lost since, or the feed is not (yet, or any more) subscribed."""
         if self.closed or self._sub is None:
             return EVERYTHING
-        rooms: set[int] = set()
+        with self._lock:
+            rooms, self._here = self._here, set()
         everything = not self._confirmed
         try:
             while True:
@@ -66,6 +105,7 @@ class ChangeFeed:
     def close(self) -> None:
         """Unsubscribe and drop the connection; a broken one is closed quietly."""
         self.closed = True
+        _FEEDS.discard(self)
         if self._sub is not None:
             with contextlib.suppress(redis.RedisError, OSError):
                 self._sub.close()
@@ -84,4 +124,4 @@ def _room(data: object) -> int:
         raise ValueError(str(exc)) from None
 
 
-__all__ = ["EVERYTHING", "ChangeFeed"]
+__all__ = ["EVERYTHING", "NOTIFYING", "ChangeFeed", "told_here"]
