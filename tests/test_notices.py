@@ -221,3 +221,25 @@ def test_a_step_right_after_a_call_in_this_process_sees_it(store: Store) -> None
             assert set(d.poll_many(rooms).values()) == {KVPoll.Success}
             p.clear_many(rooms)
             d.clear_many(rooms)
+
+
+def test_any_doubt_polls_everything(redis_url: str, redis_proc: RedisProcess) -> None:
+    """A feed that cannot subscribe, a notice that names no room, a closed feed: each
+    drain answers EVERYTHING (poll every room), never raises."""
+    dead = notices.ChangeFeed(redis.Redis(host="127.0.0.1", port=1), NAMESPACE, "e", "ch")
+    assert dead.drain() is notices.EVERYTHING
+    dead.close()
+    store = kvstate.connect(redis_url, namespace=NAMESPACE)
+    feed = store.changes("decode-e.tp0")
+    try:
+        assert wait_for(lambda: feed.drain() == set(), 5.0)  # confirmed, nothing since
+        admin = redis_proc.client()
+        admin.publish(Keys(NAMESPACE).changed("decode-e.tp0"), "42")
+        assert wait_for(lambda: feed.drain() == {42}, 5.0)
+        admin.publish(Keys(NAMESPACE).changed("decode-e.tp0"), "not a room")
+        assert wait_for(lambda: feed.drain() is notices.EVERYTHING, 5.0)
+        feed.close()
+        assert feed.drain() is notices.EVERYTHING
+    finally:
+        feed.close()
+        store.close()

@@ -366,7 +366,7 @@ class KVManager:
             lambda r: self.store.poll(r, self.side, self.engine),
         )
         out, bound = batch.run(self.store, plan) if plan.calls else (PollResults(), [])
-        self.notices.polled(r for r in out if r not in out.errors)
+        self.notices.polled(r for r, p in parts if p is not None and r in out)
         for r in out.errors:
             self.notices.forget(r)
         out.update(kept)

@@ -67,7 +67,7 @@ class ChangeFeed:
             sub: redis.client.PubSub = client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
             self._sub = sub
             sub.subscribe(channel)  # the confirmation is read by drain()
-        except (redis.RedisError, OSError) as exc:
+        except Exception as exc:  # a hint only: never fail the manager for it
             log.warning("change notices off for now (%s): every step polls every room", exc)
         _FEEDS.add(self)
 
@@ -96,7 +96,7 @@ class ChangeFeed:
                     self._confirmed = everything = True
                 elif kind == "unsubscribe":
                     self._confirmed, everything = False, True
-        except (redis.RedisError, OSError, ValueError) as exc:
+        except Exception as exc:  # redis-py's errors, a bad notice, a PubSub left unset
             log.info("change notices on %s interrupted (%s): polling every room", self.channel, exc)
             self._confirmed = False  # the next confirmation says it is back
             return EVERYTHING
