@@ -109,7 +109,7 @@ class KVManager:
         self.forked = False  # this copy lives in a forked child: it may not act
         self.closed = False
         self._parts = Participants(self.engine)
-        # change notices (issue 33 target 3): subscribed before the first step, whose
+        # change notices (issue 33 target 3): subscribed by the first step (in its deadline), whose
         # drain then answers "everything" until the subscription is confirmed
         self.notices = Notices(
             store.changes(self.engine) if store.options.notices else None,

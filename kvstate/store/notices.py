@@ -9,6 +9,7 @@ import contextlib
 import logging
 import re
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 # what drain() answers when it cannot name the rooms that changed: poll them all
 EVERYTHING = None
+RETRY_S = 1.0  # between subscribe attempts that failed
 # the scripts that notify (_lib.lua's notify): also told to this process's own feeds
 NOTIFYING = frozenset({"publish", "finish", "abort", "fail_bound", "update", "begin"})
 _FIRST_KEY = re.compile(r"^kvstate:([^:]+):\{(\d+)\}:(?:[tr]x:(.+))?")
@@ -63,13 +65,23 @@ class ChangeFeed:
         self.closed = False
         self._confirmed = False
         self._sub: redis.client.PubSub | None = None
-        try:
-            sub: redis.client.PubSub = client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
-            self._sub = sub
-            sub.subscribe(channel)  # the confirmation is read by drain()
-        except Exception as exc:  # a hint only: never fail the manager for it
-            log.warning("change notices off for now (%s): every step polls every room", exc)
+        self._retry_at = 0.0  # monotonic: no subscribe attempt before it
         _FEEDS.add(self)
+
+    def _subscribe(self) -> None:
+        """Subscribe, from the first drain on: inside the caller's call and its deadline
+        (design rule 10), not at the manager's construction. One that fails is tried
+        again RETRY_S later (Redis down: the step's polls say so, each step)."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
+        try:
+            sub: redis.client.PubSub = self._client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
+            sub.subscribe(self.channel)  # the confirmation is read by drain()
+            self._sub = sub
+        except Exception as exc:  # a hint only: never fail a step for it
+            self._retry_at = now + RETRY_S
+            log.info("change notices off for now (%s): every step polls every room", exc)
 
     def tell(self, room: int) -> None:
         """A room changed by a call of this process (``told_here``)."""
@@ -79,6 +91,8 @@ class ChangeFeed:
     def drain(self) -> set[int] | None:
         """The rooms named since the last call; EVERYTHING (None) when notices may have
         been lost since, or the feed is not (yet, or any more) subscribed."""
+        if self._sub is None and not self.closed:
+            self._subscribe()
         if self.closed or self._sub is None:
             return EVERYTHING
         with self._lock:
