@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from kvstate.keys import Keys
 from kvstate.store import Store, notices
 from kvstate.testing import RedisProcess, RoundTrips
 from tests.helpers import PREFILL_ADDR, managers, scaled, wait_for
+from tests.proxy import ProxiedCluster, rooms_by_port
 
 NAMESPACE = "notice.ns-1"  # '.' and '-': the Lua derivation of the channel must keep them
 # no sweep within a test: only a notice (or a resubscribe) makes a waiting room polled
@@ -246,3 +248,32 @@ def test_any_doubt_polls_everything(redis_url: str, redis_proc: RedisProcess) ->
     finally:
         feed.close()
         store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_node_lost_is_met_by_the_sweep(tmp_path: Path) -> None:
+    """Notices on, one primary black-holed: the waiting rooms are answered from their
+    last status until the sweep polls them, which lists the bad node's rooms in
+    ``.errors`` (test_bounded's partial results, a sweep later)."""
+    pc = ProxiedCluster(tmp_path)
+    opts = kvstate.Options(notice_sweep=0.5, call_timeout=2.0)
+    store = kvstate.connect(pc.url, namespace="partial", options=opts)
+    try:
+        p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=30.0)
+        d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=30.0)
+        with p, d:
+            by_port = rooms_by_port(store, 30)
+            bad = set(by_port[pc.proxy.port])
+            rooms = list(range(30))
+            for r in rooms:
+                p.sender(r)
+                d.receiver(r, PREFILL_ADDR).init([1, 2])
+            assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+            pc.proxy.blackhole()
+            assert wait_for(lambda: set(p.poll_many(rooms).errors) == bad, 10.0)
+            pc.proxy.passthrough()
+            assert wait_for(lambda: not p.poll_many(rooms).errors, 20.0)
+    finally:
+        store.close()
+        pc.close()
