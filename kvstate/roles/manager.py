@@ -109,12 +109,7 @@ class KVManager:
         self.forked = False  # this copy lives in a forked child: it may not act
         self.closed = False
         self._parts = Participants(self.engine)
-        # change notices (issue 33 target 3): subscribed by the first step (in its deadline), whose
-        # drain then answers "everything" until the subscription is confirmed
-        self.notices = Notices(
-            store.changes(self.engine) if store.options.notices else None,
-            store.options.notice_sweep,
-        )
+        self.notices = Notices(None, store.options.notice_sweep)
         self._peers = PeerWatch(self.engine)
         self.info = EngineInfo(
             engine=self.engine,
@@ -135,6 +130,13 @@ class KVManager:
             on_beat=self._beat,
             on_taken=self._lease_taken,
         )
+        # change notices (issue 33 target 3), subscribed once registered (a Redis out of
+        # reach failed the registration first), within one call's time: the first
+        # step's drain answers "everything" until the subscription is confirmed
+        if store.options.notices:
+            self.notices.feed = store.changes(self.engine)
+            with store.bounded():
+                self.notices.feed.start()
         # Opt-in: the counters' key outlives the engine (24 h) so the monitor can read
         # its final totals, which tests and users who count keys left would not expect.
         self.recorder = (

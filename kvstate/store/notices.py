@@ -68,10 +68,15 @@ class ChangeFeed:
         self._retry_at = 0.0  # monotonic: no subscribe attempt before it
         _FEEDS.add(self)
 
+    def start(self) -> None:
+        """Subscribe now (the manager, once registered, within one call's time); a
+        drain subscribes if this did not, or failed."""
+        self._subscribe()
+
     def _subscribe(self) -> None:
-        """Subscribe, from the first drain on: inside the caller's call and its deadline
-        (design rule 10), not at the manager's construction. One that fails is tried
-        again RETRY_S later (Redis down: the step's polls say so, each step)."""
+        """Subscribe, in the caller's call and deadline (design rule 10). One that
+        fails is tried again by a drain RETRY_S later (Redis down: the step's polls say
+        so, each step)."""
         now = time.monotonic()
         if now < self._retry_at:
             return
