@@ -183,6 +183,14 @@ class Keys:
     def engine(self, engine: str) -> str:
         return f"{self.prefix}engine:{engine}"
 
+    def changed(self, engine: str) -> str:
+        """The pub/sub channel of an engine's change notices: a script that changes what
+        one of its participants would read next publishes the room id here (``notify``
+        in ``scripts/_lib.lua``, which builds the same name from the participant's key),
+        so a waiting step polls only the rooms that changed (``kvstate.roles.notices``).
+        A channel, not a key: it holds nothing and has no TTL."""
+        return f"{self.prefix}changed:{engine}"
+
     def engines_at(self, bootstrap_addr: str) -> str:
         """Engines registered at a bootstrap address, scored by lease deadline (ms): a
         receiver finds its prefill ranks here without SCAN."""

@@ -139,25 +139,29 @@ def snapshot(store: Store) -> dict[str, object]:
 #   admin loads it, `kvstate functions load`), and everywhere script|load, evalsha, and
 #   eval after NOSCRIPT (server restart, failover, SCRIPT FLUSH): the EVAL path, taken
 #   where the library is missing or not kvstate's code, and the whole way on 6.2.
-#   Inside the scripts: exists, hset, hmget, hgetall, hkeys, pexpire, zadd,
-#   zremrangebyscore, time; rpush and rpushx (a traced room, its clear)
+#   Inside the scripts: exists, hset, hmget, hgetall, hkeys, hexists, hsetnx (the
+#   failure mark), pexpire, zadd, zremrangebyscore, time; rpush and rpushx (a traced
+#   room, its clear); publish (change notices; subscribe: the manager's own feed)
 # - multi/exec/del/hset/pexpire: engine registration and clear(); hdel, zrem: clear()
 # - hget/pexpire (lease renewal), scan/hgetall/pttl (find engines at an address),
 #   hkeys (abort), zrange (dead-peer fan-out)
 # The audit, monitor and doctor also need INFO, the ledger stream and keyspace
 # notifications: give them their own user.
 ENGINE_ACL = (
-    "ACL SETUSER kvstate-engine reset on >{password} ~kvstate:{ns}:* resetchannels -@all "
-    "+ping +client|setname +time +scan "
+    "ACL SETUSER kvstate-engine reset on >{password} ~kvstate:{ns}:* resetchannels "
+    "&kvstate:{ns}:changed:* -@all +ping +client|setname +time +scan +publish +subscribe "
     "+fcall +function|list +evalsha +eval +script|load "
     "+multi +exec +del +exists +pexpire +pttl "
-    "+hget +hmget +hgetall +hset +hsetnx +hexists +hdel +hkeys "
+    "+hget +hmget +hgetall +hset +hdel +hkeys +hexists +hsetnx "
     "+zadd +zrange +zrem +zremrangebyscore +rpush +rpushx"
 )
 # The FCALL path's two commands: without them (Redis 6.2, whose ACL SETUSER refuses
 # +fcall; or a Redis 7 user kept off FUNCTION) every script runs by EVALSHA.
 FCALL_ACL = ("fcall", "function|list")
 ENGINE_ACL_EVAL = ENGINE_ACL.replace("+fcall +function|list ", "")
+# The change notices' two commands (docs/design.md, "Change notices"): without them
+# every path still runs, each step polling every waiting room (a notice is a hint).
+NOTICE_ACL = ("publish", "subscribe")
 ACL_PASSWORD = "engine-Pw_7"
 
 

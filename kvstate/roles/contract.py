@@ -78,6 +78,13 @@ class Step(Protocol):
         keys to clear and can be failed by key."""
         ...
 
+    @property
+    def waiting(self) -> bool:
+        """Its next poll would only read what another participant's script changes (and
+        notifies: docs/design.md, "Change notices"), or a timeout: a step may answer its
+        last status instead until a notice names its room or the sweep comes."""
+        ...
+
     def lookup_key(self, cluster: bool, clearing: bool = False) -> LookupKey | None:
         """The registry read its next step (or, ``clearing``, its clear) needs, for the
         rank to make once for the whole batch; None when it needs none."""

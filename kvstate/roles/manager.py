@@ -28,6 +28,7 @@ from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.roles import batch
 from kvstate.roles.contract import Bound, LookupKey, Step
 from kvstate.roles.lease import Lease
+from kvstate.roles.notices import Notices
 from kvstate.roles.peers import PeerWatch
 from kvstate.roles.predecessor import clear_predecessor
 from kvstate.roles.receiver import KVReceiver
@@ -108,6 +109,7 @@ class KVManager:
         self.forked = False  # this copy lives in a forked child: it may not act
         self.closed = False
         self._parts = Participants(self.engine)
+        self.notices = Notices(None, store.options.notice_sweep)
         self._peers = PeerWatch(self.engine)
         self.info = EngineInfo(
             engine=self.engine,
@@ -128,6 +130,13 @@ class KVManager:
             on_beat=self._beat,
             on_taken=self._lease_taken,
         )
+        # change notices (issue 33 target 3), subscribed once registered (a Redis out of
+        # reach failed the registration first), within one call's time: the first
+        # step's drain answers "everything" until the subscription is confirmed
+        if store.options.notices:
+            self.notices.feed = store.changes(self.engine)
+            with store.bounded():
+                self.notices.feed.start()
         # Opt-in: the counters' key outlives the engine (24 h) so the monitor can read
         # its final totals, which tests and users who count keys left would not expect.
         self.recorder = (
@@ -239,6 +248,7 @@ class KVManager:
     def forget(self, part: Step) -> None:
         """A participant cleared: the batches and the heartbeat no longer see it."""
         self._parts.forget(part)
+        self.notices.forget(part.room)
 
     def prefill_engines(self, key: LookupKey) -> list[EngineInfo]:
         """The live prefill engines at an address (or among named ones), read fresh for
@@ -342,6 +352,9 @@ class KVManager:
                 f"{'receivers' if side == 'rx' else 'senders'}; {self.engine} is {self.role}"
             )
         parts = self._parts.resolve(rooms, op)
+        kept: dict[int, KVPoll] = {}
+        if op == "poll":  # a waiting room nobody changed answers its last status
+            parts, kept = self.notices.select(parts)
         lapsed = self.lease_lapsed() if op == "finish" else ""  # once for the batch
         found = batch.lookups(
             (p for _, p in parts if p is not None), self.store.cluster, self.prefill_engines
@@ -354,7 +367,11 @@ class KVManager:
             pages or {},
             lambda r: self.store.poll(r, self.side, self.engine),
         )
-        out, bound = batch.run(self.store, plan)
+        out, bound = batch.run(self.store, plan) if plan.calls else (PollResults(), [])
+        self.notices.polled(r for r, p in parts if p is not None and r in out)
+        for r in out.errors:
+            self.notices.forget(r)
+        out.update(kept)
         for b in bound:
             self._peers.watch(b)
         for _, p in parts:
@@ -402,10 +419,8 @@ class KVManager:
         self.closed = True
         if self.forked:
             return
+        self.notices.close()
         self.heartbeat.close(self.recorder.close if self.recorder is not None else lambda: None)
-
-
-__all__ = ["ROLES", "KVManager", "open_managers"]
 
 
 __all__ = ["ROLES", "KVManager", "open_managers"]

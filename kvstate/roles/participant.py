@@ -74,6 +74,10 @@ def check_reason(reason: object) -> str:
     return reason
 
 
+# the statuses a participant waits in (``Participant.waiting``)
+WAITING = frozenset({KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring})
+
+
 class Participant:
     """What senders and receivers share: lazy creation, status, abort, the one clear,
     and the step interface (``Step``) their KVManager's batches use."""
@@ -263,6 +267,13 @@ class Participant:
         keys to clear and can be failed by key."""
         return self._create_sent
 
+    @property
+    def waiting(self) -> bool:
+        """Created, not cleared, and in a status only another participant's script (which
+        notifies) or a timeout (the sweep) moves: Bootstrapping, WaitingForInput,
+        Transferring. Its own calls move it too, and it takes in their replies."""
+        return self._created and not self._cleared and self._status in WAITING
+
     def lookup_key(self, cluster: bool, clearing: bool = False) -> LookupKey | None:
         """The registry read its batch needs first (a receiver's binding); None."""
         return None
@@ -313,4 +324,4 @@ class Participant:
         return []
 
 
-__all__ = ["STATE_LOST", "Participant", "check_reason", "participant_call"]
+__all__ = ["STATE_LOST", "WAITING", "Participant", "check_reason", "participant_call"]

@@ -86,6 +86,11 @@ class KVReceiver(Participant):
         bind = self._bind_call(lookups)
         return calls + [bind] if bind is not None else calls
 
+    @property
+    def waiting(self) -> bool:
+        """As a participant's, and no binding due (its poll would make it)."""
+        return super().waiting and not self._binding_due()
+
     def _binding_due(self) -> bool:
         return not (
             self._cleared or self._status in (KVPoll.Failed, KVPoll.Success) or self._binding.done

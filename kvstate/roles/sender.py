@@ -69,6 +69,12 @@ class KVSender(Participant):
             declared=declared,
         )
 
+    @property
+    def waiting(self) -> bool:
+        """As a participant's, and no count learned from the infos still to write (its
+        next poll carries it: poll.lua's ARGV[5])."""
+        return super().waiting and (self._counted or not self._declared)
+
     def _absorb(self, st: Status) -> Bound | None:
         if st.version >= 0:
             self._infos_version = st.version

@@ -191,12 +191,26 @@ local function has_members(room)
   return false
 end
 
+-- Tell a participant's engine that the room changed for it (a change notice,
+-- kvstate.roles.notices): PUBLISH the room id on kvstate:<ns>:changed:<engine>, the
+-- channel kvstate.keys.Keys.changed names, built from the participant's key
+-- kvstate:<ns>:{<room>}:<tx|rx>:<engine>. PUBLISH takes no key (a script on a Cluster
+-- may call it; the Cluster broadcasts it). By redis.pcall: a notice is a hint (the
+-- engine's sweep polls every room anyway), so an ACL without the channel never fails
+-- the script after its writes.
+local function notify(key)
+  local prefix, room, engine = string.match(key, '^([^{]*){(%d+)}:[tr]x:(.+)$')
+  if prefix then redis.pcall('PUBLISH', prefix .. 'changed:' .. engine, room) end
+end
+
 -- Record that the room failed (design rule 3, one outcome per room): the first reason
 -- stays, with the participants the room had then (`room`: the room hash), so that each
 -- one's next participant, once all have cleared, is a new request (create.lua); the
 -- TTL is refreshed either way, so the call always writes (durable mode's WAIT then
 -- covers an earlier, unconfirmed one). clear() never deletes the mark. A mark of
--- another type (written by hand) is replaced, as abort.lua does.
+-- another type (written by hand) is replaced, as abort.lua does. Every member's engine
+-- is notified (notify), at the first failure and every later one: each of them reads
+-- Failed at its next poll (failures are rare; the HKEYS is on their path only).
 local function mark_room(mark, room, reason, ttl)
   local first = redis.pcall('HSETNX', mark, F_REASON, reason)
   if type(first) == 'table' then
@@ -204,17 +218,17 @@ local function mark_room(mark, room, reason, ttl)
     redis.call('DEL', mark)
     first = redis.call('HSET', mark, F_REASON, reason)
   end
-  if first == 1 then
-    local named, fields = {}, redis.pcall('HKEYS', room)
-    if fields.err then fields = {} end  -- a corrupt room hash names nobody: no error
-    for _, f in ipairs(fields) do
-      if is_member(f) then
-        named[#named + 1] = f
-        named[#named + 1] = ''
-      end
+  local named, fields = {}, redis.pcall('HKEYS', room)
+  if fields.err then fields = {} end  -- a corrupt room hash names nobody: no error
+  local base = string.sub(room, 1, -5)  -- kvstate:<ns>:{<room>}: (room: ...:room)
+  for _, f in ipairs(fields) do
+    if is_member(f) then
+      named[#named + 1] = f
+      named[#named + 1] = ''
+      notify(base .. f)
     end
-    if #named > 0 then redis.call('HSET', mark, unpack(named)) end
   end
+  if first == 1 and #named > 0 then redis.call('HSET', mark, unpack(named)) end
   redis.call('PEXPIRE', mark, ttl)
 end
 

@@ -98,6 +98,7 @@ for _, w in ipairs(waiting) do
   if w[4] then redis.call('HSET', KEYS[2], w[2], w[4]) end  -- unless acked before
   if w[5] >= w[3] then
     set_status(w[1], 'Success', now_text(), ttl, nil)
+    notify(w[1])  -- its engine's waiting step polls it (change notices)
     trace(w[1], 'Success')
   end
 end

@@ -265,6 +265,7 @@ for i = 1, n do
         fields[#fields + 1] = now_text()
       end
       redis.call('HSET', tx, unpack(fields))
+      notify(tx)  -- its next poll reads new infos: its engine's step polls it
       if ready then
         redis.call('PEXPIRE', tx, ttl)
         trace(tx, 'WaitingForInput')

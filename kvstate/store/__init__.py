@@ -29,6 +29,7 @@ from kvstate.store.functions import NAME as LIBRARY_NAME
 from kvstate.store.functions import PREFIX as LIBRARY_PREFIX
 from kvstate.store.functions import VERSION as LIBRARY_VERSION
 from kvstate.store.functions import Library
+from kvstate.store.notices import EVERYTHING, ChangeFeed
 from kvstate.store.plain import (
     PLAIN_ERRORS,
     PlainClient,
@@ -50,6 +51,8 @@ from kvstate.store.roundtrips import RoundTrips
 from kvstate.store.translate import URL_SOURCE
 
 __all__ = [
+    "EVERYTHING",
+    "ChangeFeed",
     "EMBEDDED",
     "ENV_NAMESPACE",
     "ENV_PASSWORD",

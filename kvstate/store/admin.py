@@ -18,6 +18,7 @@ from kvstate.errors import InvalidArgumentError, KVStateError, StateConnectionEr
 from kvstate.keys import Keys
 from kvstate.store import functions
 from kvstate.store.executor import Executor
+from kvstate.store.notices import ChangeFeed
 from kvstate.store.translate import Translating
 
 
@@ -133,6 +134,17 @@ class Admin(Executor):
             sub: redis.client.PubSub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
             sub.subscribe(f"__keyevent@{db}__:expired")
         return Subscription(self, node or self.primaries()[0], sub)
+
+    def changes(self, engine: str) -> ChangeFeed:
+        """An engine's change notices (``Keys.changed``), on a connection of its own to
+        one primary: on a Cluster every node delivers what any node publishes."""
+        with self.errors():
+            pool = self._primary(None).connection_pool
+        # a pool of its own: a subscribed connection taken from the store's pool would
+        # make the store's next call open (and handshake) another one
+        own = redis.ConnectionPool(connection_class=pool.connection_class, **pool.connection_kwargs)
+        client = redis.Redis(connection_pool=own)
+        return ChangeFeed(client, self.keys.namespace, engine, self.keys.changed(engine))
 
     def whoami(self) -> str | None:
         """The ACL user this store runs as; None when the server does not say (ACL

@@ -63,6 +63,10 @@ class Options:
     whose every transition is kept in a trace list (``kvstate trace ROOM``), chosen
     by the room id so that every process with the same rate picks the same rooms;
     ``trace_ttl``: seconds a trace outlives its last entry (docs/design.md, Data model).
+    ``notices``: a KVManager subscribes to its engine's change notices, so that a step
+    polls only the waiting rooms another participant changed (issue 33, target 3);
+    ``notice_sweep``: seconds after which a waiting room is polled anyway, notice or
+    not (its timeouts fire within it; lost notices cost at most that long).
     """
 
     socket_timeout: float = 5.0
@@ -75,6 +79,8 @@ class Options:
     durable: bool = False
     trace_rate: float = TRACE_RATE
     trace_ttl: float = TRACE_TTL
+    notices: bool = True
+    notice_sweep: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("socket_timeout", "connect_timeout", "call_timeout"):
@@ -90,6 +96,13 @@ class Options:
             raise InvalidOptionError(
                 f"Options.trace_rate must be a number in [0, 1] (0.01: one room in 100), "
                 f"got {rate!r}"
+            )
+        if not isinstance(self.notices, bool):
+            raise InvalidOptionError(f"Options.notices must be True or False, got {self.notices!r}")
+        sweep = self.notice_sweep
+        if isinstance(sweep, bool) or not isinstance(sweep, (int, float)) or not 0 < sweep <= 3600:
+            raise InvalidOptionError(
+                f"Options.notice_sweep must be a number of seconds in (0, 3600], got {sweep!r}"
             )
         ttl = self.trace_ttl
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 1 <= ttl < 2**31:

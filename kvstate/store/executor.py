@@ -26,7 +26,7 @@ import redis
 from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError
 
 from kvstate.errors import CorruptStateError, DurabilityError, KVStateError, StateConnectionError
-from kvstate.store import functions, scripts, wire
+from kvstate.store import functions, notices, scripts, wire
 from kvstate.store.calls import Call
 from kvstate.store.connection import Client
 from kvstate.store.deadline import time_left
@@ -98,11 +98,14 @@ class Executor(Translating):
         """
         if not calls:
             return []
-        with self.bounded():
-            if self.cluster:
-                raw = self._execute_cluster(calls, transaction, partial)
-            else:
-                raw = self._execute_on(self.client, list(calls), transaction, partial)  # type: ignore[arg-type]
+        try:
+            with self.bounded():
+                if self.cluster:
+                    raw = self._execute_cluster(calls, transaction, partial)
+                else:
+                    raw = self._execute_on(self.client, list(calls), transaction, partial)  # type: ignore[arg-type]
+        finally:
+            notices.told_here(calls)  # it may have run even where it raised
         return [
             reply if isinstance(reply, KVStateError) else call.parse(reply)
             for call, reply in zip(calls, raw, strict=True)

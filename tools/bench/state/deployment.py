@@ -75,7 +75,9 @@ def measure(
 
 
 def step_trips(p: kvstate.KVManager, d: kvstate.KVManager) -> dict[str, dict[str, int]]:
-    """Round trips of one scheduler step's batched calls over every in-flight room."""
+    """Round trips of one scheduler step's batched calls over every in-flight room. Its
+    poll_many polls rooms that wait (polled once already, nobody changed them since):
+    none with change notices (docs/design.md, "Change notices"), one per node without."""
     out: dict[str, dict[str, int]] = {}
     base = 50_000
     for n in (1, 64, 256):
