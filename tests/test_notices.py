@@ -229,7 +229,7 @@ def test_a_step_right_after_a_call_in_this_process_sees_it(store: Store) -> None
 def test_any_doubt_polls_everything(redis_url: str, redis_proc: RedisProcess) -> None:
     """A feed that cannot subscribe, a notice that names no room, a closed feed: each
     drain answers EVERYTHING (poll every room), never raises."""
-    dead = notices.ChangeFeed(redis.Redis(host="127.0.0.1", port=1), NAMESPACE, "e", "ch")
+    dead = notices.ChangeFeed(redis.Redis(host="127.0.0.1", port=1), Keys(NAMESPACE), "e")
     assert dead.drain() is notices.EVERYTHING
     dead.close()
     store = kvstate.connect(redis_url, namespace=NAMESPACE)

@@ -144,7 +144,7 @@ class Admin(Executor):
         # make the store's next call open (and handshake) another one
         own = redis.ConnectionPool(connection_class=pool.connection_class, **pool.connection_kwargs)
         client = redis.Redis(connection_pool=own)
-        return ChangeFeed(client, self.keys.namespace, engine, self.keys.changed(engine))
+        return ChangeFeed(client, self.keys, engine)
 
     def whoami(self) -> str | None:
         """The ACL user this store runs as; None when the server does not say (ACL

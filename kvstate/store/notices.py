@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 import time
 import weakref
@@ -15,7 +14,7 @@ from collections.abc import Sequence
 
 import redis
 
-from kvstate.keys import check_room
+from kvstate.keys import Keys, check_room
 from kvstate.store.calls import Call
 
 log = logging.getLogger(__name__)
@@ -25,7 +24,6 @@ EVERYTHING = None
 RETRY_S = 1.0  # between subscribe attempts that failed
 # the scripts that notify (_lib.lua's notify): also told to this process's own feeds
 NOTIFYING = frozenset({"publish", "finish", "abort", "fail_bound", "update", "begin"})
-_FIRST_KEY = re.compile(r"^kvstate:([^:]+):\{(\d+)\}:(?:[tr]x:(.+))?")
 _FEEDS: weakref.WeakSet[ChangeFeed] = weakref.WeakSet()
 
 
@@ -41,13 +39,10 @@ def told_here(calls: Sequence[Call]) -> None:
     for call in calls:
         if call.script not in NOTIFYING or not call.keys:
             continue
-        m = _FIRST_KEY.match(call.keys[0])
-        if m is None:
-            continue
-        ns, room, engine = m[1], int(m[2]), m[3]
         for feed in feeds:
-            if feed.namespace == ns and feed.engine != engine:
-                feed.tell(room)
+            key = feed.keys.parse_room_key(call.keys[0])  # None: another namespace's
+            if key is not None and not (key.side and key.rest == feed.engine):
+                feed.tell(key.room)
 
 
 class ChangeFeed:
@@ -57,8 +52,8 @@ class ChangeFeed:
     reconnect, silently: what was published meanwhile is gone), after any error, and
     once closed. It never waits on the network: a read finds what has arrived."""
 
-    def __init__(self, client: redis.Redis, namespace: str, engine: str, channel: str) -> None:
-        self.namespace, self.engine, self.channel = namespace, engine, channel
+    def __init__(self, client: redis.Redis, keys: Keys, engine: str) -> None:
+        self.keys, self.engine, self.channel = keys, engine, keys.changed(engine)
         self._client = client  # its own pool: closed with the feed
         self._lock = threading.Lock()  # told_here may run on a heartbeat's thread
         self._here: set[int] = set()
