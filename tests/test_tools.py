@@ -266,7 +266,8 @@ def test_bench_vllm_steps_smoke() -> None:
 @pytest.mark.redis
 def test_bench_sglang_steps_smoke() -> None:
     """SGLang's poll_and_all_reduce over kvstate's senders and receivers: no round trip
-    with no room, one per step whatever the count, against one per room polled alone."""
+    with no room, at most one per step whatever the count (none on a step where change
+    notices name no room and no sweep is due), against one per room polled alone."""
     pytest.importorskip("sglang")
     doc, _ = run_tool("bench_sglang_steps.py", "--smoke", "--json", timeout=300)
     assert doc["command"] == "python tools/bench_sglang_steps.py --smoke"
@@ -274,7 +275,8 @@ def test_bench_sglang_steps_smoke() -> None:
     assert [r["rooms"] for r in rows] == [0, 1, 4]
     for r in rows:
         n = r["rooms"]
-        assert r["prefill_step"] == r["decode_step"] == min(n, 1), r
+        for side in ("prefill_step", "decode_step"):
+            assert (0 < r[side] <= 1) if n else r[side] == 0, r
         assert r["prefill_step_per_room_poll"] == r["decode_step_per_room_poll"] == n, r
         assert r["prefill_step_us"] > 0 and r["decode_step_us"] > 0, r
         if n:
