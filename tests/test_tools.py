@@ -252,9 +252,10 @@ def test_bench_vllm_steps_smoke() -> None:
                     assert s["hook_calls"]["get_finished"] == s["steps"], s
     kv = doc["vllm"]["kvstate"]
     assert all(s["round_trips_max"] == 0 for s in kv["0"].values() if s["steps"])
-    for n in ("1", "4"):  # a room in flight is polled: one round trip a step
-        assert kv[n]["prefill_held"]["round_trips_max"] == 1
-        assert kv[n]["decode_loading"]["round_trips_max"] == 1
+    for n in ("1", "4"):  # rooms in flight: at most one round trip a step (none on a
+        # step whose change notices name no room and no sweep is due)
+        assert kv[n]["prefill_held"]["round_trips_max"] in (0, 1)
+        assert kv[n]["decode_loading"]["round_trips_max"] in (0, 1)
     assert kv["4"]["lifecycle"]["round_trips_max"] == kv["1"]["lifecycle"]["round_trips_max"]
     assert doc["targets"]["round_trips_idle_target_met"] is True
     for n in ("1", "4"):

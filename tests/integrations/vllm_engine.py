@@ -194,17 +194,26 @@ def start(specs: list[Spec], tries: int = 3) -> list[Engine]:
     raise AssertionError("unreachable")
 
 
+SWEEP_S = 3.0  # a few change-notice sweeps (1 s each): see drive()
+
+
 def drive(
     engines: list[Engine], until: Callable[[], bool], max_steps: int = 400, pause: float = 0.0
 ) -> int:
-    """Step the engines in turn until ``until()``; returns the rounds it took."""
-    for n in range(max_steps):
+    """Step the engines in turn until ``until()``; returns the rounds it took. Past
+    ``max_steps`` rounds it goes on until SWEEP_S has passed too: a change nobody
+    notifies (a value written by hand, a timeout) reaches a waiting room at its change
+    notices' sweep (Options.notice_sweep, 1 s), which fast rounds can outrun."""
+    deadline = time.monotonic() + SWEEP_S
+    n = 0
+    while n < max_steps or time.monotonic() < deadline:
         if until():
             return n
         stepped = [e.step() for e in engines]
         if pause or not any(stepped):
             time.sleep(pause or 0.02)
-    raise AssertionError(f"not done after {max_steps} rounds")
+        n += 1
+    raise AssertionError(f"not done after {n} rounds")
 
 
 def prefill(p: Engine, rid: str, prompt: list[int]) -> dict[str, Any]:
