@@ -28,11 +28,14 @@ def named(store: Store, room: int) -> dict[str, str]:
 
 
 def to_success(snd: kvstate.KVSender, rcv: kvstate.KVReceiver) -> None:
+    """A new request's room, from publish to Success on both sides, then cleared."""
     assert rcv.init(np.arange(4)) == KVPoll.WaitingForInput
     assert snd.poll() == KVPoll.WaitingForInput
     assert snd.begin_transfer() == KVPoll.Transferring
     assert snd.finish_transfer() == KVPoll.Success
     assert rcv.poll() == KVPoll.Success
+    snd.clear()
+    rcv.clear()
 
 
 def test_a_room_id_used_again_after_an_abort_is_a_new_request(store: Store) -> None:
@@ -58,8 +61,6 @@ def test_a_room_id_used_again_after_an_abort_is_a_new_request(store: Store) -> N
                 snd = p.sender(room)
                 rcv = d.receiver(room, PREFILL_ADDR)
             to_success(snd, rcv)
-            snd.clear()
-            rcv.clear()
             assert room_keys(store, room, marks=True) == []
 
 
@@ -81,8 +82,6 @@ def test_a_late_joiner_of_the_failed_request_still_fails(store: Store) -> None:
         late.clear()
         snd, rcv = p.sender(3), d.receiver(3, PREFILL_ADDR)
         to_success(snd, rcv)
-        snd.clear()
-        rcv.clear()
         assert room_keys(store, 3, marks=True) == []
 
 
@@ -100,8 +99,6 @@ def test_a_pre_emptive_abort_fails_both_late_joiners_then_lets_the_id_go(store: 
         snd.clear()
         snd, rcv = p.sender(4), d.receiver(4, PREFILL_ADDR)
         to_success(snd, rcv)
-        snd.clear()
-        rcv.clear()
         assert keys_of(store, marks=True) == keys_of(store)  # no mark left
 
 
@@ -123,8 +120,6 @@ def test_no_new_request_while_a_participant_of_the_failed_one_is_left(store: Sto
         snd.clear()
         snd, rcv = p.sender(5), d.receiver(5, PREFILL_ADDR)
         to_success(snd, rcv)
-        snd.clear()
-        rcv.clear()
         assert room_keys(store, 5, marks=True) == []
 
 
@@ -145,8 +140,6 @@ def test_another_engine_is_a_late_joiner_even_after_all_cleared(store: Store) ->
         other.clear()
         snd, rcv = p.sender(6), d.receiver(6, PREFILL_ADDR)
         to_success(snd, rcv)
-        snd.clear()
-        rcv.clear()
         assert room_keys(store, 6, marks=True) == []
 
 

@@ -20,11 +20,9 @@ import them.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +40,7 @@ from tests.integrations.sglang_tp import (
     Shape,
     fill_meta,
     pattern,
+    report_then_clear,
     slot,
 )
 
@@ -284,11 +283,4 @@ def run_rank(role: str, rank: int, url: str, out: str, names: list[str]) -> None
             )
         else:
             result[f"{name}:bytes"] = part.get_transfer_metric().transfer_total_bytes
-    Path(out, f"{role}{rank}.json").write_text(json.dumps(result))
-    clear = Path(out, "clear")
-    while not clear.exists() and time.monotonic() < deadline + 60:
-        time.sleep(0.05)
-    for part in parts.values():
-        part.clear()
-    for side in sides:
-        side.mgr.close()
+    report_then_clear(out, f"{role}{rank}", result, parts.values(), sides, deadline)

@@ -319,12 +319,20 @@ def run_rank(role: str, rank: int, url: str, out: str, names: list[str]) -> None
             result[f"{name}:mismatch"] = side.check()
             result[f"{name}:aux"] = slot(side.meta, AUX_SLOTS - 1) == slot(expected_meta, 1)
             result[f"{name}:compared"] = sum(t.nbytes for t in side.kv)
-    Path(out, f"{role}{rank}.json").write_text(json.dumps(result))
+    report_then_clear(out, f"{role}{rank}", result, parts.values(), sides, deadline)
+    Path(out, f"{role}{rank}.closed").write_text("1")
+
+
+def report_then_clear(
+    out: str, rank: str, result: dict[str, Any], parts: Any, sides: Any, deadline: float
+) -> None:
+    """Write a rank's results, hold its rooms until the test says ``clear`` (it reads
+    them meanwhile), then clear them and close the rank's managers."""
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
     clear = Path(out, "clear")
     while not clear.exists() and time.monotonic() < deadline + 60:
         time.sleep(0.05)
-    for part in parts.values():
+    for part in parts:
         part.clear()
     for side in sides:
         side.mgr.close()
-    Path(out, f"{role}{rank}.closed").write_text("1")

@@ -34,17 +34,18 @@ def show(url: str, room: int) -> dict[str, Any]:
     return json.loads(subprocess.run(cli, check=True, capture_output=True, text=True).stdout)
 
 
-def test_heterogeneous_tp_and_mla_move_byte_exact(redis_url: str, tmp_path: Path) -> None:
-    from tests.integrations.sglang_tp import SHAPES, run_rank
-
-    names = [s.name for s in SHAPES]
+def run_ranks(
+    run_rank: Any, url: str, tmp_path: Path, names: list[str], before_clear: Any = None
+) -> dict[tuple[str, int], Any]:
+    """Four prefill and four decode rank processes running ``run_rank`` over the shapes
+    ``names``: each rank's results once all wrote them (``before_clear()`` then runs,
+    while the rooms still exist), then the ranks clear and exit."""
     ctx = mp.get_context("spawn")
     procs = {
-        (role, r): ctx.Process(target=run_rank, args=(role, r, redis_url, str(tmp_path), names))
+        (role, r): ctx.Process(target=run_rank, args=(role, r, url, str(tmp_path), names))
         for role in ("prefill", "decode")
         for r in range(4)
     }
-    t0 = time.monotonic()
     for p in procs.values():
         p.start()
     try:
@@ -53,13 +54,27 @@ def test_heterogeneous_tp_and_mla_move_byte_exact(redis_url: str, tmp_path: Path
             assert wait_for(lambda: path.exists() or not p.is_alive(), TIMEOUT), path  # noqa: B023
             assert path.exists(), f"{role} rank {r} exited with {p.exitcode}"
         res = {k: json.loads((tmp_path / f"{k[0]}{k[1]}.json").read_text()) for k in procs}
-        shown = {s.name: show(redis_url, s.room(0))["transfer_infos"] for s in SHAPES}
+        if before_clear is not None:
+            before_clear()
         (tmp_path / "clear").write_text("1")
         for p in procs.values():
             p.join(TIMEOUT)
     finally:
         for p in procs.values():
             p.kill()
+    return res
+
+
+def test_heterogeneous_tp_and_mla_move_byte_exact(redis_url: str, tmp_path: Path) -> None:
+    from tests.integrations.sglang_tp import SHAPES, run_rank
+
+    shown: dict[str, Any] = {}
+
+    def show_all() -> None:
+        shown.update({s.name: show(redis_url, s.room(0))["transfer_infos"] for s in SHAPES})
+
+    t0 = time.monotonic()
+    res = run_ranks(run_rank, redis_url, tmp_path, [s.name for s in SHAPES], show_all)
     compared = 0
     for s in SHAPES:
         read = s.read()
@@ -122,28 +137,8 @@ def test_state_slots_move_byte_exact(redis_url: str, tmp_path: Path) -> None:
     )
     from tests.integrations.sglang_tp import DIM, LAYERS, SRC, TOKENS
 
-    names = [s.name for s in SHAPES]
-    ctx = mp.get_context("spawn")
-    procs = {
-        (role, r): ctx.Process(target=run_rank, args=(role, r, redis_url, str(tmp_path), names))
-        for role in ("prefill", "decode")
-        for r in range(4)
-    }
     t0 = time.monotonic()
-    for p in procs.values():
-        p.start()
-    try:
-        for (role, r), p in procs.items():
-            path = tmp_path / f"{role}{r}.json"
-            assert wait_for(lambda: path.exists() or not p.is_alive(), TIMEOUT), path  # noqa: B023
-            assert path.exists(), f"{role} rank {r} exited with {p.exitcode}"
-        res = {k: json.loads((tmp_path / f"{k[0]}{k[1]}.json").read_text()) for k in procs}
-        (tmp_path / "clear").write_text("1")
-        for p in procs.values():
-            p.join(TIMEOUT)
-    finally:
-        for p in procs.values():
-            p.kill()
+    res = run_ranks(run_rank, redis_url, tmp_path, [s.name for s in SHAPES])
     for s in SHAPES:
         kv = s.kv
         for r in range(kv.decode_tp):
