@@ -168,20 +168,29 @@ def test_notify_names_the_channel_keys_spells(redis_url: str) -> None:
 
 
 def test_close_drops_the_subscription(redis_url: str, redis_proc: RedisProcess) -> None:
+    """The feed's reader closes its subscription within its read timeout of a close
+    (no wait in close), and with notices off none is made."""
     store = kvstate.connect(redis_url, namespace=NAMESPACE)
     admin = redis_proc.client()
+
+    def subscribers(engine: str) -> int:
+        return int(
+            dict(admin.pubsub_numsub(Keys(NAMESPACE).changed(engine)))[
+                Keys(NAMESPACE).changed(engine).encode()
+            ]
+        )
+
     try:
-        before = len(admin.client_list(_type="pubsub"))
         mgr = kvstate.KVManager(store, "decode", "decode-c.tp0", "10.0.0.2:8998")
-        assert len(admin.client_list(_type="pubsub")) == before + 1
+        assert subscribers("decode-c.tp0") == 1
         mgr.close()
-        assert wait_for(lambda: len(admin.client_list(_type="pubsub")) == before, 5.0)
+        assert wait_for(lambda: subscribers("decode-c.tp0") == 0, 5.0)
         off = kvstate.connect(
             redis_url, namespace=NAMESPACE, options=kvstate.Options(notices=False)
         )
         with kvstate.KVManager(off, "decode", "decode-d.tp0", "10.0.0.2:8998") as m:
             m.poll_many([])
-            assert len(admin.client_list(_type="pubsub")) == before
+            assert subscribers("decode-d.tp0") == 0
         off.close()
     finally:
         store.close()
@@ -275,3 +284,86 @@ def test_a_node_lost_is_met_by_the_sweep(tmp_path: Path) -> None:
     finally:
         store.close()
         pc.close()
+
+
+def changed(mgr: kvstate.KVManager, until: int, timeout: float = 5.0) -> dict[int, KVPoll]:
+    """poll_changed's answers, gathered step by step until one names ``until``."""
+    seen: dict[int, KVPoll] = {}
+    assert wait_for(lambda: seen.update(mgr.poll_changed()) or until in seen, timeout), seen
+    return seen
+
+
+def test_poll_changed_answers_only_the_rooms_that_moved(
+    store: Store, only_redis: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a connector's step acts on (issue 33 target 3): a waiting step answers no
+    room and makes no round trip; a room another engine changed, a new one and one that
+    is not waiting (it concluded, not cleared yet) are answered, nothing else."""
+    p, d = managers(store, lease=60.0)
+    with p, d:
+        for r in ROOMS:
+            p.sender(r)
+            d.receiver(r, PREFILL_ADDR)
+        first = p.poll_changed()  # never answered: every room
+        assert first == dict.fromkeys(ROOMS, KVPoll.Bootstrapping)
+        assert wait_for(lambda: not p.poll_changed(), 5.0)  # subscription confirmed
+        looked: list[int] = []  # a quiet step looks up no room: its cost is not theirs
+        get = p._parts.get
+        monkeypatch.setattr(p._parts, "get", lambda room: looked.append(room) or get(room))
+        with RoundTrips.installed() as rt:
+            before = rt.count
+            for _ in range(3):
+                assert p.poll_changed() == {}
+            assert rt.count == before
+        assert looked == []
+        assert d.init_many({ROOMS[3]: np.arange(4)})[ROOMS[3]] == KVPoll.WaitingForInput
+        assert changed(p, ROOMS[3]) == {ROOMS[3]: KVPoll.WaitingForInput}
+        assert p.poll_changed() == {}
+        assert p.begin_many(ROOMS[3:4]) == {ROOMS[3]: KVPoll.Transferring}
+        assert p.finish_many(ROOMS[3:4]) == {ROOMS[3]: KVPoll.Success}
+        # Success is not waiting: answered every step until cleared
+        assert p.poll_changed() == {ROOMS[3]: KVPoll.Success}
+        assert p.poll_changed() == {ROOMS[3]: KVPoll.Success}
+        p.clear_many(ROOMS[3:4])
+        assert p.poll_changed() == {}
+        seen = changed(d, ROOMS[3])  # the decode's first step answers every new room
+        assert seen[ROOMS[3]] == KVPoll.Success
+        d.clear_many(ROOMS[3:4])
+        assert wait_for(lambda: not d.poll_changed(), 5.0)
+        p.sender(500)
+        assert p.poll_changed() == {500: KVPoll.Bootstrapping}
+        assert p.poll_changed() == {}
+        p.sender(ROOMS[5]).abort("notice test")  # the decode's room fails: it is told
+        assert changed(d, ROOMS[5]) == {ROOMS[5]: KVPoll.Failed}
+        p.clear_many([*ROOMS, 500])
+        d.clear_many(ROOMS)
+        assert p.poll_changed() == {} and d.poll_changed() == {}
+
+
+def test_poll_changed_sweeps_and_asks_again(redis_url: str, redis_proc: RedisProcess) -> None:
+    """No notice comes for a timeout: the sweep answers every waiting room; a
+    resubscribe (notices lost) answers every room."""
+    store = kvstate.connect(
+        redis_url, namespace=NAMESPACE, options=kvstate.Options(notice_sweep=0.3)
+    )
+    admin = redis_proc.client()
+    p = kvstate.KVManager(store, "prefill", "prefill-a.tp0", PREFILL_ADDR, bootstrap_timeout=0.6)
+    try:
+        with p:
+            p.sender(ROOMS[0])
+            p.sender(ROOMS[1])
+            assert wait_for(lambda: not p.poll_changed(), 5.0)
+            # swept: answered again (Bootstrapping) until poll.lua fails them
+            seen: dict[int, KVPoll] = {}
+            assert wait_for(
+                lambda: seen.update(p.poll_changed()) or seen.get(ROOMS[0]) == KVPoll.Failed,
+                3.0,
+            )
+            p.clear_many(ROOMS[:2])
+            p.sender(ROOMS[2])
+            assert wait_for(lambda: not p.poll_changed(), 5.0)
+            assert admin.client_kill_filter(_type="pubsub") == 1
+            assert changed(p, ROOMS[2]) == {ROOMS[2]: KVPoll.Bootstrapping}
+            p.clear_many(ROOMS[2:3])
+    finally:
+        store.close()

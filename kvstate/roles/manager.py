@@ -11,6 +11,7 @@ import os
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 from kvstate.codec import is_int
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
@@ -40,6 +41,7 @@ from kvstate.tp import Route
 from transports.base import Transport
 
 log = logging.getLogger(__name__)
+_P = TypeVar("_P", bound=Step)
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 
 # Managers of this process, so that a fork can mark them unusable in the child: the
@@ -109,7 +111,7 @@ class KVManager:
         self.forked = False  # this copy lives in a forked child: it may not act
         self.closed = False
         self._parts = Participants(self.engine)
-        self.notices = Notices(None, store.options.notice_sweep)
+        self.notices = Notices(self._parts, None, store.options.notice_sweep)
         self._peers = PeerWatch(self.engine)
         self.info = EngineInfo(
             engine=self.engine,
@@ -195,7 +197,7 @@ class KVManager:
         request's W3C traceparent (checked by ``kvstate.trace.traceparent``), kept in a
         traced room's trace (no round trip added) so its OpenTelemetry spans link to the
         request's trace."""
-        return self._parts.keep(KVSender(self, room, required_receivers, trace_context))
+        return self._keep(KVSender(self, room, required_receivers, trace_context))
 
     def receiver(
         self,
@@ -219,7 +221,7 @@ class KVManager:
         check_room(room)
         names = None if senders is None else [check_name(s, "sender engine") for s in senders]
         routes = dict(senders) if isinstance(senders, Mapping) else None
-        return self._parts.keep(
+        return self._keep(
             KVReceiver(
                 self,
                 room,
@@ -231,6 +233,11 @@ class KVManager:
                 trace_context,
             )
         )
+
+    def _keep(self, part: _P) -> _P:
+        """A new participant: held for the batches, polled at the next step."""
+        self.notices.ask(part.room)
+        return self._parts.keep(part)
 
     def clear_predecessor(self) -> list[int]:
         """Fail and clear the rooms a previous process under this engine name left
@@ -282,6 +289,18 @@ class KVManager:
         their last status. Raises StateConnectionError when no node answered.
         """
         return self._many("poll", rooms)
+
+    def poll_changed(self) -> PollResults:
+        """``poll_many`` of the rooms of this manager's live participants that may have
+        moved since their last answer, answering those rooms only (the others keep
+        their status): rooms a change notice named, never answered, not waiting, whose
+        last poll went unanswered, or last answered ``Options.notice_sweep`` ago; every
+        room where notices may have been lost. A scheduler step that acts on what it
+        answers costs the rooms that moved, not the rooms in flight (issue 33 target
+        3). Partial results and errors as ``poll_many``."""
+        self.check_usable()
+        parts = self.notices.due()
+        return self._batch("poll", parts) if parts else PollResults()
 
     def begin_many(self, rooms: Iterable[object]) -> PollResults:
         """``begin_transfer()`` of many senders of this (prefill) manager in one round
@@ -335,15 +354,11 @@ class KVManager:
                 self.forget(p)
         return dict(failed)
 
-    @one_call
     def _many(
         self, op: str, rooms: Iterable[object], pages: Mapping[int, object] | None = None
     ) -> PollResults:
-        """One batch of ``op`` (poll, begin, finish, init) over many rooms: creates and
-        bindings still due go first in the same batch (a Cluster's: one registry read
-        per address first). A room the one-room call would refuse (NotReadyError: begin
-        before its receivers published, finish before begin) or whose state is corrupt
-        (CorruptStateError) is listed in ``.errors``, the other rooms answered."""
+        """One batch of ``op`` (poll, begin, finish, init) over many rooms of this
+        manager's side (a poll: a waiting room nobody changed answers its last status)."""
         self.check_usable()
         side = "rx" if op == "init" else "tx"
         if op != "poll" and self.side != side:
@@ -353,8 +368,24 @@ class KVManager:
             )
         parts = self._parts.resolve(rooms, op)
         kept: dict[int, KVPoll] = {}
-        if op == "poll":  # a waiting room nobody changed answers its last status
+        if op == "poll":
             parts, kept = self.notices.select(parts)
+        return self._batch(op, parts, kept, pages)
+
+    @one_call
+    def _batch(
+        self,
+        op: str,
+        parts: list[tuple[int, Step | None]],
+        kept: Mapping[int, KVPoll] | None = None,
+        pages: Mapping[int, object] | None = None,
+    ) -> PollResults:
+        """The batch of ``op`` over these participants: creates and bindings still due
+        go first in the same batch (a Cluster's: one registry read per address first).
+        A room the one-room call would refuse (NotReadyError: begin before its
+        receivers published, finish before begin) or whose state is corrupt
+        (CorruptStateError) is listed in ``.errors``, the other rooms answered; rooms
+        in ``kept`` answer the status given there."""
         lapsed = self.lease_lapsed() if op == "finish" else ""  # once for the batch
         found = batch.lookups(
             (p for _, p in parts if p is not None), self.store.cluster, self.prefill_engines
@@ -368,10 +399,10 @@ class KVManager:
             lambda r: self.store.poll(r, self.side, self.engine),
         )
         out, bound = batch.run(self.store, plan) if plan.calls else (PollResults(), [])
-        self.notices.polled(r for r, p in parts if p is not None and r in out)
+        self.notices.polled((r, p) for r, p in parts if r in out)
         for r in out.errors:
-            self.notices.forget(r)
-        out.update(kept)
+            self.notices.ask(r)
+        out.update(kept or {})
         for b in bound:
             self._peers.watch(b)
         for _, p in parts:
