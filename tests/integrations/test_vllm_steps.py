@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvstate.roles.participant import Participant
 from kvstate.testing import RedisProcess, RoundTrips
 from tests.integrations.vllm_engine import room_keys
 from tests.proxy import Proxy
@@ -59,6 +60,42 @@ def handed_over(p: Any, d: Any, rids: list[str]) -> None:
     # that sees the infos learns the count, the next finds the rooms ready
     learn = p.step()
     assert learn.hook_trips == {"get_finished": 1}, learn.hook_trips
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_a_waiting_step_looks_at_no_room(
+    rig: tuple[str, Proxy, Any], n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill holds rooms nobody changes: once each was answered, a step reads no
+    room's status and makes no round trip, whatever their number (the worker looks at
+    what ``poll_changed`` answers and what it acted on itself, not at every room in
+    flight). Of a few steps one may meet the 1 s sweep, which polls them all."""
+    url, _, model = rig
+    p, d = engines(url, url, model, f"wait{n}")
+    try:
+        rids = [f"w{i}" for i in range(n)]
+        for rid in rids:
+            p.add(rid, 1, {"do_remote_decode": True})
+        for _ in range(10):
+            if all(r in p.params for r in rids):
+                break
+            p.step()
+        for _ in range(20):  # the subscription confirmed, every room answered once
+            if not p.step().trips:
+                break
+        reads: list[int] = []
+        status = Participant.status
+        assert status.fget is not None
+        counting = property(lambda part: reads.append(part.room) or status.fget(part))
+        monkeypatch.setattr(Participant, "status", counting)
+        looked = []
+        for _ in range(5):
+            reads.clear()
+            looked.append((p.step().trips, len(reads)))
+        assert (0, 0) in looked, looked
+    finally:
+        p.close()
+        d.close()
 
 
 def settle(p: Any, d: Any, rids: list[str]) -> None:

@@ -10,13 +10,14 @@ decode rank reads from get a dummy route), and declares how many decode ranks ea
 serves; a prefill worker's sender waits for as many (``required_receivers=None``).
 
 Per step (``get_finished``, called once per step by vLLM's worker glue): one
-``poll_many`` over every pending room of this rank (but the rooms ``start_load_kv``
-published this step: its ``init_many`` answered for them), then, if any decode
-published, one ``begin_many`` for those rooms, their pages pushed, one ``finish_many``;
-one ``clear_many`` for the rooms that concluded. So a step makes no round trip with
-nothing in flight, one while rooms wait, and a few (not one per room) when rooms start,
-move or conclude. A room kvstate cannot read (listed in ``.errors`` for another reason
-than a connection) fails its request alone. What happened is counted for vLLM's stats
+``poll_changed`` (the rooms of this rank that may have moved: change notices, new
+rooms, the sweep), then, if any decode published, one ``begin_many`` for those rooms,
+their pages pushed, one ``finish_many``; one ``clear_many`` for the rooms that
+concluded. A step looks only at the rooms those answered and the rooms this rank acted
+on since its last step. So a step makes no round trip and costs the same at 1 room and
+at 256 while rooms wait, and a few trips (not one per room) when rooms start, move or
+conclude. A room kvstate cannot read (listed in ``.errors`` for another reason than a
+connection) fails its request alone. What happened is counted for vLLM's stats
 (metrics.py).
 """
 
@@ -108,7 +109,9 @@ class WorkerSide:
         # load is reported by request (KVConnectorTransferResults.failed_recving)
         self.by_request = kv_cache_config is not None and len(groups_of(kv_cache_config)) > 1
         self._unclear: set[int] = set()  # concluded rooms whose clear must be retried
-        self._fresh: set[int] = set()  # rooms init_many answered for this step
+        self._reqs: dict[int, str] = {}  # room -> its request, sending or loading
+        # rooms the next step looks at whatever its poll answers: acted on here since
+        self._look: set[int] = set()
         self._written: dict[int, tuple[float, int]] = {}  # pushed, not finished: (s, bytes)
 
     # -- start-up -------------------------------------------------------------------
@@ -184,6 +187,7 @@ class WorkerSide:
         for req_id, (room, blocks) in meta.send.items():
             snd = mgr.sender(room, required_receivers=None, trace_context=meta.traces.get(req_id))
             self._sending[req_id] = (snd, blocks)
+            self._reqs[snd.room] = req_id
         pages: dict[object, object] = {}
         for req_id, load in meta.recv.items():
             try:
@@ -204,33 +208,36 @@ class WorkerSide:
                 self._fail_load(req_id, load.blocks)
                 continue
             self._loading[req_id] = (rcv, load.blocks)
+            self._reqs[rcv.room] = req_id
+            self._look.add(rcv.room)
             pages[load.room] = np.asarray(load.blocks, dtype=np.int64)
         for req_id, reason in meta.abort.items():
             if req_id in self._loading:
                 self._dropped.add(req_id)
                 rcv = self._loading[req_id][0]
+                self._look.add(rcv.room)
                 try:
                     rcv.abort(reason)
                 except KVStateError as exc:  # its timeouts stay the backstop
                     log.warning("room %s: abort failed: %s", rcv.room, exc)
         if pages:
             try:  # a room not published now is published by its next poll's binding
-                answered = mgr.init_many(pages)
-                self._fresh = set(answered) - set(answered.errors)
+                mgr.init_many(pages)
             except KVStateError as exc:
                 log.warning("%s: publishing %d room(s) failed: %s", self.name, len(pages), exc)
 
-    def _poll(self, mgr: KVManager, rooms: list[int]) -> PollResults:
-        """One batch; if the batch itself is refused (a room kvstate cannot read), each
-        room alone, so that one bad room fails its own request only."""
+    def _poll(self, mgr: KVManager) -> PollResults:
+        """One batch of the rooms that may have moved; if the batch itself is refused (a
+        room kvstate cannot read), each room in flight alone, so that one bad room fails
+        its own request only."""
         try:
-            return mgr.poll_many(rooms)
+            return mgr.poll_changed()
         except StateConnectionError:
             raise
         except KVStateError as exc:
             log.warning("%s: batch poll refused (%s); polling rooms one by one", self.name, exc)
         out = PollResults()
-        for room in rooms:
+        for room in list(self._reqs):
             try:
                 out.update(mgr.poll_many([room]))
             except KVStateError as exc:
@@ -241,21 +248,25 @@ class WorkerSide:
         """(requests whose blocks the prefill may free, requests whose load ended)."""
         mgr = self.mgr
         loaded, self._refused = self._refused, set()
-        fresh, self._fresh = self._fresh, set()
         if mgr is None or not (self._sending or self._loading or self._unclear):
             return set(), loaded
-        rooms = [s.room for s, _ in self._sending.values()]
-        rooms += [r.room for r, _ in self._loading.values() if r.room not in fresh]
         try:
-            res = self._poll(mgr, rooms) if rooms else PollResults()
+            res = self._poll(mgr) if self._reqs else PollResults()
         except StateConnectionError as exc:  # Redis away: statuses stay, try next step
             log.warning("%s: poll failed: %s", self.name, exc)
             return set(), loaded
+        if not (res or res.errors or self._look or self._written or self._unclear):
+            return set(), loaded  # a waiting step: nothing moved
         bad = {r: e for r, e in res.errors.items() if not isinstance(e, StateConnectionError)}
+        look, self._look = self._look | set(res) | set(bad), set()
+        reqs = [self._reqs[r] for r in sorted(look) if r in self._reqs]
         done: list[int] = []
         sent: set[str] = set()
-        self._push(mgr, bad)
-        for req_id, (snd, _) in list(self._sending.items()):
+        self._push(mgr, [self._sending[q] for q in reqs if q in self._sending], bad)
+        for req_id in reqs:
+            if req_id not in self._sending:
+                continue
+            snd = self._sending[req_id][0]
             if snd.room in bad:
                 self._give_up(snd, bad[snd.room])
             if snd.room in bad or snd.status in DONE:
@@ -265,7 +276,12 @@ class WorkerSide:
                 sent.add(req_id)
                 done.append(snd.room)
                 del self._sending[req_id]
-        for req_id, (rcv, pages) in list(self._loading.items()):
+            elif snd.status != KVPoll.Bootstrapping:  # to begin, push or finish
+                self._look.add(snd.room)
+        for req_id in reqs:
+            if req_id not in self._loading:
+                continue
+            rcv, pages = self._loading[req_id]
             if rcv.room in bad:
                 self._give_up(rcv, bad[rcv.room])
             if rcv.room in bad or rcv.status in DONE:
@@ -277,6 +293,8 @@ class WorkerSide:
                 loaded.add(req_id)
                 done.append(rcv.room)
                 del self._loading[req_id]
+        for room in done:
+            del self._reqs[room]
         self._clear(mgr, done)
         return sent, loaded
 
@@ -290,12 +308,18 @@ class WorkerSide:
         elif reason.startswith("transfer failed"):
             self.stats.record("num_failed_transfers")
 
-    def _push(self, mgr: KVManager, bad: dict[int, KVStateError]) -> None:
-        """The senders whose decode published, as one batch: one ``begin_many``, each
-        room's pages pushed, one ``finish_many``. Rooms an earlier step began but could
-        not push (Redis lost mid-write: the pages are pushed again, the same bytes) or
-        pushed but could not finish are taken up where they stopped."""
-        live = [(s, b) for s, b in self._sending.values() if s.room not in bad]
+    def _push(
+        self,
+        mgr: KVManager,
+        looked: list[tuple[KVSender, list[list[int]]]],
+        bad: dict[int, KVStateError],
+    ) -> None:
+        """The senders looked at whose decode published, as one batch: one
+        ``begin_many``, each room's pages pushed, one ``finish_many``. Rooms an earlier
+        step began but could not push (Redis lost mid-write: the pages are pushed again,
+        the same bytes) or pushed but could not finish are taken up where they
+        stopped."""
+        live = [(s, b) for s, b in looked if s.room not in bad]
         ready = {s.room: (s, b) for s, b in live if s.status == KVPoll.WaitingForInput}
         unpushed = [
             (s, b)
@@ -397,6 +421,7 @@ class WorkerSide:
             self._clear(mgr, [p.room for p in live])
             self._sending.clear()
             self._loading.clear()
+            self._reqs.clear()
             mgr.close()
         if self.transport is not None:
             self.transport.close()
