@@ -12,19 +12,21 @@ as vLLM does, pages moved between the two engines). With ``n`` requests at a tim
 - scheduler side (both connectors): ``get_num_new_matched_tokens``,
   ``update_state_after_alloc``, ``build_connector_meta``, ``request_finished``,
   ``update_connector_output``;
-- worker side (kvstate only): ``start_load_kv``, ``get_finished``. NixlConnector's
-  worker side needs NIXL's agent and its side channel; it is not run here, so its
-  loads never conclude and its phases end with an abort.
+- worker side: ``start_load_kv``, ``get_finished``. NixlConnector's runs where NIXL is
+  installed in the vLLM venv (``nixl.py``: its agent, side channel and reads, on
+  vLLM's CPU platform); without it, NIXL's loads never conclude and its phases end
+  with an abort (``nixl_worker_side`` in the JSON says which).
 
 Per phase and count: hook us per step (median and mean; scheduler side, worker side,
 both), Redis round trips per step of the engine's thread (most and mean; counted at
 the socket, the KVManagers' heartbeat threads apart), hook calls; the ratios of
-kvstate to NIXL per step; the targets (0 round trips a step with nothing in flight,
-at most 1 otherwise). One redis-server of its own.
+kvstate to NIXL per step (scheduler sides; both sides where NIXL's worker ran); the
+targets (0 round trips a step with nothing in flight, at most 1 otherwise). One
+redis-server of its own.
 
     python tools/bench_vllm_steps.py [--counts 0 1 64 256] [--steps 20] [--json] [--smoke]
 
 Needs vLLM 0.34 (the [vllm] extra). Modules: ``engine`` (one engine, its hooks timed),
-``vllm_steps`` (the phases, the figures), ``cli``. SGLang's queues:
-``tools/bench_sglang_steps.py``.
+``nixl`` (NIXL's worker side), ``vllm_steps`` (the phases, the figures), ``cli``.
+SGLang's queues: ``tools/bench_sglang_steps.py``.
 """

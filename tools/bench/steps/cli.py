@@ -12,6 +12,7 @@ from typing import Any
 
 import tools.bench.steps as package
 from kvstate.testing import RedisProcess, RoundTrips
+from tools.bench.steps import nixl
 from tools.bench.steps.engine import write_model
 from tools.bench.steps.vllm_steps import PHASES, measure, ratios, targets
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         model = write_model(Path(tmp) / "model")
         doc: dict[str, Any] = {"counts": counts, "steps_per_phase": steps, "phases": PHASES}
         doc["vllm"] = measure(server.url, model, counts, steps)
+    doc["nixl_worker_side"] = nixl.available()  # else its scheduler side alone
     doc["ratios_kvstate_over_nixl"] = ratios(doc["vllm"], counts)
     doc["targets"] = targets(doc["vllm"], counts)
     doc["loadavg"] = {

@@ -7,6 +7,7 @@ counted (this thread's, at the socket: the KVManagers' heartbeat threads apart).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstate.testing import RoundTrips
+from tools.bench.steps import nixl
 
 HEADS, HEAD_SIZE, LAYERS = 4, 8, 2
 BLOCK = 4  # tokens a block
@@ -114,6 +116,7 @@ class Spec:
                 kv_connector_extra_config={"redis_url": self.url, **dict(self.extra)}
                 if kvstate
                 else {},
+                **({} if kvstate else {"kv_buffer_device": "cpu"}),  # NIXL: host memory
             ),
             device_config=DeviceConfig(device="cpu"),
         )
@@ -210,18 +213,30 @@ class Engine:
         self.config = spec.config()
         worker_config, sched_config = plan(self.config)
         self.worker: Any = None
-        if spec.connector == "KVStateConnector":
-            self.worker = self._worker(
-                worker_config, KVConnectorRole.WORKER, set_current_vllm_config
+        with contextlib.ExitStack() as stack:
+            if spec.connector == "KVStateConnector":
+                self.worker = self._worker(
+                    worker_config, KVConnectorRole.WORKER, set_current_vllm_config
+                )
+            else:  # NIXL's scheduler and worker agree on a CPU platform (nixl.py)
+                stack.enter_context(nixl.cpu_platform())
+                os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl.free_port())
+                if nixl.available():
+                    caches = self._caches(worker_config)
+                    self.worker = nixl.worker(self.config, worker_config, caches)
+            self.scheduler = Scheduler(
+                vllm_config=self.config,
+                kv_cache_config=sched_config,
+                structured_output_manager=StructuredOutputManager(self.config),
+                block_size=BLOCK,
+                hash_block_size=BLOCK,
+                log_stats=False,
             )
-        self.scheduler = Scheduler(
-            vllm_config=self.config,
-            kv_cache_config=sched_config,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=BLOCK,
-            hash_block_size=BLOCK,
-            log_stats=False,
-        )
+            if spec.connector != "KVStateConnector" and self.worker is not None:
+                # EngineCore's part: the scheduler serves its worker's NIXL metadata
+                # on the side channel, where decode workers handshake
+                meta = self.worker.get_handshake_metadata()
+                self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.hooks = Hooks(self.scheduler.connector, SCHED_HOOKS)
@@ -229,19 +244,26 @@ class Engine:
         self.params: dict[str, dict[str, Any]] = {}
         self.finished: set[str] = set()
 
-    def _worker(self, worker_config: Any, role: Any, current: Any) -> Any:
-        """The connector's worker side, its KV caches allocated as vLLM does."""
+    def _caches(self, worker_config: Any) -> dict[str, Any]:
+        """The KV caches of one worker, allocated as vLLM does."""
         import torch
+        from vllm.config import set_current_vllm_config
         from vllm.v1.attention.backends.utils import record_kv_cache_layout
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.worker.utils import allocate_kv_cache
 
+        record_kv_cache_layout(self.config.cache_config, worker_config.kv_cache_layout)
+        with set_current_vllm_config(self.config):
+            layout = KVCacheLayout[worker_config.kv_cache_layout]
+            caches: dict[str, Any] = allocate_kv_cache(worker_config, torch.device("cpu"), layout)
+        return caches
+
+    def _worker(self, worker_config: Any, role: Any, current: Any) -> Any:
+        """kvstate's connector, worker role, its KV caches registered."""
         from kvstate.integrations.vllm import KVStateConnector
 
-        record_kv_cache_layout(self.config.cache_config, worker_config.kv_cache_layout)
+        caches = self._caches(worker_config)
         with current(self.config):
-            layout = KVCacheLayout[worker_config.kv_cache_layout]
-            caches = allocate_kv_cache(worker_config, torch.device("cpu"), layout)
             conn = KVStateConnector(self.config, role, worker_config)
             conn.register_kv_caches(caches)
         return conn
