@@ -5,6 +5,8 @@ room: a resubscribe polls everything, the sweep polls every waiting room."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -369,3 +371,42 @@ def test_poll_changed_sweeps_and_asks_again(redis_url: str, redis_proc: RedisPro
             p.clear_many(ROOMS[2:3])
     finally:
         store.close()
+
+
+def test_a_clear_on_another_thread_meets_a_step(store: Store, only_redis: None) -> None:
+    """A participant's clear (which forgets its room) may run on another thread than
+    the step, whose ``poll_changed`` walks the answers due for the sweep: neither may
+    see the other's bookkeeping half done (thread switches forced often; the step's
+    walk alone, without its round trip, so that they meet)."""
+    p = kvstate.KVManager(store, "prefill", "prefill-t.tp0", PREFILL_ADDR, lease=60.0)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def churn() -> None:
+        try:
+            for n in range(200):
+                snd = p.sender(5000 + n)
+                p.poll_many([snd.room])  # answered: in the sweep's order
+                snd.clear()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        finally:
+            done.set()
+
+    switch = sys.getswitchinterval()
+    with p:
+        p.poll_many([p.sender(r).room for r in range(2000, 2400)])
+        p.notices.sweep = 0.0  # every answered room is due: each walk meets them all
+        sys.setswitchinterval(1e-6)
+        try:
+            worker = threading.Thread(target=churn)
+            worker.start()
+            walks = 0
+            while not done.is_set():
+                p.notices.due()
+                walks += 1
+            worker.join()
+        finally:
+            sys.setswitchinterval(switch)
+        assert errors == [] and walks > 0
+        p.clear_many(range(2000, 2400))

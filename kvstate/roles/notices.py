@@ -12,6 +12,7 @@ that ``due()`` costs the rooms that moved, not the rooms held.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -37,6 +38,8 @@ class Notices:
         self.feed = feed
         self.sweep = sweep
         self._clock = clock
+        # a participant's clear (forget) may run on another thread than the step
+        self._lock = threading.Lock()
         self._answered: OrderedDict[int, float] = OrderedDict()
         # named by a notice, never answered, not waiting at its last answer, or asked
         # for; left at the answer that finds it waiting (a failed poll leaves it here)
@@ -45,7 +48,8 @@ class Notices:
     def ask(self, room: int) -> None:
         """The next step polls ``room``: a participant was made here, or its last poll
         went unanswered."""
-        self._due.add(room)
+        with self._lock:
+            self._due.add(room)
 
     def _changed(self) -> set[int] | None:
         """The rooms named since the last step, kept due until answered; EVERYTHING
@@ -53,7 +57,9 @@ class Notices:
         pile up."""
         changed = self.feed.drain() if self.feed is not None else EVERYTHING
         if changed is not EVERYTHING:  # a room this rank does not hold is dropped
-            self._due.update(r for r in changed if self.table.get(r) is not None)
+            held = [r for r in changed if self.table.get(r) is not None]
+            with self._lock:
+                self._due.update(held)
         return changed
 
     def select(
@@ -81,11 +87,12 @@ class Notices:
         if self._changed() is EVERYTHING:
             return [(p.room, p) for p in self.table.all() if not p.cleared]
         now = self._clock()
-        rooms = set(self._due)
-        for room, last in self._answered.items():  # oldest answer first
-            if now - last < self.sweep:
-                break
-            rooms.add(room)
+        with self._lock:
+            rooms = set(self._due)
+            for room, last in self._answered.items():  # oldest answer first
+                if now - last < self.sweep:
+                    break
+                rooms.add(room)
         out: list[tuple[int, Step | None]] = []
         for room in sorted(rooms):
             p = self.table.get(room)
@@ -98,20 +105,21 @@ class Notices:
     def polled(self, parts: Iterable[tuple[int, Step | None]]) -> None:
         """These rooms' polls (or any batch's calls) were answered now."""
         now = self._clock()
-        for room, p in parts:
-            if p is None:  # a bare poll: nothing of this rank's to keep
-                continue
-            self._answered[room] = now
-            self._answered.move_to_end(room)
-            if p.waiting:
-                self._due.discard(room)
-            else:
-                self._due.add(room)
+        answered = [(room, p.waiting) for room, p in parts if p is not None]  # not bare
+        with self._lock:
+            for room, waiting in answered:
+                self._answered[room] = now
+                self._answered.move_to_end(room)
+                if waiting:
+                    self._due.discard(room)
+                else:
+                    self._due.add(room)
 
     def forget(self, room: int) -> None:
         """The room's participant left this rank."""
-        self._answered.pop(room, None)
-        self._due.discard(room)
+        with self._lock:
+            self._answered.pop(room, None)
+            self._due.discard(room)
 
     def close(self) -> None:
         """Drop the subscription; every later step polls every room."""
