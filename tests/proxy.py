@@ -32,9 +32,10 @@ from typing import Literal, Self
 
 import redis
 
+from kvstate import KVManager, KVPoll
 from kvstate.store import Store
 from kvstate.testing import RedisCluster
-from tests.helpers import wait_for
+from tests.helpers import PREFILL_ADDR, wait_for
 
 Mode = Literal["pass", "delay", "stall", "blackhole", "drop", "mute"]
 _TICK = 0.02
@@ -262,6 +263,19 @@ class ProxiedCluster:
 
 def _slot_ports(c: redis.Redis) -> set[int]:
     return {int(node[1]) for slot in c.execute_command("CLUSTER", "SLOTS") for node in slot[2:]}
+
+
+def waiting_rooms(
+    pc: ProxiedCluster, store: Store, p: KVManager, d: KVManager, count: int
+) -> tuple[list[int], set[int]]:
+    """Rooms 0..count-1, each a sender on ``p`` and a receiver on ``d`` that published
+    its pages, all WaitingForInput; and which of them live on the proxied primary."""
+    rooms = list(range(count))
+    for r in rooms:
+        p.sender(r)
+        d.receiver(r, PREFILL_ADDR).init([1, 2])
+    assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+    return rooms, set(rooms_by_port(store, count)[pc.proxy.port])
 
 
 def rooms_by_port(store: Store, count: int) -> dict[int, list[int]]:

@@ -17,7 +17,7 @@ from kvstate.errors import CorruptStateError, KVStateError, NotReadyError, State
 from kvstate.store import Store, command_call
 from kvstate.testing import RoundTrips
 from tests.helpers import PREFILL_ADDR, keys_of, managers
-from tests.proxy import ProxiedCluster, rooms_by_port
+from tests.proxy import ProxiedCluster, waiting_rooms
 
 NAMESPACE = "batch"  # of the ``store`` fixture (tests/conftest.py)
 CHECK_TTL = True  # ``store`` checks every key has a TTL after each test (rule 1)
@@ -198,13 +198,7 @@ def test_cluster_batches_partial_when_a_node_stalls(tmp_path: Path) -> None:
         store = kvstate.connect(pc.url, namespace="batchfault", options=opts)
         p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=60.0)
         d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=60.0)
-        by_port = rooms_by_port(store, 24)
-        bad = set(by_port[pc.proxy.port])
-        rooms = list(range(24))
-        for r in rooms:
-            p.sender(r)
-            d.receiver(r, PREFILL_ADDR).init([1, 2])
-        assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+        rooms, bad = waiting_rooms(pc, store, p, d, 24)
 
         pc.proxy.stall()
         begun = p.begin_many(rooms)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -21,6 +20,7 @@ from click.testing import CliRunner
 from kvstate.demo import demo, expected_pages
 from kvstate.demo.outcome import Track
 from kvstate.ops import reads
+from kvstate.testing.process import free_port
 from tests.helpers import DEMO_SMALL as SMALL
 from tests.helpers import demo_command as _command
 from tests.helpers import demo_env as _env
@@ -127,15 +127,9 @@ def test_demo_aborts_are_counted_and_leave_no_key() -> None:
     assert doc["keys_left"] == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_demo_router_and_standalone_workers() -> None:
     """The docker-compose shape: a router serving its queues, workers attached by TCP."""
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     env = _env(KVSTATE_DEMO_AUTHKEY=AUTHKEY)
     router = subprocess.Popen(
         [*_command(), "--listen", addr, "--requests", "20", "--json", *SMALL],

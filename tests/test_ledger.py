@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from kvstate.ops.metrics import Metrics
 from kvstate.ops.monitor import Monitor
 from kvstate.poll import KVPoll
 from kvstate.store import Store
+from kvstate.testing.process import free_port
 from tests.helpers import scaled, wait_for
 
 ADDR = "10.0.0.1:8998"
@@ -179,12 +179,6 @@ def test_notifications_turned_off_mid_run(redis_url: str, enable: bool) -> None:
     s.close()
     store.close()
     mon.events.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def scrape(port: int) -> str:

@@ -22,7 +22,7 @@ from kvstate.keys import Keys
 from kvstate.store import Store, notices
 from kvstate.testing import RedisProcess, RoundTrips
 from tests.helpers import PREFILL_ADDR, managers, scaled, wait_for
-from tests.proxy import ProxiedCluster, rooms_by_port
+from tests.proxy import ProxiedCluster, waiting_rooms
 
 NAMESPACE = "notice.ns-1"  # '.' and '-': the Lua derivation of the channel must keep them
 # no sweep within a test: only a notice (or a resubscribe) makes a waiting room polled
@@ -274,13 +274,7 @@ def test_a_node_lost_is_met_by_the_sweep(tmp_path: Path) -> None:
         p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=30.0)
         d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=30.0)
         with p, d:
-            by_port = rooms_by_port(store, 30)
-            bad = set(by_port[pc.proxy.port])
-            rooms = list(range(30))
-            for r in rooms:
-                p.sender(r)
-                d.receiver(r, PREFILL_ADDR).init([1, 2])
-            assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+            rooms, bad = waiting_rooms(pc, store, p, d, 30)
             pc.proxy.blackhole()
             assert wait_for(lambda: set(p.poll_many(rooms).errors) == bad, 10.0)
             pc.proxy.passthrough()

@@ -44,14 +44,19 @@ def engines(url: str, prefill_url: str, model: str, name: str) -> tuple[Any, Any
     return p, d
 
 
-def handed_over(p: Any, d: Any, rids: list[str]) -> None:
-    """The prefill finishes ``rids`` (rooms made), the decode publishes into them."""
+def prefilled(p: Any, rids: list[str]) -> None:
+    """The prefill finishes ``rids``: their rooms made, held for a decode."""
     for rid in rids:
         p.add(rid, 1, {"do_remote_decode": True})
     for _ in range(10):
         if all(r in p.params for r in rids):
             break
         p.step()
+
+
+def handed_over(p: Any, d: Any, rids: list[str]) -> None:
+    """The prefill finishes ``rids`` (rooms made), the decode publishes into them."""
+    prefilled(p, rids)
     for rid in rids:
         d.add(rid, 2, p.params[rid])
     for _ in range(2):
@@ -73,13 +78,7 @@ def test_a_waiting_step_looks_at_no_room(
     url, _, model = rig
     p, d = engines(url, url, model, f"wait{n}")
     try:
-        rids = [f"w{i}" for i in range(n)]
-        for rid in rids:
-            p.add(rid, 1, {"do_remote_decode": True})
-        for _ in range(10):
-            if all(r in p.params for r in rids):
-                break
-            p.step()
+        prefilled(p, [f"w{i}" for i in range(n)])
         for _ in range(20):  # the subscription confirmed, every room answered once
             if not p.step().trips:
                 break

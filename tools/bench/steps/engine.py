@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstate.testing import RoundTrips
+from kvstate.testing.process import free_port
 from tools.bench.steps import nixl
 
 HEADS, HEAD_SIZE, LAYERS = 4, 8, 2
@@ -220,7 +221,7 @@ class Engine:
                 )
             else:  # NIXL's scheduler and worker agree on a CPU platform (nixl.py)
                 stack.enter_context(nixl.cpu_platform())
-                os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl.free_port())
+                os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
                 if nixl.available():
                     caches = self._caches(worker_config)
                     self.worker = nixl.worker(self.config, worker_config, caches)

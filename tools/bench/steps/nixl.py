@@ -19,22 +19,17 @@ import contextlib
 import importlib.util
 import logging
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from kvstate.testing.process import free_port
 
 NIXL_MODULES = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
 
 def available() -> bool:
     return importlib.util.find_spec("nixl") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
