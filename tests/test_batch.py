@@ -186,6 +186,82 @@ def test_begin_many_refuses_where_a_single_begin_would(store: Store) -> None:
     assert keys_of(store) == []
 
 
+def test_a_poll_begins_what_it_finds_ready(store: Store) -> None:
+    """``poll_many(begin=True)``: a sender its receivers published to is begun in the
+    poll's own call (Transferring, its infos read: one round trip per node for the
+    step, not two); one whose receiver failed, or cleared (its info went with it), is
+    Failed with the reason and marks the room, as begin_many would; a sender no
+    receiver published to stays Bootstrapping, nothing written."""
+    p, d = managers(store, lease=60.0)
+    rooms = [1, 2, 3, 4]
+    with p, d:
+        snd = {r: p.sender(r) for r in rooms}
+        p.poll_many(rooms)  # created, Bootstrapping
+        rcv = {r: d.receiver(r, PREFILL_ADDR) for r in (1, 2, 3)}
+        d.init_many({r: [r, r + 10] for r in rcv})
+        rcv[2].fail("decode ran out of pages")
+        rcv[3].clear()  # gave up without failing: its info went with it
+        with RoundTrips.installed() as rt:
+            before = rt.count
+            out = p.poll_many(rooms, begin=True)
+            assert rt.count - before <= _nodes(store)
+        assert out == {
+            1: KVPoll.Transferring,
+            2: KVPoll.Failed,
+            3: KVPoll.Failed,
+            4: KVPoll.Bootstrapping,
+        }
+        assert [i.kv_indices.tolist() for i in snd[1].transfer_infos().values()] == [[1, 11]]
+        assert "decode ran out of pages" in snd[2].reason
+        assert "receivers are gone (cleared) before the transfer" in snd[3].reason
+        assert store.client.exists(store.keys.aborted(3))  # the room failed
+        assert p.finish_many([1]) == {1: KVPoll.Success}
+        assert rcv[1].poll() == KVPoll.Success
+        with pytest.raises(KVStateError, match="prefill manager"):
+            d.poll_many([1], begin=True)
+        with pytest.raises(KVStateError, match="prefill manager"):
+            d.poll_changed(begin=True)
+        assert p.clear_many(rooms) == {}
+        assert d.clear_many([1, 2]) == {}
+    store.execute([command_call("DEL", store.keys.aborted(r)) for r in (2, 3)])
+    assert keys_of(store) == []
+
+
+def test_clears_ride_the_next_batch(store: Store) -> None:
+    """``clear_many(later=True)`` sends nothing; the manager's next batch carries the
+    clears in its own round trip per node (MULTI/EXEC beside its calls), and
+    ``poll_changed`` makes one for them alone when no room is due; ``close()`` makes
+    those still due."""
+    p, d = managers(store, lease=60.0)
+    with p, d:
+        snd = {r: p.sender(r) for r in (1, 2, 3)}
+        rcv = {r: d.receiver(r, PREFILL_ADDR) for r in (1, 2, 3)}
+        p.poll_many([1, 2, 3])  # created: a create begins nothing
+        d.init_many({r: [r] for r in rcv})
+        assert p.poll_many([1, 2, 3], begin=True) == dict.fromkeys((1, 2, 3), KVPoll.Transferring)
+        assert p.finish_many([1, 2]) == {1: KVPoll.Success, 2: KVPoll.Success}
+        with RoundTrips.installed() as rt:
+            before = rt.count
+            assert p.clear_many([1, 2], later=True) == {}
+            assert rt.count == before and p.clearing == [1, 2]
+            assert not snd[1].cleared and store.client.exists(snd[1].key)
+            before = rt.count
+            assert p.finish_many([3]) == {3: KVPoll.Success}  # carries 1 and 2
+            assert rt.count - before <= _nodes(store)
+            assert snd[1].cleared and snd[2].cleared and p.clearing == []
+            assert not store.client.exists(snd[1].key, snd[2].key)
+            assert snd[1].status == KVPoll.Success  # its last status stands
+            p.clear_many([3], later=True)
+            before = rt.count
+            assert p.poll_changed() == {}  # no room due: the clear alone
+            assert rt.count - before <= _nodes(store)
+            assert p.live_rooms == [] and snd[3].cleared
+            assert d.poll_many([1, 2, 3]) == dict.fromkeys((1, 2, 3), KVPoll.Success)
+            d.clear_many([1, 2, 3], later=True)
+    assert rcv[3].cleared  # close() made the clears still due
+    assert keys_of(store) == []
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_cluster_batches_partial_when_a_node_stalls(tmp_path: Path) -> None:

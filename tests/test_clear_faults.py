@@ -60,6 +60,65 @@ def test_a_clear_whose_reply_was_lost_reads_cleared_not_state_lost(
         store.close()
 
 
+def test_a_begin_or_clear_riding_a_poll_whose_reply_was_lost(
+    redis_proc: Any, redis_tcp_url: str
+) -> None:
+    """``poll_many(begin=True)`` ran in Redis (the sender Transferring) but its reply
+    was lost: the sender holds neither the status nor the infos. The next poll answers
+    Transferring with the infos, so the pages are written and the room finishes: no
+    second begin, no room left Transferring until its timeout. A clear riding a poll
+    (``clear_many(later=True)``) whose reply was lost stays due and is made again
+    with the next batch; the participant's Success stands."""
+    with Proxy(("127.0.0.1", redis_proc.port)) as proxy:
+        ct = scaled(1.5)
+        store = kvstate.connect(f"{proxy.url()}?call_timeout={ct}", namespace="lostbegin")
+        with (
+            kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR) as p,
+            kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1") as d,
+        ):
+            snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
+            assert p.poll_many([1]) == {1: KVPoll.Bootstrapping}
+            rcv.init(np.arange(4))
+            proxy.mute()  # the begin runs in Redis; its reply is lost
+            with pytest.raises(StateConnectionError):
+                p.poll_many([1], begin=True)
+            proxy.passthrough()
+            assert snd.status == KVPoll.Bootstrapping and not snd.published
+            assert wait_for(lambda: _answers_many(p, [1]), 4 * ct)
+            assert snd.status == KVPoll.Transferring
+            assert [i.kv_indices.tolist() for i in snd.transfer_infos().values()] == [[0, 1, 2, 3]]
+            assert p.finish_many([1]) == {1: KVPoll.Success}
+            assert rcv.poll() == KVPoll.Success
+            # its clear rides the next poll, whose reply is lost: due again, made again
+            p.clear_many([1], later=True)
+            proxy.mute()
+            with pytest.raises(StateConnectionError):
+                p.poll_changed()
+            proxy.passthrough()
+            assert p.clearing == [1] and not snd.cleared
+            assert wait_for(lambda: _answers_changed(p), 4 * ct)
+            assert snd.cleared and snd.status == KVPoll.Success and p.clearing == []
+            d.clear_many([1])
+        assert keys_of(store) == []
+        store.close()
+
+
+def _answers_changed(mgr: Any) -> bool:
+    try:
+        mgr.poll_changed()
+    except StateConnectionError:
+        return False
+    return True
+
+
+def _answers_many(mgr: Any, rooms: list[int]) -> bool:
+    try:
+        mgr.poll_many(rooms, begin=True)
+    except StateConnectionError:
+        return False
+    return True
+
+
 def _answers(part: Any) -> bool:
     try:
         part.poll()

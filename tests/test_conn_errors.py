@@ -242,7 +242,7 @@ def test_clear_works_at_maxmemory(redis_server_factory: Callable[..., RedisProce
     store = kvstate.connect(proc.unix_url, namespace="oom")
     p, d = managers(store, lease=30.0)
     made = []
-    for room in range(5):
+    for room in range(5):  # the first two cleared one by one, the others by a batch
         snd, rcv = p.sender(room), d.receiver(room, PREFILL_ADDR)
         rcv.init([1, 2, 3])
         snd.poll()
@@ -257,8 +257,16 @@ def test_clear_works_at_maxmemory(redis_server_factory: Callable[..., RedisProce
                 pipe = admin.pipeline(transaction=True)
                 pipe.delete(store.keys.participant(0, "tx", p.engine))
                 pipe.execute()
-            for part in made:
+            for part in made[:4]:
                 part.clear()
+            # clears riding a step's batch (clear_many(later=True)): the batch alone,
+            # then the clears without the transaction
+            p.clear_many([2, 3, 4], later=True)
+            with pytest.raises(StateOutOfMemoryError):
+                p.poll_changed()  # sender 99's create refused again; the clears made
+            d.clear_many([2, 3, 4], later=True)
+            d.poll_many([])
+            assert p.clearing == [] and d.clearing == [] and all(x.cleared for x in made)
             left = [k for k in keys_of(store) if ":engine:" not in k and ":engines_at:" not in k]
             assert left == [], left
         finally:

@@ -42,17 +42,19 @@ def plan(
     lapsed: str,
     pages: Mapping[int, object],
     bare: Callable[[int], Call],
+    begin: bool = False,
 ) -> Plan:
     """The batch of ``op`` over ``parts``; ``bare(room)`` polls a room without a live
-    participant. A participant's arguments are checked (and, for init, its pages made
-    ready) as its calls are built, before anything is sent."""
+    participant; ``begin``: a poll begins the senders it finds ready. A participant's
+    arguments are checked (and, for init, its pages made ready) as its calls are
+    built, before anything is sent."""
     out = Plan(op)
     for room, p in parts:
         if p is None:
             out.rooms.append((room, None, len(out.calls)))
             out.calls.append(bare(room))
             continue
-        more, at = p.step_calls(StepInput(op, lookups, lapsed, pages.get(room)))
+        more, at = p.step_calls(StepInput(op, lookups, lapsed, pages.get(room), begin))
         out.rooms.append((room, p, len(out.calls) + at))
         out.calls += more
     return out
@@ -81,14 +83,15 @@ def lookups(
     return out
 
 
-def run(store: Store, batch: Plan) -> tuple[PollResults, list[Bound]]:
-    """Send the batch, one round trip per node, and answer it (``answer``)."""
+def run(store: Store, batch: Plan) -> tuple[PollResults, list[Bound], list[Any]]:
+    """Send the batch, one round trip per node, and answer it (``answer``); the raw
+    replies too (of calls added after planning: clears riding the batch)."""
     try:
         replies = store.execute(batch.calls, partial=True)
     except BaseException:
         lost(batch)  # bindings in that batch did not run (or not whole)
         raise
-    return answer(batch, replies)
+    return (*answer(batch, replies), replies)
 
 
 def lost(batch: Plan) -> None:

@@ -34,12 +34,14 @@ Lookups = dict[LookupKey, list[EngineInfo]]
 class StepInput:
     """What a batch hands one participant: the operation (poll, begin, finish, init),
     the registry reads made for the batch, why the rank may have lost its lease (asked
-    once per batch; '' when it holds it), and for init the pages to publish."""
+    once per batch; '' when it holds it), for init the pages to publish, and for a
+    poll whether a sender found ready is begun in it."""
 
     op: str
     lookups: Lookups = field(default_factory=dict)
     lapsed: str = ""
     pages: object | None = None
+    begin: bool = False
 
 
 @dataclass(frozen=True)

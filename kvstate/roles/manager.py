@@ -1,7 +1,8 @@
 """KVManager: one engine rank. It registers the rank (``Lease``: one owner per engine
 name), makes the rank's senders and receivers, answers a scheduler step's calls for
 many rooms at once (``batch``), and watches the peers its rooms are bound to
-(``PeerWatch``). It holds its participants through the ``Step`` protocol only.
+(``PeerWatch``); its clears go at once or with its next batch (``Clears``). It
+holds its participants through the ``Step`` protocol only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.roles import batch
+from kvstate.roles.clears import Clears
 from kvstate.roles.contract import Bound, LookupKey, Step
 from kvstate.roles.lease import Lease
 from kvstate.roles.notices import Notices
@@ -113,6 +115,7 @@ class KVManager:
         self._parts = Participants(self.engine)
         self.notices = Notices(self._parts, None, store.options.notice_sweep)
         self._peers = PeerWatch(self.engine)
+        self.clears = Clears(store, self.engine, self.prefill_engines, self.forget)
         self.info = EngineInfo(
             engine=self.engine,
             role=role,
@@ -279,7 +282,7 @@ class KVManager:
         return self._peers.registration(self.registry, engine, incarnation)
 
     # -- a scheduler step's calls --------------------------------------------------
-    def poll_many(self, rooms: Iterable[object]) -> PollResults:
+    def poll_many(self, rooms: Iterable[object], begin: bool = False) -> PollResults:
         """Poll many rooms of this engine in one round trip per Redis node.
 
         Returns a ``PollResults``: a dict room -> KVPoll for every room whose Redis node
@@ -287,20 +290,30 @@ class KVManager:
         ``Options.call_timeout`` are left out of it and listed in ``.errors`` (room ->
         StateConnectionError) while the others are answered; their participants keep
         their last status. Raises StateConnectionError when no node answered.
-        """
-        return self._many("poll", rooms)
 
-    def poll_changed(self) -> PollResults:
+        ``begin`` (a prefill manager): each sender the poll finds WaitingForInput is
+        begun in the same call, as ``begin_many`` would: answered Transferring (its
+        infos read: write its pages now) or Failed; every room given is polled. One
+        round trip fewer for a step that writes what it finds ready. A sender's first
+        poll is its create, which begins nothing, and ``poll_changed`` does not poll
+        again a sender answered WaitingForInput earlier: ``begin_many`` those.
+        """
+        return self._many("poll", rooms, begin=begin)
+
+    def poll_changed(self, begin: bool = False) -> PollResults:
         """``poll_many`` of the rooms of this manager's live participants that may have
         moved since their last answer, answering those rooms only (the others keep
         their status): rooms a change notice named, never answered, not waiting, whose
         last poll went unanswered, or last answered ``Options.notice_sweep`` ago; every
         room where notices may have been lost. A scheduler step that acts on what it
         answers costs the rooms that moved, not the rooms in flight (issue 33 target
-        3). Partial results and errors as ``poll_many``."""
+        3). Partial results, errors and ``begin`` as ``poll_many``."""
         self.check_usable()
-        parts = self.notices.due()
-        return self._batch("poll", parts) if parts else PollResults()
+        self._check_begin(begin)
+        parts = [(r, p) for r, p in self.notices.due() if r not in self.clears.due]
+        if not (parts or self.clears.due):
+            return PollResults()
+        return self._batch("poll", parts, begin=begin)
 
     def begin_many(self, rooms: Iterable[object]) -> PollResults:
         """``begin_transfer()`` of many senders of this (prefill) manager in one round
@@ -328,38 +341,50 @@ class KVManager:
         wanted = {check_room(room): indices for room, indices in pages.items()}
         return self._many("init", wanted, wanted)
 
-    def clear_many(self, rooms: Iterable[object]) -> dict[int, KVStateError]:
+    def clear_many(self, rooms: Iterable[object], later: bool = False) -> dict[int, KVStateError]:
         """``clear()`` of this manager's participants of many rooms in one round trip
         per Redis node. Returns the rooms not cleared, each with its node's
         StateConnectionError (Cluster, node unreachable): they stay live here and can be
         cleared again; rooms without a live participant here are skipped (a clear is
-        idempotent). Raises StateConnectionError when no node answered."""
+        idempotent). Raises StateConnectionError when no node answered.
+
+        ``later``: the clears ride this manager's next batch instead (its round trip,
+        in MULTI/EXEC beside its calls: ``poll_changed`` makes one while clears are
+        due), so a step that concludes rooms pays no trip for their keys; answers {}.
+        A clear that batch could not make stays due for the next one (logged); any
+        ``clear_many`` now takes the clears still due with it (``kvstate.roles.clears``)."""
         self.check_usable()
         todo = [p for r in rooms if (p := self._parts.get(check_room(r))) is not None]
-        sent = [p for p in todo if p.create_sent]
-        lookups = batch.lookups(sent, self.store.cluster, self.prefill_engines, clearing=True)
-        try:
-            errors = self.store.clear_many([p.clear_calls(lookups) for p in sent])
-        except KVStateError as exc:
-            for p in sent:
-                p.clear_failed(exc)
-            raise
-        failed = {p.room: e for p, e in zip(sent, errors, strict=True) if e is not None}
-        for p in sent:
-            if p.room in failed:
-                p.clear_failed(failed[p.room])
+        if not later:
+            return self.clears.now(todo)
+        self.clears.later(todo)
         for p in todo:
-            if p.room not in failed:
-                p.after_clear()
-                self.forget(p)
-        return dict(failed)
+            self.notices.forget(p.room)  # concluded: its clear, not a poll, is due
+        return {}
+
+    @property
+    def clearing(self) -> list[int]:
+        """Rooms whose clear (``clear_many(later=True)``) rides the next batch."""
+        return sorted(self.clears.due)
+
+    def _check_begin(self, begin: bool) -> None:
+        if begin and self.side != "tx":
+            raise KVStateError(
+                f"poll with begin=True is for a prefill manager's senders; {self.engine} "
+                f"is {self.role}"
+            )
 
     def _many(
-        self, op: str, rooms: Iterable[object], pages: Mapping[int, object] | None = None
+        self,
+        op: str,
+        rooms: Iterable[object],
+        pages: Mapping[int, object] | None = None,
+        begin: bool = False,
     ) -> PollResults:
         """One batch of ``op`` (poll, begin, finish, init) over many rooms of this
         manager's side (a poll: a waiting room nobody changed answers its last status)."""
         self.check_usable()
+        self._check_begin(begin)
         side = "rx" if op == "init" else "tx"
         if op != "poll" and self.side != side:
             raise KVStateError(
@@ -368,9 +393,9 @@ class KVManager:
             )
         parts = self._parts.resolve(rooms, op)
         kept: dict[int, KVPoll] = {}
-        if op == "poll":
+        if op == "poll" and not begin:  # a begin polls every room it is given
             parts, kept = self.notices.select(parts)
-        return self._batch(op, parts, kept, pages)
+        return self._batch(op, parts, kept, pages, begin)
 
     @one_call
     def _batch(
@@ -379,6 +404,7 @@ class KVManager:
         parts: list[tuple[int, Step | None]],
         kept: Mapping[int, KVPoll] | None = None,
         pages: Mapping[int, object] | None = None,
+        begin: bool = False,
     ) -> PollResults:
         """The batch of ``op`` over these participants: creates and bindings still due
         go first in the same batch (a Cluster's: one registry read per address first).
@@ -397,8 +423,9 @@ class KVManager:
             lapsed,
             pages or {},
             lambda r: self.store.poll(r, self.side, self.engine),
+            begin,
         )
-        out, bound = batch.run(self.store, plan) if plan.calls else (PollResults(), [])
+        out, bound = self.clears.run(plan)
         self.notices.polled((r, p) for r, p in parts if r in out)
         for r in out.errors:
             self.notices.ask(r)
@@ -447,6 +474,8 @@ class KVManager:
         only marks this copy closed: the lease is the parent's."""
         if self.closed:
             return
+        if self.clears.due and not self.forked:  # best effort: else their keys expire
+            self.clears.flush()
         self.closed = True
         if self.forked:
             return

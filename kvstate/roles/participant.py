@@ -202,13 +202,15 @@ class Participant:
             )
         return calls
 
-    def _poll_call(self) -> Call:
+    def _poll_call(self, begin: bool = False) -> Call:
+        """Its poll; ``begin``: a sender found ready is begun in the same call."""
         return self.store.poll(self.room, self.side, self.engine)
 
     def _batch(self, call: Call, lookups: Lookups | None) -> tuple[list[Call], int]:
         """The calls of one operation (the create and bindings still due first) and the
         index of the one whose reply is the participant's status. A first poll is the
-        create alone: create.lua answers it (with a sender's infos), one script less."""
+        create alone: create.lua answers it (with a sender's infos), one script less
+        (it begins nothing: a poll's ``begin`` waits for the next)."""
         first = not self._create_sent
         calls = self._create_calls(lookups)
         if not (first and calls and call.script == "poll"):
@@ -282,7 +284,7 @@ class Participant:
         """The calls of ``step.op`` (poll, begin, finish, init) in a batch, the create
         and bindings still due first, and the index of the one whose reply is the
         status."""
-        call = self._poll_call() if step.op == "poll" else self._step_call(step)
+        call = self._poll_call(step.begin) if step.op == "poll" else self._step_call(step)
         return self._batch(call, step.lookups)
 
     def step_ran(self, st: Status) -> Bound | None:

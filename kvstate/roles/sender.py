@@ -58,7 +58,7 @@ class KVSender(Participant):
         self._sent = 0
         self._peer_failed = False  # the heartbeat failed it: a receiver's engine died
 
-    def _poll_call(self) -> Call:
+    def _poll_call(self, begin: bool = False) -> Call:
         declared = 0 if self._counted else self._declared
         return self.store.poll(
             self.room,
@@ -67,6 +67,7 @@ class KVSender(Participant):
             with_infos=True,
             infos_version=self._infos_version,
             declared=declared,
+            begin=begin,
         )
 
     @property

@@ -240,6 +240,19 @@ local function read_status(key)
   return {h[1], h[2] or ''}
 end
 
+-- Why a sender may not write into receiver `name`'s pages (its participant hash `key`):
+-- gone (cleared or expired) or Failed, when a failed receiver may be handing its pages
+-- to another request; nil when it may. begin.lua and poll.lua's begin read it.
+local function receiver_refuses(key, name)
+  local r = read_status(key)
+  if r[1] == '' then
+    return 'receiver ' .. name .. ' is gone (cleared or expired) before the transfer'
+  elseif r[1] == 'Failed' then
+    return 'receiver ' .. name .. ' failed before the transfer: ' .. r[2]
+  end
+  return nil
+end
+
 -- The room trace (kvstate/trace.py). Every room script is called with the trace TTL in
 -- ms as its LAST argument: > 0 the room is traced; 0 it is not (nothing written); < 0
 -- append only to a trace that exists (an abort by a process that does not trace the

@@ -25,15 +25,9 @@ local cur = read_status(tx)
 if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
 local mark = read_mark(KEYS[3])
 local why = nil
-for j = 4, #KEYS do
-  local r = read_status(KEYS[j])
-  if not why then
-    if r[1] == '' then
-      why = 'receiver ' .. ARGV[j] .. ' is gone (cleared or expired) before the transfer'
-    elseif r[1] == 'Failed' then
-      why = 'receiver ' .. ARGV[j] .. ' failed before the transfer: ' .. r[2]
-    end
-  end
+for j = 4, #KEYS do  -- every receiver read: a corrupt one raises before any write
+  local refuses = receiver_refuses(KEYS[j], ARGV[j])
+  why = why or refuses
 end
 why = why or mark
 if why then

@@ -23,6 +23,12 @@
 --         count of its own (peers 0) learned from infos published before it existed
 --         (their declared count, kvstate.tp): written into it, and it moves to
 --         WaitingForInput when that many infos are there
+-- ARGV[6] (optional, with ARGV[5]: 0 when none) begin: the room's receiver key prefix
+--         (`...{<room>}:rx:`, completed by a receiver's engine: the room's slot). A
+--         sender found WaitingForInput (or moved there by ARGV[5]) is begun in this
+--         call, as begin.lua would: Transferring, answered with its infos (exactly the
+--         receivers checked, to write to), or Failed when a receiver is gone or Failed
+--         (fewer infos than its peers: a receiver cleared). Saves the step a round trip.
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
 --         is 0 (take_trace, _lib.lua): after the mark's key and TTL, so ARGV[4] stays
 --         optional
@@ -84,27 +90,59 @@ if mark or timed_out then
   trace(key, 'Failed', F_REASON, reason)
   return {status, reason}
 end
+local infos, moved = nil, false  -- moved: to WaitingForInput in this call (ARGV[5])
 if ARGV[5] and rank == 1 then
   local declared = tonumber(ARGV[5]) or 0
   local own = count_of(key, F_PEERS, redis.call('HGET', key, F_PEERS), 0, MAX_PEERS)
   if own == 0 and declared > 0 then
-    local infos = infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4])
-    if #infos / 2 >= declared then
-      local version = count_of(key, F_INFOS_V, h[5] or '0', 0, MAX_COUNT)  -- before writes
+    infos = infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4])
+    moved = #infos / 2 >= declared
+    if not moved then
       redis.call('HSET', key, F_PEERS, declared)
-      set_status(key, 'WaitingForInput', now_text(), ARGV[1])
-      touch(KEYS[2], ARGV[1])
-      trace(key, 'WaitingForInput')
-      return {'WaitingForInput', reason, infos, version}
+      return {status, reason}
     end
-    redis.call('HSET', key, F_PEERS, declared)
   end
 end
-if ARGV[4] and rank >= 2 then
-  local have = h[5] or '0'
-  count_of(key, F_INFOS_V, have, 0, MAX_COUNT)
-  if have ~= ARGV[2] then
-    return {status, reason, infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4]), have}
+local have = h[5] or '0'
+if ARGV[4] and (rank >= 2 or moved) then count_of(key, F_INFOS_V, have, 0, MAX_COUNT) end
+-- begin (ARGV[6]): a sender ready to write is begun here, as begin.lua would begin it
+-- with the receivers whose infos it is answered (all of them are returned then)
+local begin = ARGV[6] and ARGV[6] ~= '' and (rank == 2 or moved)
+local why = nil
+if begin then
+  infos = infos or infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4])
+  for i = 1, #infos, 2 do  -- every receiver read: a corrupt one raises before any write
+    local refuses = receiver_refuses(ARGV[6] .. infos[i], infos[i])
+    why = why or refuses
   end
+  local peers = moved and tonumber(ARGV[5])
+    or count_of(key, F_PEERS, redis.call('HGET', key, F_PEERS) or '0', 0, MAX_PEERS)
+  if not why and #infos / 2 < peers then  -- a receiver cleared: its info went with it
+    why = string.format('%d of the %d receivers are gone (cleared) before the transfer',
+      peers - #infos / 2, peers)
+  end
+end
+if moved then
+  redis.call('HSET', key, F_PEERS, ARGV[5])
+  set_status(key, 'WaitingForInput', now_text(), ARGV[1])
+  touch(KEYS[2], ARGV[1])
+  trace(key, 'WaitingForInput')
+  status = 'WaitingForInput'
+end
+if why then
+  set_status(key, 'Failed', now_text(), ARGV[1], why)
+  touch(KEYS[2], ARGV[1])
+  mark_room(KEYS[3], KEYS[2], why, ARGV[3])
+  trace(key, 'Failed', F_REASON, why)
+  return {'Failed', why}
+end
+if begin then
+  set_status(key, 'Transferring', now_text(), ARGV[1], nil)
+  touch(KEYS[2], ARGV[1])
+  trace(key, 'Transferring')
+  return {'Transferring', reason, infos, have}
+end
+if ARGV[4] and (rank >= 2 or moved) and (moved or have ~= ARGV[2]) then
+  return {status, reason, infos or infos_in(room_call(KEYS[2], 'HGETALL'), ARGV[4]), have}
 end
 return {status, reason}

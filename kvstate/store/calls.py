@@ -68,13 +68,16 @@ def _identity(raw: Any) -> Any:
 
 @dataclass(frozen=True)
 class Call:
-    """One command or script invocation, with how to read its reply."""
+    """One command or script invocation, with how to read its reply. ``atomic``: it runs
+    in one MULTI/EXEC with the batch's other atomic calls of its hash slot, the rest of
+    the batch beside it in the same round trip (a step's clears riding its poll)."""
 
     keys: tuple[str, ...]
     args: tuple[Any, ...]
     script: str | None = None
     command: str | None = None
     parse: Callable[[Any], Any] = _identity
+    atomic: bool = False
 
 
 def command_call(
@@ -175,17 +178,22 @@ class Calls:
         with_infos: bool = False,
         infos_version: int = -1,
         declared: int = 0,
+        begin: bool = False,
     ) -> Call:
         """Poll one participant; ``with_infos``: a sender's transfer infos too, unless
         they are still at ``infos_version`` (the version the caller holds).
         ``declared``: the receivers a sender without a count of its own learned from
-        its infos (poll.lua writes it and may move the sender to WaitingForInput)."""
+        its infos (poll.lua writes it and may move the sender to WaitingForInput).
+        ``begin`` (a sender's, with its infos): a sender found ready is begun in the
+        same call, as ``begin`` would (poll.lua)."""
         keys = self._room_keys(room, side, engine)
         args: list[Any] = [self.ttl_ms, infos_version, self.mark_ttl_ms]
         if with_infos:
             args.append(engine)
-            if declared:  # what poll.lua writes as the sender's peers
+            if declared or begin:  # what poll.lua writes as the sender's peers
                 args.append(schema.check_count(declared, "the receivers declared"))
+            if begin:
+                args.append(self.keys.participant(room, "rx", ""))
         return self._script("poll", keys, args, Status.parse, room)
 
     def update(self, room: int, side: Side, engine: str, status: KVPoll, reason: str = "") -> Call:

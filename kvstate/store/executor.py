@@ -115,8 +115,9 @@ class Executor(Translating):
         self, conn: redis.Redis, calls: list[Call], transaction: bool, partial: bool = False
     ) -> list[Any]:
         """One round trip to one server (kvstate.store.wire): the batch packed into one write,
-        the replies read in one loop. ``transaction``: the calls in MULTI/EXEC, one
-        block per hash slot on a Cluster (so a node's slots still share the trip).
+        the replies read in one loop. ``transaction`` (or a call's ``atomic``): the
+        calls in MULTI/EXEC, one block per hash slot on a Cluster (so a node's slots
+        still share the trip), after the batch's other calls.
         Scripts run by FCALL where the node's library was verified, else by EVALSHA
         (EVAL behind the probe on a node not decided yet: ``_retry``); a reply
         that the way is wrong for the node (``_retry``) sends the batch again another
@@ -124,7 +125,9 @@ class Executor(Translating):
         Durable mode: a batch holding a DURABLE_SCRIPTS call ends with WAIT, in the
         same write, and is answered only when a replica confirmed it. ``partial``: a
         call's CorruptStateError takes its reply's place instead of raising."""
-        blocks = self._blocks(calls) if transaction else None
+        blocks = self._blocks(calls, transaction)
+        inside = {i for block in blocks for i in block}
+        bare = [i for i in range(len(calls)) if i not in inside]
         durable = self.options.durable and any(c.script in scripts.DURABLE_SCRIPTS for c in calls)
         node = functions.node_key(conn)
         way = self._fcall.get(node)  # None: not decided yet (probe it, by EVAL meanwhile)
@@ -133,13 +136,11 @@ class Executor(Translating):
             how = EVALSHA  # no script in the batch: nothing to decide (nor to run) yet
         for attempt in range(3):
             packed = [self._pack(call, how) for call in calls]
-            out: list[bytes] = packed
-            if blocks is not None:
-                out = []
-                for block in blocks:
-                    out.append(_MULTI)
-                    out += [packed[i] for i in block]
-                    out.append(_EXEC)
+            out: list[bytes] = [packed[i] for i in bare]
+            for block in blocks:
+                out.append(_MULTI)
+                out += [packed[i] for i in block]
+                out.append(_EXEC)
             load = how == PROBE_EVAL
             if load:
                 out = [*_PROBE, *out]
@@ -151,16 +152,15 @@ class Executor(Translating):
             listed = raw[1] if load else None
             if load:
                 del raw[:2]
-            if blocks is None:
-                replies = raw
-            else:
-                replies = [None] * len(calls)
-                at = 0
-                for block in blocks:
-                    retry = attempt < 2
-                    self._unblock(calls, block, raw[at : at + len(block) + 2], replies, retry)
-                    at += len(block) + 2
-            again = self._retry(node, how, listed, replies, blocks is None)
+            replies: list[Any] = [None] * len(calls)
+            for i, reply in zip(bare, raw, strict=False):
+                replies[i] = reply
+            at = len(bare)
+            for block in blocks:
+                retry = attempt < 2
+                self._unblock(calls, block, raw[at : at + len(block) + 2], replies, retry)
+                at += len(block) + 2
+            again = self._retry(node, how, listed, replies, not blocks)
             if again is not None and attempt < 2:
                 how = again
                 continue
@@ -234,15 +234,17 @@ class Executor(Translating):
             "live replica (INFO replication), then call again: the call is idempotent"
         )
 
-    def _blocks(self, calls: list[Call]) -> list[list[int]]:
-        """Indices of ``calls`` per MULTI/EXEC block: one block on a standalone server,
-        one per hash slot (in order of first appearance) on a Cluster."""
-        if not self.cluster:
-            return [list(range(len(calls)))]
+    def _blocks(self, calls: list[Call], transaction: bool) -> list[list[int]]:
+        """Indices of the calls in MULTI/EXEC (all with ``transaction``, else the
+        ``atomic`` ones), per block: one block on a standalone server, one per hash slot
+        (in order of first appearance) on a Cluster; [] when none is."""
+        inside = [i for i, call in enumerate(calls) if transaction or call.atomic]
+        if not self.cluster or not inside:
+            return [inside] if inside else []
         keyslot = self.client.keyslot  # type: ignore[union-attr]
         slots: dict[int, list[int]] = {}
-        for i, call in enumerate(calls):
-            slots.setdefault(keyslot(call.keys[0]), []).append(i)
+        for i in inside:
+            slots.setdefault(keyslot(calls[i].keys[0]), []).append(i)
         return list(slots.values())
 
     def _unblock(

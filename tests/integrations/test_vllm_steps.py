@@ -1,6 +1,6 @@
 """The connector's batched step on vLLM 0.34's own Scheduler, its worker side in this
 process (``tools/bench/steps``' engine, as the benchmark runs it; the rig's worker
-processes elsewhere): the rooms a step pushes take one ``begin_many`` and one
+processes elsewhere): the rooms a step pushes are begun by its poll and take one
 ``finish_many`` whatever their number, and a ``finish_many`` that does not reach Redis
 is made on the next step, the rooms concluding as usual (the prefill's Redis behind a
 proxy that drops it between two round trips of one step)."""
@@ -112,15 +112,23 @@ def settle(p: Any, d: Any, rids: list[str]) -> None:
 def test_a_push_step_makes_the_same_round_trips_for_one_room_and_for_four(
     rig: tuple[str, Proxy, Any], n: int
 ) -> None:
+    """A room no decode took yet stays in flight, so the pushed rooms' clears ride the
+    next step's poll; once they are the last in flight, a step clears at once."""
     url, _, model = rig
     p, d = engines(url, url, model, f"flat{n}")
     try:
         rids = [f"r{i}" for i in range(n)]
+        prefilled(p, ["held"])
         handed_over(p, d, rids)
-        # poll_many, begin_many, the decode engine's registration (read once per engine
-        # incarnation: this is the first write to it), finish_many, clear_many
+        # poll_changed, which begins the rooms, the decode engine's registration (read
+        # once per engine incarnation: this is the first write to it), finish_many
         push = p.step()
-        assert push.hook_trips == {"get_finished": 5}, push.hook_trips
+        assert push.hook_trips == {"get_finished": 3}, push.hook_trips
+        after = p.step()  # the clears alone: "held" waits
+        assert after.hook_trips == {"get_finished": 1}, after.hook_trips
+        assert p.step().hook_trips == {}
+        d.add("held", 2, p.params["held"])
+        rids.append("held")
         settle(p, d, rids)
         assert room_keys(url) == []
     finally:
@@ -130,15 +138,15 @@ def test_a_push_step_makes_the_same_round_trips_for_one_room_and_for_four(
 
 @pytest.mark.parametrize(
     "through",
-    [1, 2, 3, 4],
-    ids=["lost-at-begin", "lost-at-push", "lost-at-finish", "lost-at-clear"],
+    [0, 1, 2, 3],
+    ids=["lost-at-poll", "lost-at-push", "lost-at-finish", "lost-at-clear"],
 )
 def test_redis_lost_mid_step_the_rooms_conclude_on_later_steps(
     rig: tuple[str, Proxy, Any], through: int
 ) -> None:
     """The prefill's Redis drops after ``through`` requests of a push step (its
-    poll_many, begin_many, the receivers' registration read the first push makes,
-    finish_many, clear_many): the next steps take each room up where it stopped, the
+    poll_changed, which begins the rooms, the receivers' registration read the first
+    push makes, finish_many, then the next step's poll carrying the rooms' clears): the next steps take each room up where it stopped, the
     decode gets its KV, no key is left and nothing waits for a timeout."""
     url, proxy, model = rig
     p, d = engines(url, proxy.url(), model, f"lost{through}")
@@ -146,8 +154,10 @@ def test_redis_lost_mid_step_the_rooms_conclude_on_later_steps(
         rids = ["a", "b"]
         handed_over(p, d, rids)
         proxy.drop_after(through)
-        lost = p.step()
-        assert lost.hook_trips.get("get_finished", 0) > through, lost.hook_trips
+        trips = p.step().hook_trips.get("get_finished", 0)
+        if trips <= through:  # the clears ride the next step's poll
+            trips += p.step().hook_trips.get("get_finished", 0)
+        assert trips > through, trips
         proxy.passthrough()
         settle(p, d, rids)
         assert room_keys(url) == []

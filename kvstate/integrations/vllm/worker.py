@@ -11,13 +11,15 @@ serves; a prefill worker's sender waits for as many (``required_receivers=None``
 
 Per step (``get_finished``, called once per step by vLLM's worker glue): one
 ``poll_changed`` (the rooms of this rank that may have moved: change notices, new
-rooms, the sweep), then, if any decode published, one ``begin_many`` for those rooms,
-their pages pushed, one ``finish_many``; one ``clear_many`` for the rooms that
-concluded. A step looks only at the rooms those answered and the rooms this rank acted
-on since its last step. So a step makes no round trip and costs the same at 1 room and
-at 256 while rooms wait, and a few trips (not one per room) when rooms start, move or
-conclude. A room kvstate cannot read (listed in ``.errors`` for another reason than a
-connection) fails its request alone. What happened is counted for vLLM's stats
+rooms, the sweep), which on a prefill also begins the rooms whose decode published
+(``begin=True``), then their pages pushed and one ``finish_many``. The rooms that
+concluded are cleared with the next step's poll (``clear_many(later=True)``), in its
+round trip, or at once when they were the last in flight. A step looks only at the
+rooms those answered and the rooms this rank acted on since its last step. So a step
+makes no round trip and costs the same at 1 room and at 256 while rooms wait, one when
+rooms are admitted or conclude, two when it pushes (begun before the pages are written,
+finished after). A room kvstate cannot read (listed in ``.errors`` for another reason
+than a connection) fails its request alone. What happened is counted for vLLM's stats
 (metrics.py).
 """
 
@@ -108,7 +110,6 @@ class WorkerSide:
         # vLLM takes failed blocks from one KV cache group only; with several, a failed
         # load is reported by request (KVConnectorTransferResults.failed_recving)
         self.by_request = kv_cache_config is not None and len(groups_of(kv_cache_config)) > 1
-        self._unclear: set[int] = set()  # concluded rooms whose clear must be retried
         self._reqs: dict[int, str] = {}  # room -> its request, sending or loading
         # rooms the next step looks at whatever its poll answers: acted on here since
         self._look: set[int] = set()
@@ -231,7 +232,7 @@ class WorkerSide:
         room kvstate cannot read), each room in flight alone, so that one bad room fails
         its own request only."""
         try:
-            return mgr.poll_changed()
+            return mgr.poll_changed(begin=self.producer)
         except StateConnectionError:
             raise
         except KVStateError as exc:
@@ -239,7 +240,7 @@ class WorkerSide:
         out = PollResults()
         for room in list(self._reqs):
             try:
-                out.update(mgr.poll_many([room]))
+                out.update(mgr.poll_many([room], begin=self.producer))
             except KVStateError as exc:
                 out.errors[room] = exc
         return out
@@ -248,14 +249,14 @@ class WorkerSide:
         """(requests whose blocks the prefill may free, requests whose load ended)."""
         mgr = self.mgr
         loaded, self._refused = self._refused, set()
-        if mgr is None or not (self._sending or self._loading or self._unclear):
+        if mgr is None or not (self._sending or self._loading or mgr.clearing):
             return set(), loaded
-        try:
-            res = self._poll(mgr) if self._reqs else PollResults()
+        try:  # the clears of rooms concluded before ride this poll
+            res = self._poll(mgr)
         except StateConnectionError as exc:  # Redis away: statuses stay, try next step
             log.warning("%s: poll failed: %s", self.name, exc)
             return set(), loaded
-        if not (res or res.errors or self._look or self._written or self._unclear):
+        if not (res or res.errors or self._look or self._written):
             return set(), loaded  # a waiting step: nothing moved
         bad = {r: e for r, e in res.errors.items() if not isinstance(e, StateConnectionError)}
         look, self._look = self._look | set(res) | set(bad), set()
@@ -298,6 +299,23 @@ class WorkerSide:
         self._clear(mgr, done)
         return sent, loaded
 
+    def _clear(self, mgr: KVManager, rooms: list[int]) -> None:
+        """The rooms a step concluded: cleared with the next step's poll while this
+        rank has rooms in flight (vLLM steps again for them), at once when they were
+        its last (an idle engine is not stepped: their keys would wait for the next
+        request); one that fails then rides the next step's batch."""
+        if self._sending or self._loading:
+            mgr.clear_many(rooms, later=True)
+            return
+        if not (rooms or mgr.clearing):
+            return
+        try:
+            failed = list(mgr.clear_many(rooms))
+        except KVStateError as exc:
+            log.warning("%s: clearing %d room(s) failed: %s", self.name, len(rooms), exc)
+            failed = rooms
+        mgr.clear_many(failed, later=True)
+
     def _count_failure(self, snd: KVSender) -> None:
         """A prefill room that failed: blocks freed because no decode came (its
         bootstrap timeout), or a send that failed (a decode that aborted its own
@@ -314,8 +332,9 @@ class WorkerSide:
         looked: list[tuple[KVSender, list[list[int]]]],
         bad: dict[int, KVStateError],
     ) -> None:
-        """The senders looked at whose decode published, as one batch: one
-        ``begin_many``, each room's pages pushed, one ``finish_many``. Rooms an earlier
+        """The senders looked at whose decode published, as one batch: begun by the
+        step's poll (or, answered WaitingForInput by an earlier call, by one
+        ``begin_many``), each room's pages pushed, one ``finish_many``. Rooms an earlier
         step began but could not push (Redis lost mid-write: the pages are pushed again,
         the same bytes) or pushed but could not finish are taken up where they
         stopped."""
@@ -379,16 +398,6 @@ class WorkerSide:
         except KVStateError as again:
             log.warning("room %s: abort failed: %s", p.room, again)
 
-    def _clear(self, mgr: KVManager, rooms: list[int]) -> None:
-        todo = rooms + sorted(self._unclear)
-        if not todo:
-            return
-        try:
-            self._unclear = set(mgr.clear_many(todo))
-        except KVStateError as exc:
-            log.warning("%s: clearing %d room(s) failed: %s", self.name, len(todo), exc)
-            self._unclear = set(todo)
-
     def _fail_load(self, req_id: str, pages: list[int]) -> None:
         if self.by_request:
             self._failed.add(req_id)
@@ -418,7 +427,10 @@ class WorkerSide:
                     p.abort(f"engine {self.name} shut down")
                 except KVStateError as exc:
                     log.warning("room %s: abort at shutdown failed: %s", p.room, exc)
-            self._clear(mgr, [p.room for p in live])
+            try:  # these and the clears still due
+                mgr.clear_many([p.room for p in live])
+            except KVStateError as exc:
+                log.warning("%s: clearing at shutdown failed: %s", self.name, exc)
             self._sending.clear()
             self._loading.clear()
             self._reqs.clear()
