@@ -138,6 +138,36 @@ def test_binding_follows_the_registry(store: Store) -> None:
     assert keys_of(store) == []
 
 
+def test_a_receiver_given_its_count_binds_before_it_waits(store: Store) -> None:
+    """A receiver made with ``required_senders`` (or named senders) starts with none
+    bound: its ``init`` binds and publishes to that many before it reads
+    WaitingForInput (a stored count of bound senders is dropped once it equals peers,
+    so a new one must store 0: without it the receiver read as bound, published to
+    nobody and its sender never became ready). By address and by name, in one call."""
+    p = kvstate.KVManager(store, "prefill", "prefill-a.tp0", PREFILL_ADDR, lease=60.0)
+    d = kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998", lease=60.0)
+    with p, d:
+        snd = {r: p.sender(r) for r in (1, 2)}
+        p.poll_many([1, 2])
+        by_addr = d.receiver(1, PREFILL_ADDR, required_senders=1)
+        by_name = d.receiver(2, PREFILL_ADDR, senders=[p.engine])
+        with RoundTrips.installed() as rt:
+            before = rt.count
+            assert d.init_many({1: [1], 2: [2]}) == {
+                1: KVPoll.WaitingForInput,
+                2: KVPoll.WaitingForInput,
+            }
+            # standalone: the named registrations read inside publish.lua, one trip
+            assert rt.count - before <= _nodes(store) + (1 if store.cluster else 0)
+        assert by_addr.bound == by_name.bound == {p.engine: p.incarnation}
+        assert p.poll_many([1, 2]) == {1: KVPoll.WaitingForInput, 2: KVPoll.WaitingForInput}
+        assert [s.published for s in snd.values()] == [[d.engine], [d.engine]]
+        assert not store.client.hexists(by_addr.key, "bound")  # dropped once all bound
+        p.clear_many([1, 2])
+        d.clear_many([1, 2])
+    assert keys_of(store) == []
+
+
 def test_corrupt_index_is_named(store: Store) -> None:
     """An address index that is not a sorted set: the binding raises CorruptStateError
     naming it (read inside publish.lua on a standalone server, by index.lua on a

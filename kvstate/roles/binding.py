@@ -7,12 +7,12 @@ engine registry"). The binding travels inside the receiver's next operation, so 
 always in one of three phases:
 
 - ``IDLE``: nothing in flight; ``bound`` is what Redis confirmed.
-- ``LOOKING``: a lookup went out (standalone server, senders found by address:
-  ``publish.lua`` reads the address's index itself and answers whom it bound). Until
-  its answer comes back, the lookup may have bound any engine listed at the address:
-  a clear then deletes the infos published to each of them.
-- ``NAMING``: a binding to senders chosen here went out (named senders, or a Cluster,
-  from a registry read the caller made); they count as bound once its batch ran.
+- ``LOOKING``: a lookup went out (standalone server: ``publish.lua`` reads the
+  address's index itself, keeps the engines named if any, and answers whom it bound).
+  Until its answer comes back, the lookup may have bound any engine listed at the
+  address: a clear then deletes the infos published to each of them.
+- ``NAMING``: a binding to senders chosen here went out (a Cluster, from a registry
+  read the caller made); they count as bound once its batch ran.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ class Binding:
 
     def lookup_key(self, cluster: bool) -> LookupKey | None:
         """The registry read a binding needs first, or None when ``publish.lua`` reads
-        the address's index itself (by address, on a standalone server)."""
-        if not self.named and not cluster:
+        the address's index itself (a standalone server: named senders are found
+        there too, registered at the receiver's bootstrap address)."""
+        if not cluster:
             return None
         return (self.addr, tuple(self.named) if self.named else None)
 
@@ -79,7 +80,15 @@ class Binding:
         if found is None:
             self.phase = Phase.LOOKING
             publish = store.publish(
-                room, receiver, dict(self.bound), self.payload, self.required, self.addr, self.want
+                room,
+                receiver,
+                dict(self.bound),
+                self.payload,
+                self.required,
+                self.addr,
+                self.want,
+                self.payloads,
+                self.named or (),
             )
             return replace(publish, parse=self._answered)
         required = self.required

@@ -61,7 +61,10 @@ class KVReceiver(Participant):
         required = required_senders or (len(senders) if senders else 0)  # 0: not known
         self._binding = Binding(self.bootstrap_addr, senders, required, receivers_per_sender)
         self._routes = routes or {}
-        super().__init__(mgr, room, required, {schema.PEER_ADDR: bootstrap_addr}, trace_context)
+        fields: dict[str, object] = {schema.PEER_ADDR: bootstrap_addr}
+        if required:  # bound is stored while it differs from peers: none bound yet
+            fields[schema.BOUND] = 0
+        super().__init__(mgr, room, required, fields, trace_context)
 
     @property
     def senders(self) -> list[str]:

@@ -45,7 +45,11 @@
 -- ARGV[5+3i], ARGV[6+3i], ARGV[7+3i] (named) sender i's engine, the incarnation to bind,
 --         and the info for that sender ('': ARGV[3]; tensor parallelism of another size
 --         sends each sender its own heads)
--- ARGV[8..] (lookup) the senders the caller knows it is bound to: not published to here
+-- ARGV[8] (lookup) k: how many senders the receiver names (0: any listed at the address)
+-- ARGV[7+2i], ARGV[8+2i] (lookup, i = 1..k) named sender i's engine and its own info
+--         ('': ARGV[3]): only the named listed at the address are bound (issue 33: the
+--         registry read a named binding made before its publish, folded in)
+-- ARGV[9+2k..] (lookup) the senders the caller knows it is bound to: not published to here
 -- ARGV[#ARGV], KEYS[#KEYS] (last) the trace TTL; the room's trace list unless that TTL
 --         is 0 (take_trace, _lib.lua): after the senders, taken off first, so the lists
 --         above hold
@@ -58,6 +62,9 @@ local ttl = ARGV[1]
 local lookup = ARGV[6] ~= ''
 local names, incs, txk, pays = {}, {}, {}, {}  -- sender i: engine, incarnation, key, info
 local most = 0  -- lookup: the largest group size (`ranks`) declared by those listed
+local named = {}  -- lookup: the senders named (engine -> own info), if any
+local k = lookup and tonumber(ARGV[8]) or 0
+for i = 1, k do named[ARGV[7 + 2 * i]] = ARGV[8 + 2 * i] end
 if lookup then
   local inc_of = {}
   -- members only, no scores: BYSCORE lists them in deadline order already
@@ -67,7 +74,8 @@ if lookup then
     local e, inc, ranks, role = string.match(listed[i], '^(%S+) (%S+) (%d+) (%S+)$')
     -- a member of any other shape, or a group larger than MAX_PEERS, is none of
     -- kvstate's (kvstate.registry.parse_member skips the same ones)
-    if e and role == 'prefill' and #ranks <= 6 and tonumber(ranks) <= MAX_PEERS then
+    if e and role == 'prefill' and #ranks <= 6 and tonumber(ranks) <= MAX_PEERS
+      and (k == 0 or named[e]) then
       if inc_of[e] == nil then names[#names + 1] = e end
       inc_of[e] = inc  -- listed by deadline: the last of a name is its latest incarnation
       most = math.max(most, tonumber(ranks))
@@ -104,7 +112,7 @@ if lookup then
   -- those listed and not bound yet, in name order, up to the senders still required
   if required == 0 and #names > 0 then required = math.max(#names, most) end
   local known = {}
-  for i = 8, #ARGV do known[ARGV[i]] = true end
+  for i = 9 + 2 * k, #ARGV do known[ARGV[i]] = true end
   local kept, kinc, kheld, more = {}, {}, {}, 0
   for i = 1, #names do
     local take = false
@@ -127,6 +135,7 @@ if lookup then
     h[6 + i] = kheld[i]
     want[6 + i] = F_PEER_PREFIX .. e
     txk[i] = ARGV[6] .. e
+    pays[i] = named[e]
   end
 end
 local n = #names

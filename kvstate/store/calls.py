@@ -217,26 +217,32 @@ class Calls:
         lookup: str | None = None,
         want: int = 0,
         payloads: dict[str, bytes] | None = None,
+        named: Iterable[str] = (),
     ) -> Call:
         """Bind a receiver to ``senders`` (engine -> incarnation) and, given a payload,
         publish it to them (``payloads``: a sender's own, else ``payload``); ``want``:
         the receivers each of them waits for, as the receivers declare it (0: none
         declared); see publish.lua. ``lookup`` (a bootstrap address; a
         standalone server only, where the index shares the script): the script finds
-        the senders to bind in that address's engine index itself and answers whom it
-        is bound to (``Status.bound``); ``senders`` are then those the caller knows
-        bound, which it publishes to itself."""
+        the senders to bind in that address's engine index itself (only those
+        ``named``, if any) and answers whom it is bound to (``Status.bound``);
+        ``senders`` are then those the caller knows bound, which it publishes to
+        itself."""
         k = self.keys
         schema.check_count(required, "the senders a receiver requires")
         schema.check_count(want, "the receivers declared for each sender")
         keys = self._room_keys(room, "rx", receiver)
         args: list[Any] = [self.ttl_ms, receiver, payload, required, self.mark_ttl_ms]
+        own = payloads or {}
         if lookup is not None:
             keys.append(k.engines_at(lookup))
-            args += [k.participant(room, "tx", ""), want, *senders]
+            only = list(named)
+            args += [k.participant(room, "tx", ""), want, len(only)]
+            for sender in only:
+                args += [sender, own.get(sender, b"")]
+            args += list(senders)
             return self._script("publish", keys, args, Status.parse_bound, room)
         args += ["", want]  # no lookup: the senders follow
-        own = payloads or {}
         for sender, incarnation in senders.items():
             keys.append(k.participant(room, "tx", sender))
             args += [sender, incarnation, own.get(sender, b"")]
