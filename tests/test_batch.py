@@ -288,6 +288,16 @@ def test_clears_ride_the_next_batch(store: Store) -> None:
             assert p.live_rooms == [] and snd[3].cleared
             assert d.poll_many([1, 2, 3]) == dict.fromkeys((1, 2, 3), KVPoll.Success)
             d.clear_many([1, 2, 3], later=True)
+        # a new participant of a room whose clear is due (the same keys): that clear is
+        # made before the new one's create, which starts the room over
+        old = p.sender(9)
+        old.abort("the request was cancelled")
+        p.clear_many([9], later=True)
+        new = p.sender(9)
+        assert p.poll_many([9]) == {9: KVPoll.Bootstrapping} and new.reason == ""
+        assert old.cleared and p.clearing == []
+        p.clear_many([9])
+        store.execute([command_call("DEL", store.keys.aborted(9))])
     assert rcv[3].cleared  # close() made the clears still due
     assert keys_of(store) == []
 

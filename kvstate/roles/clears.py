@@ -45,7 +45,7 @@ class Clears:
         """Clear these and the clears due, in one round trip per node; the rooms not
         cleared, with their error (those that were due stay due)."""
         due, self.due = self.due, {}
-        todo = parts + [p for p in due.values() if p not in parts]
+        todo = parts + [p for p in due.values() if p not in parts and not p.cleared]
         sent = [p for p in todo if p.create_sent]
         try:
             errors = self.store.clear_many(self._calls(sent))
@@ -62,9 +62,13 @@ class Clears:
             log.warning("%s: clearing %d room(s) failed: %s", self.engine, len(self.due), exc)
 
     def run(self, plan: batch.Plan) -> tuple[PollResults, list[Bound]]:
-        """Run a batch with the clears due riding it: in MULTI/EXEC, after its calls."""
+        """Run a batch with the clears due riding it: in MULTI/EXEC, after its calls. A
+        new participant in the batch of a room whose clear is due (the same keys) has
+        that clear made first, on a trip of its own."""
+        if any(self.due.get(room, p) is not p for room, p, _ in plan.rooms):
+            self.flush()
         due, self.due = self.due, {}
-        todo = list(due.values())
+        todo = [p for p in due.values() if not p.cleared]
         sent = [p for p in todo if p.create_sent]
         try:
             clears = self._calls(sent)
