@@ -144,8 +144,7 @@ def test_a_receiver_given_its_count_binds_before_it_waits(store: Store) -> None:
     WaitingForInput (a stored count of bound senders is dropped once it equals peers,
     so a new one must store 0: without it the receiver read as bound, published to
     nobody and its sender never became ready). By address and by name, in one call."""
-    p = kvstate.KVManager(store, "prefill", "prefill-a.tp0", PREFILL_ADDR, lease=60.0)
-    d = kvstate.KVManager(store, "decode", "decode-b.tp0", "10.0.0.2:8998", lease=60.0)
+    p, d = managers(store, lease=60.0)
     with p, d:
         snd = {r: p.sender(r) for r in (1, 2)}
         p.poll_many([1, 2])

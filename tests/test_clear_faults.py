@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -20,44 +21,52 @@ from tests.helpers import PREFILL_ADDR, keys_of, scaled, wait_for
 from tests.proxy import Proxy
 
 
-def test_a_clear_whose_reply_was_lost_reads_cleared_not_state_lost(
-    redis_proc: Any, redis_tcp_url: str
-) -> None:
+@contextmanager
+def _proxied(redis_proc: Any, namespace: str) -> Iterator[tuple[Proxy, Any, Any, float]]:
+    """A prefill and a decode manager whose Redis is behind a proxy (it can mute the
+    replies), their call_timeout; no key left once the test's rooms cleared."""
     with Proxy(("127.0.0.1", redis_proc.port)) as proxy:
         ct = scaled(1.5)
-        store = kvstate.connect(f"{proxy.url()}?call_timeout={ct}", namespace="lostclear")
+        store = kvstate.connect(f"{proxy.url()}?call_timeout={ct}", namespace=namespace)
         with (
             kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR) as p,
             kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1") as d,
         ):
-            snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
-            other = d.receiver(2, PREFILL_ADDR)
-            rcv.init(np.arange(4))
-            other.init(np.arange(4, 6))
-            assert snd.poll() == KVPoll.WaitingForInput
-            snd.begin_transfer()
-            assert snd.finish_transfer() == KVPoll.Success
-            assert rcv.poll() == KVPoll.Success
-            proxy.mute()  # the clear reaches Redis and runs there; its reply is lost
-            with pytest.raises(StateConnectionError):
-                rcv.clear()
-            proxy.passthrough()
-            assert wait_for(lambda: _answers(rcv), 4 * ct)
-            # the scheduler reads again: still Success, and cleared (not "state lost")
-            assert rcv.status == KVPoll.Success and rcv.reason == ""
-            assert rcv.cleared and rcv.failure_exception() is None
-            # the same for a step's clear_many (on a connection open before the fault)
-            assert d.poll_many([2]) == {2: KVPoll.WaitingForInput}
-            proxy.mute()
-            with pytest.raises(StateConnectionError):
-                d.clear_many([2])
-            proxy.passthrough()
-            assert wait_for(lambda: d.poll_many([2]) == {2: KVPoll.WaitingForInput}, 4 * ct)
-            assert other.cleared and other.status == KVPoll.WaitingForInput
-            assert d.live_rooms == []
-            snd.clear()
+            yield proxy, p, d, ct
         assert keys_of(store) == []
         store.close()
+
+
+def test_a_clear_whose_reply_was_lost_reads_cleared_not_state_lost(
+    redis_proc: Any, redis_tcp_url: str
+) -> None:
+    with _proxied(redis_proc, "lostclear") as (proxy, p, d, ct):
+        snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
+        other = d.receiver(2, PREFILL_ADDR)
+        rcv.init(np.arange(4))
+        other.init(np.arange(4, 6))
+        assert snd.poll() == KVPoll.WaitingForInput
+        snd.begin_transfer()
+        assert snd.finish_transfer() == KVPoll.Success
+        assert rcv.poll() == KVPoll.Success
+        proxy.mute()  # the clear reaches Redis and runs there; its reply is lost
+        with pytest.raises(StateConnectionError):
+            rcv.clear()
+        proxy.passthrough()
+        assert wait_for(lambda: _answers(rcv.poll), 4 * ct)
+        # the scheduler reads again: still Success, and cleared (not "state lost")
+        assert rcv.status == KVPoll.Success and rcv.reason == ""
+        assert rcv.cleared and rcv.failure_exception() is None
+        # the same for a step's clear_many (on a connection open before the fault)
+        assert d.poll_many([2]) == {2: KVPoll.WaitingForInput}
+        proxy.mute()
+        with pytest.raises(StateConnectionError):
+            d.clear_many([2])
+        proxy.passthrough()
+        assert wait_for(lambda: d.poll_many([2]) == {2: KVPoll.WaitingForInput}, 4 * ct)
+        assert other.cleared and other.status == KVPoll.WaitingForInput
+        assert d.live_rooms == []
+        snd.clear()
 
 
 def test_a_begin_or_clear_riding_a_poll_whose_reply_was_lost(
@@ -69,59 +78,36 @@ def test_a_begin_or_clear_riding_a_poll_whose_reply_was_lost(
     second begin, no room left Transferring until its timeout. A clear riding a poll
     (``clear_many(later=True)``) whose reply was lost stays due and is made again
     with the next batch; the participant's Success stands."""
-    with Proxy(("127.0.0.1", redis_proc.port)) as proxy:
-        ct = scaled(1.5)
-        store = kvstate.connect(f"{proxy.url()}?call_timeout={ct}", namespace="lostbegin")
-        with (
-            kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR) as p,
-            kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1") as d,
-        ):
-            snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
-            assert p.poll_many([1]) == {1: KVPoll.Bootstrapping}
-            rcv.init(np.arange(4))
-            proxy.mute()  # the begin runs in Redis; its reply is lost
-            with pytest.raises(StateConnectionError):
-                p.poll_many([1], begin=True)
-            proxy.passthrough()
-            assert snd.status == KVPoll.Bootstrapping and not snd.published
-            assert wait_for(lambda: _answers_many(p, [1]), 4 * ct)
-            assert snd.status == KVPoll.Transferring
-            assert [i.kv_indices.tolist() for i in snd.transfer_infos().values()] == [[0, 1, 2, 3]]
-            assert p.finish_many([1]) == {1: KVPoll.Success}
-            assert rcv.poll() == KVPoll.Success
-            # its clear rides the next poll, whose reply is lost: due again, made again
-            p.clear_many([1], later=True)
-            proxy.mute()
-            with pytest.raises(StateConnectionError):
-                p.poll_changed()
-            proxy.passthrough()
-            assert p.clearing == [1] and not snd.cleared
-            assert wait_for(lambda: _answers_changed(p), 4 * ct)
-            assert snd.cleared and snd.status == KVPoll.Success and p.clearing == []
-            d.clear_many([1])
-        assert keys_of(store) == []
-        store.close()
+    with _proxied(redis_proc, "lostbegin") as (proxy, p, d, ct):
+        snd, rcv = p.sender(1), d.receiver(1, PREFILL_ADDR)
+        assert p.poll_many([1]) == {1: KVPoll.Bootstrapping}
+        rcv.init(np.arange(4))
+        proxy.mute()  # the begin runs in Redis; its reply is lost
+        with pytest.raises(StateConnectionError):
+            p.poll_many([1], begin=True)
+        proxy.passthrough()
+        assert snd.status == KVPoll.Bootstrapping and not snd.published
+        assert wait_for(lambda: _answers(lambda: p.poll_many([1], begin=True)), 4 * ct)
+        assert snd.status == KVPoll.Transferring
+        assert [i.kv_indices.tolist() for i in snd.transfer_infos().values()] == [[0, 1, 2, 3]]
+        assert p.finish_many([1]) == {1: KVPoll.Success}
+        assert rcv.poll() == KVPoll.Success
+        # its clear rides the next poll, whose reply is lost: due again, made again
+        p.clear_many([1], later=True)
+        proxy.mute()
+        with pytest.raises(StateConnectionError):
+            p.poll_changed()
+        proxy.passthrough()
+        assert p.clearing == [1] and not snd.cleared
+        assert wait_for(lambda: _answers(p.poll_changed), 4 * ct)
+        assert snd.cleared and snd.status == KVPoll.Success and p.clearing == []
+        d.clear_many([1])
 
 
-def _answers_changed(mgr: Any) -> bool:
+def _answers(call: Callable[[], object]) -> bool:
+    """Whether ``call`` reached Redis (a step's poll after the proxy let replies through)."""
     try:
-        mgr.poll_changed()
-    except StateConnectionError:
-        return False
-    return True
-
-
-def _answers_many(mgr: Any, rooms: list[int]) -> bool:
-    try:
-        mgr.poll_many(rooms, begin=True)
-    except StateConnectionError:
-        return False
-    return True
-
-
-def _answers(part: Any) -> bool:
-    try:
-        part.poll()
+        call()
     except StateConnectionError:
         return False
     return True

@@ -302,3 +302,14 @@ local function trace(key, event, ...)
     trace_timed = true
   end
 end
+
+-- Fail participant `key` with `reason`, and its room with it (design rule 3): its status
+-- and TTL, the room hash's TTL, the room's failure mark and the trace entry; the room
+-- hash and the mark are every room script's KEYS[2] and KEYS[3]. Returns the reply.
+local function fail_room(key, reason, ttl, mark_ttl)
+  set_status(key, 'Failed', now_text(), ttl, reason)
+  touch(KEYS[2], ttl)
+  mark_room(KEYS[3], KEYS[2], reason, mark_ttl)
+  trace(key, 'Failed', F_REASON, reason)
+  return {'Failed', reason}
+end

@@ -30,13 +30,7 @@ for j = 4, #KEYS do  -- every receiver read: a corrupt one raises before any wri
   why = why or refuses
 end
 why = why or mark
-if why then
-  set_status(tx, 'Failed', now_text(), ttl, why)
-  touch(KEYS[2], ttl)
-  mark_room(KEYS[3], KEYS[2], why, ARGV[2])
-  trace(tx, 'Failed', F_REASON, why)
-  return {'Failed', why}
-end
+if why then return fail_room(tx, why, ttl, ARGV[2]) end
 if cur[1] == 'Bootstrapping' then return cur end
 if cur[1] ~= 'Transferring' then
   set_status(tx, 'Transferring', now_text(), ttl, nil)

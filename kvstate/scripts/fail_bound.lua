@@ -27,8 +27,5 @@ if ARGV[3] ~= '' then
   if not h[2] then return 0 end
   if ARGV[4] ~= '' and h[2] ~= ARGV[4] then return 0 end
 end
-set_status(key, 'Failed', now_text(), ARGV[1], ARGV[2])
-touch(KEYS[2], ARGV[1])
-mark_room(KEYS[3], KEYS[2], ARGV[2], ARGV[5])
-trace(key, 'Failed', F_REASON, ARGV[2])
+fail_room(key, ARGV[2], ARGV[1], ARGV[5])
 return 1

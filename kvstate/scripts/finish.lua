@@ -81,13 +81,7 @@ if #waiting > 0 then  -- their acks so far, in one read of the room hash
   end
 end
 why = why or mark
-if why then
-  set_status(tx, 'Failed', now_text(), ttl, why)
-  touch(KEYS[2], ttl)
-  mark_room(KEYS[3], KEYS[2], why, ARGV[3])
-  trace(tx, 'Failed', F_REASON, why)
-  return {'Failed', why}
-end
+if why then return fail_room(tx, why, ttl, ARGV[3]) end
 if cur[1] ~= 'Transferring' and cur[1] ~= 'Success' then return cur end
 if cur[1] ~= 'Success' then
   set_status(tx, 'Success', now_text(), ttl, nil)

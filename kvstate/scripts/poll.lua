@@ -129,13 +129,7 @@ if moved then
   trace(key, 'WaitingForInput')
   status = 'WaitingForInput'
 end
-if why then
-  set_status(key, 'Failed', now_text(), ARGV[1], why)
-  touch(KEYS[2], ARGV[1])
-  mark_room(KEYS[3], KEYS[2], why, ARGV[3])
-  trace(key, 'Failed', F_REASON, why)
-  return {'Failed', why}
-end
+if why then return fail_room(key, why, ARGV[1], ARGV[3]) end
 if begin then
   set_status(key, 'Transferring', now_text(), ARGV[1], nil)
   touch(KEYS[2], ARGV[1])

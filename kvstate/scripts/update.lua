@@ -22,13 +22,7 @@ local cur = read_status(key)
 if cur[1] == '' or cur[1] == 'Failed' or cur[1] == 'Success' then return cur end
 local mark = read_mark(KEYS[3])
 if new == 0 or (mark and new > RANK[cur[1]]) then
-  local reason = ARGV[2]
-  if new ~= 0 then reason = mark end
-  set_status(key, 'Failed', now_text(), ARGV[3], reason)
-  touch(KEYS[2], ARGV[3])
-  mark_room(KEYS[3], KEYS[2], reason, ARGV[4])
-  trace(key, 'Failed', F_REASON, reason)
-  return {'Failed', reason}
+  return fail_room(key, (new ~= 0) and mark or ARGV[2], ARGV[3], ARGV[4])
 end
 if new > RANK[cur[1]] then
   set_status(key, ARGV[1], now_text(), ARGV[3], nil)
