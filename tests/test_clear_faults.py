@@ -16,7 +16,7 @@ import pytest
 
 import kvstate
 from kvstate import KVPoll
-from kvstate.errors import StateConnectionError
+from kvstate.errors import KVStateError, StateConnectionError
 from tests.helpers import PREFILL_ADDR, keys_of, scaled, wait_for
 from tests.proxy import Proxy
 
@@ -102,6 +102,47 @@ def test_a_begin_or_clear_riding_a_poll_whose_reply_was_lost(
         assert wait_for(lambda: _answers(p.poll_changed), 4 * ct)
         assert snd.cleared and snd.status == KVPoll.Success and p.clearing == []
         d.clear_many([1])
+
+
+def test_a_finish_that_clears_concludes_its_room_even_with_its_reply_lost(
+    redis_proc: Any, redis_tcp_url: str
+) -> None:
+    """``finish_many(clear=True)``: each sender it concludes is cleared in its round
+    trip, its Success answered, its receiver Success. Its reply lost (the finish and
+    the clear ran): no clear is left due to ride another batch, and the finish made
+    again reads the sender cleared, its status Transferring, answered without a
+    refusal; the receiver reads Success. The reply of a room Redis never saw: the
+    finish made again finishes and clears it."""
+    with _proxied(redis_proc, "finishclear") as (proxy, p, d, ct):
+        rooms = [1, 2, 3]
+        snds = [p.sender(r) for r in rooms]
+        rcvs = [d.receiver(r, PREFILL_ADDR) for r in rooms]
+        for i, rcv in enumerate(rcvs):
+            rcv.init(np.arange(4 * i, 4 * i + 4))
+        assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+        assert p.begin_many(rooms) == dict.fromkeys(rooms, KVPoll.Transferring)
+        assert p.finish_many([1], clear=True) == {1: KVPoll.Success}
+        assert snds[0].cleared and p.live_rooms == [2, 3] and p.clearing == []
+        assert rcvs[0].poll() == KVPoll.Success
+        proxy.mute()  # the finish and its clear run in Redis; the reply is lost
+        with pytest.raises(StateConnectionError):
+            p.finish_many([2], clear=True)
+        proxy.passthrough()
+        assert p.clearing == [] and snds[1].status == KVPoll.Transferring
+        again: list[Any] = []
+        assert wait_for(
+            lambda: _answers(lambda: again.append(p.finish_many([2], clear=True))), 4 * ct
+        )
+        assert again == [{2: KVPoll.Transferring}] and not again[0].errors
+        assert snds[1].cleared and p.live_rooms == [3]
+        assert rcvs[1].poll() == KVPoll.Success
+        # a room the batch leaves unanswered (not sent at all) keeps its sender
+        with pytest.raises(KVStateError):
+            p.finish_many([3, 99], clear=True)
+        assert p.clearing == [] and not snds[2].cleared
+        assert p.finish_many([3], clear=True) == {3: KVPoll.Success}
+        assert rcvs[2].poll() == KVPoll.Success
+        d.clear_many(rooms)
 
 
 def _answers(call: Callable[[], object]) -> bool:

@@ -116,7 +116,9 @@ def answer(batch: Plan, replies: Sequence[Any]) -> tuple[PollResults, list[Bound
             made = p.step_ran(st)
             if made is not None:
                 bound.append(made)
-            if batch.op in READY and p.status not in READY[batch.op]:
+            # one found cleared (its own clear had run, the reply lost) answers its
+            # last status: nothing is left to refuse
+            if batch.op in READY and p.status not in READY[batch.op] and not p.cleared:
                 out.errors[room] = not_ready(room, batch.op, p.status)
             else:
                 out[room] = p.status

@@ -325,10 +325,33 @@ class KVManager:
         is sent."""
         return self._many("begin", rooms)
 
-    def finish_many(self, rooms: Iterable[object]) -> PollResults:
+    def finish_many(self, rooms: Iterable[object], clear: bool = False) -> PollResults:
         """``finish_transfer()`` of many senders of this manager in one round trip per
-        Redis node: each becomes Success and acks its receivers. As ``begin_many``."""
-        return self._many("finish", rooms)
+        Redis node: each becomes Success and acks its receivers. As ``begin_many``.
+
+        ``clear``: the senders this finish concludes (those Transferring: it answers
+        each Success or Failed) are cleared in its round trip, in MULTI/EXEC after the
+        finishes, as ``clear_many(later=True)``'s clears ride a batch: for a prefill
+        that lets go of a room whatever its outcome, one round trip fewer. A room the
+        batch leaves unanswered keeps its sender and no clear is left due for it (a
+        clear riding another batch would delete a sender that may not have finished):
+        finish it again. One whose reply was lost after its clear ran reads
+        ``cleared`` on that next finish, its status still Transferring: concluded,
+        its outcome its receivers'."""
+        todo = list(rooms)
+        ending = [
+            p
+            for r in todo
+            if (p := self._parts.get(check_room(r))) is not None and p.status == KVPoll.Transferring
+        ]
+        if clear:
+            self.clears.later(ending)
+        try:
+            return self._many("finish", todo)
+        finally:
+            for p in ending:
+                if p.status == KVPoll.Transferring and self.clears.due.get(p.room) is p:
+                    del self.clears.due[p.room]
 
     def init_many(self, pages: Mapping[object, object]) -> PollResults:
         """``init(kv_indices)`` of many receivers of this (decode) manager, room ->

@@ -12,15 +12,16 @@ serves; a prefill worker's sender waits for as many (``required_receivers=None``
 Per step (``get_finished``, called once per step by vLLM's worker glue): one
 ``poll_changed`` (the rooms of this rank that may have moved: change notices, new
 rooms, the sweep), which on a prefill also begins the rooms whose decode published
-(``begin=True``), then their pages pushed and one ``finish_many``. The rooms that
-concluded are cleared with the next step's poll (``clear_many(later=True)``), in its
-round trip, or at once when they were the last in flight. A step looks only at the
-rooms those answered and the rooms this rank acted on since its last step. So a step
-makes no round trip and costs the same at 1 room and at 256 while rooms wait, one when
-rooms are admitted or conclude, two when it pushes (begun before the pages are written,
-finished after). A room kvstate cannot read (listed in ``.errors`` for another reason
-than a connection) fails its request alone. What happened is counted for vLLM's stats
-(metrics.py).
+(``begin=True``), then their pages pushed and one ``finish_many``, which clears them
+in its round trip (``clear=True``: the prefill lets go of a room whatever its
+outcome). Other rooms that concluded are cleared with the next step's poll
+(``clear_many(later=True)``), in its round trip, or at once when they were the last in
+flight. A step looks only at the rooms those answered and the rooms this rank acted on
+since its last step. So a step makes no round trip and costs the same at 1 room and at
+256 while rooms wait, one when rooms are admitted or conclude, two when it pushes
+(begun before the pages are written, finished and cleared after). A room kvstate
+cannot read (listed in ``.errors`` for another reason than a connection) fails its
+request alone. What happened is counted for vLLM's stats (metrics.py).
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ class WorkerSide:
             snd = self._sending[req_id][0]
             if snd.room in bad:
                 self._give_up(snd, bad[snd.room])
-            if snd.room in bad or snd.status in DONE:
+            # cleared by its finish: concluded, even where the reply was lost
+            if snd.room in bad or snd.status in DONE or snd.cleared:
                 self._written.pop(snd.room, None)
                 if snd.room in bad or snd.status == KVPoll.Failed:
                     self._count_failure(snd)
@@ -334,10 +336,10 @@ class WorkerSide:
     ) -> None:
         """The senders looked at whose decode published, as one batch: begun by the
         step's poll (or, answered WaitingForInput by an earlier call, by one
-        ``begin_many``), each room's pages pushed, one ``finish_many``. Rooms an earlier
-        step began but could not push (Redis lost mid-write: the pages are pushed again,
-        the same bytes) or pushed but could not finish are taken up where they
-        stopped."""
+        ``begin_many``), each room's pages pushed, one ``finish_many`` that clears the
+        rooms it concludes (``clear=True``). Rooms an earlier step began but could not
+        push (Redis lost mid-write: the pages are pushed again, the same bytes) or
+        pushed but could not finish are taken up where they stopped."""
         live = [(s, b) for s, b in looked if s.room not in bad]
         ready = {s.room: (s, b) for s, b in live if s.status == KVPoll.WaitingForInput}
         unpushed = [
@@ -354,10 +356,13 @@ class WorkerSide:
         for snd, blocks in [*unpushed, *ready.values()]:
             if snd.status == KVPoll.Transferring:  # else failed meanwhile: write nothing
                 self._write(snd, blocks)
+        for snd, _ in looked:
+            if snd.cleared:  # its finish ran with its clear, the reply lost: concluded
+                self._written.pop(snd.room, None)
         if not self._written:
             return
         try:
-            res = mgr.finish_many(sorted(self._written))
+            res = mgr.finish_many(sorted(self._written), clear=True)
         except StateConnectionError as exc:  # pushed: finish them next step
             log.warning("%s: finishing %d room(s) failed: %s", self.name, len(self._written), exc)
             return
