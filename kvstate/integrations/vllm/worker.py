@@ -302,10 +302,11 @@ class WorkerSide:
         return sent, loaded
 
     def _clear(self, mgr: KVManager, rooms: list[int]) -> None:
-        """The rooms a step concluded: cleared with the next step's poll while this
-        rank has rooms in flight (vLLM steps again for them), at once when they were
-        its last (an idle engine is not stepped: their keys would wait for the next
-        request); one that fails then rides the next step's batch."""
+        """The rooms a step concluded (those its finish cleared are skipped): cleared
+        with the next step's poll while this rank has rooms in flight (vLLM steps again
+        for them), at once when they were its last (an idle engine is not stepped: their
+        keys would wait for the next request); one that fails then rides the next
+        step's batch."""
         if self._sending or self._loading:
             mgr.clear_many(rooms, later=True)
             return
