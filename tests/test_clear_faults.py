@@ -111,8 +111,8 @@ def test_a_finish_that_clears_concludes_its_room_even_with_its_reply_lost(
     trip, its Success answered, its receiver Success. Its reply lost (the finish and
     the clear ran): no clear is left due to ride another batch, and the finish made
     again reads the sender cleared, its status Transferring, answered without a
-    refusal; the receiver reads Success. The reply of a room Redis never saw: the
-    finish made again finishes and clears it."""
+    refusal; the receiver reads Success. A finish refused before anything is sent (a
+    room with no sender here) leaves no clear due; made again, it finishes and clears."""
     with _proxied(redis_proc, "finishclear") as (proxy, p, d, ct):
         rooms = [1, 2, 3]
         snds = [p.sender(r) for r in rooms]
@@ -141,6 +141,7 @@ def test_a_finish_that_clears_concludes_its_room_even_with_its_reply_lost(
             p.finish_many([3, 99], clear=True)
         assert p.clearing == [] and not snds[2].cleared
         assert p.finish_many([3], clear=True) == {3: KVPoll.Success}
+        assert snds[2].cleared and p.live_rooms == []
         assert rcvs[2].poll() == KVPoll.Success
         d.clear_many(rooms)
 

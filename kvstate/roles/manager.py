@@ -338,14 +338,17 @@ class KVManager:
         finish it again. One whose reply was lost after its clear ran reads
         ``cleared`` on that next finish, its status still Transferring: concluded,
         its outcome its receivers'."""
+        if not clear:
+            return self._many("finish", rooms)
         todo = list(rooms)
         ending = [
             p
             for r in todo
-            if (p := self._parts.get(check_room(r))) is not None and p.status == KVPoll.Transferring
+            if (p := self._parts.get(check_room(r))) is not None
+            and p.status == KVPoll.Transferring
+            and p.room not in self.clears.due  # one due already stays due
         ]
-        if clear:
-            self.clears.later(ending)
+        self.clears.later(ending)
         try:
             return self._many("finish", todo)
         finally:
