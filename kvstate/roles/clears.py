@@ -41,6 +41,12 @@ class Clears:
         for p in parts:
             self.due[p.room] = p
 
+    def withdraw(self, parts: list[Step]) -> None:
+        """These participants' clears no longer ride the next batch."""
+        for p in parts:
+            if self.due.get(p.room) is p:
+                del self.due[p.room]
+
     def now(self, parts: list[Step]) -> dict[int, KVStateError]:
         """Clear these and the clears due, in one round trip per node; the rooms not
         cleared, with their error (those that were due stay due)."""

@@ -352,9 +352,7 @@ class KVManager:
         try:
             return self._many("finish", todo)
         finally:
-            for p in ending:
-                if p.status == KVPoll.Transferring and self.clears.due.get(p.room) is p:
-                    del self.clears.due[p.room]
+            self.clears.withdraw([p for p in ending if p.status == KVPoll.Transferring])
 
     def init_many(self, pages: Mapping[object, object]) -> PollResults:
         """``init(kv_indices)`` of many receivers of this (decode) manager, room ->
