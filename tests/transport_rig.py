@@ -166,6 +166,16 @@ class Peer:
             for b, (n, pb) in zip(self.call("dump"), self.spec, strict=True)
         ]
 
+    def memory(self) -> list[np.ndarray]:
+        """Its layers read from outside (``/proc/<pid>/mem``), which works while the
+        peer is stopped: what a stalled receiver holds, not what it would answer."""
+        out = []
+        with open(f"/proc/{self.proc.pid}/mem", "rb", buffering=0) as mem:
+            for buf, (n, pb) in zip(self.layout["buffers"], self.spec, strict=True):
+                mem.seek(buf["addr"])
+                out.append(np.frombuffer(mem.read(buf["nbytes"]), dtype=np.uint8).reshape(n, pb))
+        return out
+
     def kill(self) -> None:
         if self.proc.is_alive():
             os.kill(self.proc.pid or 0, signal.SIGKILL)

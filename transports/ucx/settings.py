@@ -42,13 +42,13 @@ Settings (each can be overridden)
       build does with error handling on. Measured on one host,
       ``KVSTATE_UCX_CMA=0``, 64 MiB, timed in turn (``tools/bench_transfer.py
       --ucx-lanes``, load 4.9, 2 CPUs): contiguous 1.15 -> 4.61 GB/s, fragmented
-      1.12 -> 2.30 (NIXL 1.5.1's best 4.15 / 1.94). Not the default: under load,
-      over TCP with ``inf``, a write to a receiver stopped by SIGSTOP was reported
-      complete in one loaded run
-      (``tests/test_transport.py::test_stalled_receiver_hits_the_deadline``), and
-      until that is understood kvstate keeps ucxx's threshold, with which the same
-      test holds. Set it for one-host deployments
-      whose same-host path is UCX (docs/benchmarks.md, Same host, UCX path).
+      1.12 -> 2.30 (NIXL 1.5.1's best 4.15 / 1.94). Not the default: its lanes on
+      device memory are not measured, and one loaded CI run saw a write over TCP to a
+      receiver stopped by SIGSTOP complete (not seen since in 200 loaded runs;
+      ``tests/test_transport.py::test_stalled_receiver`` now checks that such a write
+      is never reported complete without every byte in the stopped receiver's
+      memory). Set it for one-host deployments whose same-host path is UCX
+      (docs/benchmarks.md, Same host, UCX path).
     * ``UCX_TLS``, ``UCX_RNDV_SCHEME`` and the rest are left to UCX unless set
       in the environment (puts do not use rendezvous; UCX picks RDMA,
       cuda_ipc or TCP as available). ``UCX_WARN_UNUSED_ENV_VARS=n`` is a
