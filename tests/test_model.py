@@ -1,6 +1,7 @@
 """A model-based test of issue 17's orders (hypothesis stateful testing): a prefill and
 a decode manager driven through random interleavings of create, init, poll, begin,
-finish, abort (either side, or another process through the Store), clear,
+finish (alone, or with its clear: ``finish_many(clear=True)``), abort (either side, or
+another process through the Store), clear,
 ``fail_peer``, a lease lapse and close, against real Redis (standalone and a
 3-primary Cluster). After every step, read straight from Redis:
 
@@ -57,7 +58,7 @@ reason = st.sampled_from(["client went away", "decode ran out of pages", "operat
 # the calls, weighted: the lifecycle's own more often than the ways out of it
 op = st.sampled_from(
     ["poll", "create_receiver", "init", "create_sender", "begin", "finish"] * 3
-    + ["abort", "abort_from_elsewhere", "clear", "fail_peer"] * 2
+    + ["abort", "abort_from_elsewhere", "clear", "fail_peer", "finish_clear"] * 2
     + ["lease_lapse", "close"]
 )
 
@@ -193,6 +194,26 @@ class RoomMachine(RuleBasedStateMachine):
             assert got == KVPoll.Failed, "a process past its lease wrote Success"
             self.lapsed = "done"
 
+    def op_finish_clear(self, i: int, s: str, why: str) -> None:
+        """``finish_many(clear=True)``, a vLLM push step's: a sender the finish concludes
+        (Transferring here, answered Success or Failed) is cleared in its round trip, and
+        one it leaves otherwise keeps its keys."""
+        snd = self._participant(i, "tx")
+        if snd is None or snd.cleared:
+            return
+        was = snd.status
+        got = self._call("tx", lambda: self.p.finish_many([snd.room], clear=True))
+        if got is None:
+            return
+        now = got.get(snd.room)
+        concluded = was == KVPoll.Transferring and now in (KVPoll.Success, KVPoll.Failed)
+        assert snd.cleared == concluded, (was, now, got.errors)
+        if snd.cleared:
+            self.cleared.add(snd.key)
+        if self.lapsed == "pending" and now is not None:
+            assert now == KVPoll.Failed, "a process past its lease wrote Success"
+            self.lapsed = "done"
+
     def op_abort(self, i: int, s: str, why: str) -> None:
         part = self._participant(i, s)
         if part is not None:
@@ -322,6 +343,33 @@ ORDERS = {
         ("init", "rx"),
         ("begin", "tx"),
         ("clear", "tx"),
+    ],
+    # finish_many(clear=True), a vLLM push step's finish, whose random examples seldom
+    # find a sender Transferring
+    "a finish with its clear, before and after begin": [
+        ("create_receiver", "rx"),
+        ("create_sender", "tx"),
+        ("init", "rx"),
+        ("finish_clear", "tx"),
+        ("begin", "tx"),
+        ("finish_clear", "tx"),
+        ("poll", "rx"),
+    ],
+    "decode aborts between begin and a finish with its clear": [
+        ("create_sender", "tx"),
+        ("create_receiver", "rx"),
+        ("init", "rx"),
+        ("begin", "tx"),
+        ("abort", "rx"),
+        ("finish_clear", "tx"),
+    ],
+    "lease lapse between begin and a finish with its clear": [
+        ("create_receiver", "rx"),
+        ("init", "rx"),
+        ("create_sender", "tx"),
+        ("begin", "tx"),
+        ("lease_lapse", "tx"),
+        ("finish_clear", "tx"),
     ],
 }
 
