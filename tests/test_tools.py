@@ -339,6 +339,7 @@ def test_bench_state_pairs_smoke() -> None:
         ("standalone_unix", 1),
         ("cluster1", 1),
         ("cluster3", 3),
+        ("cluster3_one", 3),
     ):
         d = doc[name]
         assert d["lifecycles"] == 2 * 2 * 16, d
@@ -350,6 +351,8 @@ def test_bench_state_pairs_smoke() -> None:
             "busiest_primary_cpu_us_per_lifecycle",
         )
         assert d["busiest_over_mean"] >= 1.0
+    one = doc["cluster3_one"]["primary_cpu_us_per_lifecycle"]  # every key on the first
+    assert one[0] > 3 * max(one[1:]), one
     for name in ("standalone_tcp", "cluster3"):
         assert_positive(doc[name], "room_memory_bytes", "room_memory_usage_bytes")
     for ratio in doc["ratios"].values():
@@ -362,6 +365,8 @@ def test_bench_state_pairs_smoke() -> None:
         "cluster_total_cpu_over_standalone_tcp",
         "cluster_total_cpu_over_standalone_unix",
         "one_node_cluster_cpu_over_standalone_tcp",
+        "cluster_on_one_primary_cpu_over_standalone_tcp",
+        "cluster_total_cpu_over_cluster_on_one_primary",
     }
 
 

@@ -39,7 +39,10 @@ so a busy machine moves them less than the absolute figures):
   alternating rounds: Redis CPU us per lifecycle of each primary, the busiest against the
   primaries' mean, scale-out by the busiest primary's CPU, the Cluster's total against
   standalone, where each pair's address tracker landed (``--placement spread`` picks
-  the addresses so that they spread evenly), and memory per room on each.
+  the addresses so that they spread evenly), and memory per room on each; and the same
+  3-primary Cluster with every key of the run on one of its primaries (``cluster3_one``),
+  against which the Cluster's total tells what splitting each step over the primaries
+  costs.
 
 - ``--tp-shapes`` (a mode of its own): rooms between TP groups of different sizes
   (prefill x decode ranks 2x4, 4x2, 1x4, 4x1) against equal-TP rooms (2x2, 4x4), in

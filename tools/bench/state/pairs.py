@@ -11,7 +11,10 @@ busiest primary's CPU, the Cluster's total against one server's). The standalone
 is measured over TCP (the Cluster's transport: loopback TCP costs Redis more CPU than a
 unix socket) and over its unix socket beside it; a one-node Cluster (cluster mode on, every
 slot on one primary) tells the cost of cluster mode itself from that of a step split
-over three primaries (one round trip per node, each with a third of the rooms). Memory
+over three primaries (one round trip per node, each with a third of the rooms), and the
+same 3-primary Cluster with every pair's keys on one of its primaries (``cluster3_one``:
+rooms and addresses picked by where their keys land) tells that split from the nodes
+merely being there (their cron, the PUBLISH of a change notice broadcast to each). Memory
 per room is the INFO used_memory slope of ``memory.held_room_memory`` on each deployment.
 
 Where each pair's per-engine keys land is printed: its address index
@@ -33,11 +36,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from itertools import islice
 from typing import Any
 
 import numpy as np
 
 from kvstate.keys import Keys
+from kvstate.store import Store
 from kvstate.testing import RedisCluster, RedisProcess
 from kvstate.testing.process import free_port_pair
 from tools.bench.state.memory import HELD_ROOMS, held_room_memory
@@ -47,26 +52,58 @@ from tools.bench.state.workload import batch_lifecycles, connect, pair
 NAMESPACE = "bench"
 
 
-def _worker(urls: dict[str, str], addr: str, worker: int, batch: int, cmd: Any, done: Any) -> None:
+ONE = "cluster3_one"  # the 3-primary Cluster, every key of the run on one primary
+
+
+def _rooms(store: Store, addr: str, count: int, primary: str | None) -> list[int]:
+    """``count`` room ids from 1000 up; with ``primary``, only those whose room keys and
+    address tracker shard live on it (picked before the rounds: no client cost in them)."""
+    rooms = iter(range(1000, 1 << 62))
+    if primary is None:
+        return [next(rooms) for _ in range(count)]
+    client: Any = store.client
+    return list(
+        islice(
+            (
+                r
+                for r in rooms
+                if client.get_node_from_key(store.keys.room_hash(r)).name == primary
+                and client.get_node_from_key(store.keys.tracker(addr, r)).name == primary
+            ),
+            count,
+        )
+    )
+
+
+def _worker(
+    urls: dict[str, str],
+    addrs: dict[str, str],
+    primary: str,
+    worker: int,
+    batch: int,
+    lifecycles: int,
+    cmd: Any,
+    done: Any,
+) -> None:
     """One engine pair per deployment (spawned): warm, ready, then rounds on command."""
     pages = np.arange(0, 4096, dtype=np.int32)
     with ExitStack() as stack:
-        pairs = {}
+        pairs, rooms = {}, {}
         for name, url in urls.items():
             store = connect(url, f"{NAMESPACE}-{name}")
             stack.callback(store.close)
-            pairs[name] = stack.enter_context(pair(store, worker, addr=addr))
-        for p, d in pairs.values():
-            batch_lifecycles(p, d, range(batch), pages)  # warm: scripts, peers resolved
+            pairs[name] = stack.enter_context(pair(store, worker, addr=addrs[name]))
+            todo = _rooms(store, addrs[name], batch + lifecycles, primary if name == ONE else None)
+            rooms[name] = iter([todo[i : i + batch] for i in range(0, len(todo), batch)])
+        for name, (p, d) in pairs.items():
+            batch_lifecycles(p, d, next(rooms[name]), pages)  # warm: scripts, peers resolved
         done.put(None)
-        base = 1000
         while (msg := cmd.get()) is not None:
             name, steps = msg
             p, d = pairs[name]
             t0 = time.perf_counter()
             for _ in range(steps):
-                batch_lifecycles(p, d, range(base, base + batch), pages)
-                base += batch
+                batch_lifecycles(p, d, next(rooms[name]), pages)
             done.put((steps * batch, time.perf_counter() - t0))
 
 
@@ -103,13 +140,13 @@ def _text(info: Any) -> str:
 
 
 def addresses(
-    cluster: RedisCluster, count: int, placement: str
+    cluster: RedisCluster, count: int, placement: str, namespace: str = f"{NAMESPACE}-cluster3"
 ) -> tuple[list[str], list[int], list[int]]:
     """Each pair's bootstrap address, the primary its address index lands on (index into
     ``cluster.primaries()``), and how many of all pairs' tracker shards each primary
     serves: ``named``, 10.0.<i>.1:8998 as they come; ``spread``, the first port from
-    8998 up whose index lands on primary i % 3."""
-    keys = Keys(f"{NAMESPACE}-cluster3")
+    8998 up whose index lands on primary i % 3; ``one``, on primary 0."""
+    keys = Keys(namespace)
     ports = [n.port for n in cluster.primaries()]
     addrs: list[str] = []
     nodes: list[int] = []
@@ -127,8 +164,9 @@ def addresses(
         for i in range(1, count + 1):
             port = 8998
             addr = f"10.0.{i}.1:{port}"
-            if placement == "spread":
-                while node_of(keys.engines_at(addr)) != (i - 1) % len(ports):
+            if placement in ("spread", "one"):
+                want = (i - 1) % len(ports) if placement == "spread" else 0
+                while node_of(keys.engines_at(addr)) != want:
                     port += 1
                     addr = f"10.0.{i}.1:{port}"
             addrs.append(addr)
@@ -189,21 +227,37 @@ def engine_pairs(
             "standalone_unix": server.unix_url,
             "cluster1": f"redis+cluster://{single.host}:{single.port}",
             "cluster3": cluster.url,
+            ONE: cluster.url,
         }
         nodes = {
             "standalone_tcp": primaries(server),
             "standalone_unix": primaries(server),
             "cluster1": primaries(single),
             "cluster3": primaries(cluster),
+            ONE: primaries(cluster),
         }
         addrs, index_nodes, shards = addresses(cluster, count, placement)
+        ones = addresses(cluster, count, "one", f"{NAMESPACE}-{ONE}")[0]
+        primary = cluster.primaries()[0]
         out["index_primary_of_each_pair"] = index_nodes
         out["indexes_per_primary"] = [index_nodes.count(i) for i in range(3)]
         out["tracker_shards_per_primary"] = shards
         cmds = [ctx.Queue() for _ in range(count)]
         done = ctx.Queue()
         procs = [
-            ctx.Process(target=_worker, args=(urls, addrs[i], i + 1, batch, cmds[i], done))
+            ctx.Process(
+                target=_worker,
+                args=(
+                    urls,
+                    {name: ones[i] if name == ONE else addrs[i] for name in urls},
+                    f"{primary.host}:{primary.port}",
+                    i + 1,
+                    batch,
+                    rounds * steps * batch,
+                    cmds[i],
+                    done,
+                ),
+            )
             for i in range(count)
         ]
         for pr in procs:
@@ -269,6 +323,12 @@ def engine_pairs(
             ),
             "one_node_cluster_cpu_over_standalone_tcp": ratio(
                 lambda r: cpu("cluster1", r) / cpu("standalone_tcp", r)
+            ),
+            "cluster_on_one_primary_cpu_over_standalone_tcp": ratio(
+                lambda r: cpu(ONE, r) / cpu("standalone_tcp", r)
+            ),
+            "cluster_total_cpu_over_cluster_on_one_primary": ratio(
+                lambda r: cpu("cluster3", r) / cpu(ONE, r)
             ),
         }
         out["load_1min"] = [round(v, 2) for v in (min(loads), max(loads))]
