@@ -188,10 +188,13 @@ class RoomMachine(RuleBasedStateMachine):
         got = self._call("tx", snd.finish_transfer, NotReadyError)
         if got is None and "tx" not in self.closed and not snd.cleared:
             assert snd.status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
-        if self.lapsed == "pending" and got is not None and not snd.cleared:
-            # the first finish after the lapse finds the registration gone: Failed (it
-            # registers again, as its heartbeat would: later ones may succeed)
-            assert got == KVPoll.Failed, "a process past its lease wrote Success"
+        self._after_lapse(None if snd.cleared else got)
+
+    def _after_lapse(self, answer: KVPoll | None) -> None:
+        """The first finish answered after the lapse finds the registration gone: Failed
+        (it registers again, as its heartbeat would: later ones may succeed)."""
+        if self.lapsed == "pending" and answer is not None:
+            assert answer == KVPoll.Failed, "a process past its lease wrote Success"
             self.lapsed = "done"
 
     def op_finish_clear(self, i: int, s: str, why: str) -> None:
@@ -210,9 +213,7 @@ class RoomMachine(RuleBasedStateMachine):
         assert snd.cleared == concluded, (was, now, got.errors)
         if snd.cleared:
             self.cleared.add(snd.key)
-        if self.lapsed == "pending" and now is not None:
-            assert now == KVPoll.Failed, "a process past its lease wrote Success"
-            self.lapsed = "done"
+        self._after_lapse(now)
 
     def op_abort(self, i: int, s: str, why: str) -> None:
         part = self._participant(i, s)

@@ -14,13 +14,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.helpers import scaled
 from tests.transport_rig import FILL, LAYOUT, Peer, assert_layers, fragmented, sender_pages
+from transports import cma
 from transports.base import LayoutError, Target, TransportError
 
 pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
@@ -224,13 +224,6 @@ def test_sender_killed_mid_transfer_leaves_receiver_usable(
         doomed.stop()
 
 
-def _ptrace_scope() -> int:
-    try:
-        return int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
-    except (OSError, ValueError):  # no Yama: same-user processes may ptrace each other
-        return 0
-
-
 # How each path meets a receiver that stopped progressing: UCX over TCP needs the
 # receiver to take the bytes (UCX's flush waits for its acknowledgement of the puts), so
 # the write ends at its deadline; process_vm_writev (kvstate's CMA) and UCX's cma lane
@@ -240,7 +233,7 @@ def _ptrace_scope() -> int:
 # reported complete whose bytes are not all in the stopped receiver's memory.
 # Where Yama restricts ptrace, a sibling process may not write by CMA: it falls back
 # to UCX over TCP, which waits.
-ONE_SIDED = {"complete"} if _ptrace_scope() == 0 else {"complete", "deadline"}
+ONE_SIDED = {"complete"} if not cma.ptrace_scope() else {"complete", "deadline"}
 STALLED = {
     "tcp": ({"KVSTATE_UCX_CMA": "0", "UCX_TLS": "tcp"}, {"deadline"}),
     "tcp-inf": (

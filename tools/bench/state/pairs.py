@@ -28,6 +28,7 @@ controls); ``"named"`` takes the addresses as they come.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -36,7 +37,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -55,24 +55,18 @@ NAMESPACE = "bench"
 ONE = "cluster3_one"  # the 3-primary Cluster, every key of the run on one primary
 
 
-def _rooms(store: Store, addr: str, count: int, primary: str | None) -> list[int]:
-    """``count`` room ids from 1000 up; with ``primary``, only those whose room keys and
+def _rooms(store: Store, addr: str, n: int, primary: str | None) -> list[int]:
+    """``n`` room ids from 1000 up; with ``primary``, only those whose room keys and
     address tracker shard live on it (picked before the rounds: no client cost in them)."""
-    rooms = iter(range(1000, 1 << 62))
     if primary is None:
-        return [next(rooms) for _ in range(count)]
+        return list(range(1000, 1000 + n))
     client: Any = store.client
-    return list(
-        islice(
-            (
-                r
-                for r in rooms
-                if client.get_node_from_key(store.keys.room_hash(r)).name == primary
-                and client.get_node_from_key(store.keys.tracker(addr, r)).name == primary
-            ),
-            count,
-        )
-    )
+
+    def on_primary(room: int) -> bool:
+        keys = (store.keys.room_hash(room), store.keys.tracker(addr, room))
+        return all(client.get_node_from_key(k).name == primary for k in keys)
+
+    return list(itertools.islice(filter(on_primary, itertools.count(1000)), n))
 
 
 def _worker(
