@@ -212,3 +212,45 @@ def test_clear_keeps_its_call_timeout_when_the_pool_is_contended(
             rcv.clear()
     assert keys_of(store) == []
     store.close()
+
+
+def test_a_finish_behind_the_step_ends_before_the_managers_next_call(
+    redis_proc: Any, redis_tcp_url: str
+) -> None:
+    """``finish_many(wait=False)``, a vLLM push step's: the Future answers what the
+    batch answers; the manager's next call, here the step's next poll, starts only
+    once it ended, so it reads the room cleared. Its reply lost, the Future raises
+    StateConnectionError and the finish made again reads the sender cleared."""
+    with _proxied(redis_proc, "finishbehind") as (proxy, p, d, ct):
+        rooms = [1, 2, 3]
+        snds = [p.sender(r) for r in rooms]
+        rcvs = [d.receiver(r, PREFILL_ADDR) for r in rooms]
+        for i, rcv in enumerate(rcvs):
+            rcv.init(np.arange(4 * i, 4 * i + 4))
+        assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+        assert p.begin_many(rooms) == dict.fromkeys(rooms, KVPoll.Transferring)
+        proxy.stall()  # nothing reaches Redis: the finish waits behind, not the caller
+        running = p.finish_many([1], clear=True, wait=False)
+        assert not running.done() and not snds[0].cleared
+        proxy.passthrough()
+        assert p.poll_many([3]) == {3: KVPoll.Transferring}
+        assert running.done() and running.result() == {1: KVPoll.Success}
+        assert snds[0].cleared and p.live_rooms == [2, 3]
+        assert rcvs[0].poll() == KVPoll.Success
+        proxy.mute()  # the finish and its clear run in Redis; the reply is lost
+        lost = p.finish_many([2], clear=True, wait=False)
+        with pytest.raises(StateConnectionError):
+            lost.result()
+        proxy.passthrough()
+        again: list[Any] = []
+        assert wait_for(
+            lambda: _answers(lambda: again.append(p.finish_many([2], clear=True))), 4 * ct
+        )
+        assert again == [{2: KVPoll.Transferring}] and snds[1].cleared
+        assert rcvs[1].poll() == KVPoll.Success
+        # a close waits for the finish behind it
+        last = p.finish_many([3], clear=True, wait=False)
+        p.close()
+        assert last.result() == {3: KVPoll.Success} and snds[2].cleared
+        assert rcvs[2].poll() == KVPoll.Success
+        d.clear_many(rooms)

@@ -58,7 +58,7 @@ reason = st.sampled_from(["client went away", "decode ran out of pages", "operat
 # the calls, weighted: the lifecycle's own more often than the ways out of it
 op = st.sampled_from(
     ["poll", "create_receiver", "init", "create_sender", "begin", "finish"] * 3
-    + ["abort", "abort_from_elsewhere", "clear", "fail_peer", "finish_clear"] * 2
+    + ["abort", "abort_from_elsewhere", "clear", "fail_peer", "finish_clear", "finish_behind"] * 2
     + ["lease_lapse", "close"]
 )
 
@@ -91,11 +91,13 @@ class RoomMachine(RuleBasedStateMachine):
         self.closed: set[str] = set()
         self.lapsed: str = ""  # "pending" once its lease lapsed, "done" once a finish saw it
         self.steps = 0
+        self.behind: tuple[Any, Any, KVPoll] | None = None  # finish_many(wait=False) running
 
     def teardown(self) -> None:
         if not hasattr(self, "p"):
             return
         try:
+            self._settle_behind()
             self._at_rest()
         finally:
             self.p.close()
@@ -206,14 +208,41 @@ class RoomMachine(RuleBasedStateMachine):
             return
         was = snd.status
         got = self._call("tx", lambda: self.p.finish_many([snd.room], clear=True))
-        if got is None:
-            return
+        if got is not None:
+            self._finished(snd, was, got)
+
+    def _finished(self, snd: Any, was: KVPoll, got: Any) -> None:
         now = got.get(snd.room)
         concluded = was == KVPoll.Transferring and now in (KVPoll.Success, KVPoll.Failed)
         assert snd.cleared == concluded, (was, now, got.errors)
         if snd.cleared:
             self.cleared.add(snd.key)
         self._after_lapse(now)
+
+    def op_finish_behind(self, i: int, s: str, why: str) -> None:
+        """The same, run behind the step (``wait=False``, the vLLM worker's): the
+        decode's calls and other processes' (``_races``) may run while it does; the
+        prefill's next call waits for it, and its answer is checked then."""
+        snd = self._participant(i, "tx")
+        if snd is None or snd.cleared:
+            return
+        was = snd.status
+        running = self._call("tx", lambda: self.p.finish_many([snd.room], True, wait=False))
+        if running is not None:
+            self.behind = (running, snd, was)
+
+    def _settle_behind(self) -> None:
+        if self.behind is not None:
+            running, snd, was = self.behind
+            self.behind = None
+            self._finished(snd, was, running.result())
+
+    @staticmethod
+    def _races(op: str, s: str) -> bool:
+        """A call that may run while the prefill's finish runs behind: the decode's, or
+        another process's; the prefill's own wait for it (as its manager does)."""
+        decode = ("poll", "create_receiver", "init", "abort", "clear", "close")
+        return op in ("abort_from_elsewhere", "fail_peer") or (s == "rx" and op in decode)
 
     def op_abort(self, i: int, s: str, why: str) -> None:
         part = self._participant(i, s)
@@ -259,6 +288,8 @@ class RoomMachine(RuleBasedStateMachine):
         per call): hypothesis leaves rules out of an example at random (swarm
         testing), which here left most examples without a begin or a finish."""
         self.steps += 1
+        if not self._races(op, s):
+            self._settle_behind()
         getattr(self, f"op_{op}")(i, s, why)
 
     # -- after every step ---------------------------------------------------------------
@@ -363,6 +394,27 @@ ORDERS = {
         ("begin", "tx"),
         ("abort", "rx"),
         ("finish_clear", "tx"),
+    ],
+    # finish_many(wait=False), a vLLM push step's, with the decode's calls meanwhile
+    "a finish behind the step, the decode aborting and clearing meanwhile": [
+        ("create_receiver", "rx"),
+        ("create_sender", "tx"),
+        ("init", "rx"),
+        ("begin", "tx"),
+        ("finish_behind", "tx"),
+        ("abort", "rx"),
+        ("clear", "rx"),
+        ("poll", "tx"),
+    ],
+    "a finish behind the step, the decode polling meanwhile": [
+        ("create_receiver", "rx"),
+        ("create_sender", "tx"),
+        ("init", "rx"),
+        ("begin", "tx"),
+        ("finish_behind", "tx"),
+        ("poll", "rx"),
+        ("abort_from_elsewhere", "rx"),
+        ("finish_behind", "tx"),
     ],
     "lease lapse between begin and a finish with its clear": [
         ("create_receiver", "rx"),

@@ -12,7 +12,8 @@ import os
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Literal, TypeVar, overload
 
 from kvstate.codec import is_int
 from kvstate.defaults import BOOTSTRAP_TIMEOUT, LEASE, WAITING_TIMEOUT
@@ -28,6 +29,7 @@ from kvstate.keys import Side, check_name, check_room
 from kvstate.poll import KVPoll, PollResults
 from kvstate.registry import Claim, EngineInfo, Registry
 from kvstate.roles import batch
+from kvstate.roles.behind import Behind
 from kvstate.roles.clears import Clears
 from kvstate.roles.contract import Bound, LookupKey, Step
 from kvstate.roles.lease import Lease
@@ -116,6 +118,7 @@ class KVManager:
         self.notices = Notices(self._parts, None, store.options.notice_sweep)
         self._peers = PeerWatch(self.engine)
         self.clears = Clears(store, self.engine, self.prefill_engines, self.forget)
+        self.behind = Behind(f"kvstate-behind-{self.engine}")  # finish_many(wait=False)
         self.info = EngineInfo(
             engine=self.engine,
             role=role,
@@ -181,6 +184,7 @@ class KVManager:
                 "a new kvstate.connect() and KVManager, with its own engine name, in the "
                 "child"
             )
+        self.behind.settle()  # a finish running behind the step ends first
         taken = self.heartbeat.taken
         if new and taken is not None:  # our lease lapsed (we stalled) and was taken
             raise EngineNameTakenError(
@@ -325,9 +329,28 @@ class KVManager:
         is sent."""
         return self._many("begin", rooms)
 
-    def finish_many(self, rooms: Iterable[object], clear: bool = False) -> PollResults:
+    @overload
+    def finish_many(
+        self, rooms: Iterable[object], clear: bool = ..., wait: Literal[True] = ...
+    ) -> PollResults: ...
+
+    @overload
+    def finish_many(
+        self, rooms: Iterable[object], clear: bool = ..., *, wait: Literal[False]
+    ) -> Future[PollResults]: ...
+
+    def finish_many(
+        self, rooms: Iterable[object], clear: bool = False, wait: bool = True
+    ) -> PollResults | Future[PollResults]:
         """``finish_transfer()`` of many senders of this manager in one round trip per
         Redis node: each becomes Success and acks its receivers. As ``begin_many``.
+
+        ``wait=False``: the same batch runs behind the caller, on this manager's own
+        thread (``kvstate.roles.behind``), and its answer (or what it raised) is the
+        Future's: a step that pushed pages need not wait for the reply, its receivers
+        see Success as soon as Redis ran it. This manager's next call, from any
+        thread, first waits for it (within the batch's own deadline), so no call
+        overtakes it; the senders it finishes answer their outcome once it ended.
 
         ``clear``: the senders this finish concludes (those Transferring: it answers
         each Success or Failed) are cleared in its round trip, in MULTI/EXEC after the
@@ -338,6 +361,10 @@ class KVManager:
         finish it again. One whose reply was lost after its clear ran reads
         ``cleared`` on that next finish, its status still Transferring: concluded,
         its outcome its receivers'."""
+        if not wait:
+            todo = list(rooms)
+            self.check_usable()  # refused here, not in the Future
+            return self.behind.submit(lambda: self.finish_many(todo, clear))
         if not clear:
             return self._many("finish", rooms)
         todo = list(rooms)
@@ -498,6 +525,8 @@ class KVManager:
         only marks this copy closed: the lease is the parent's."""
         if self.closed:
             return
+        if not self.forked:  # a fork has no thread behind: its parent's call ran there
+            self.behind.close()
         if self.clears.due and not self.forked:  # best effort: else their keys expire
             self.clears.flush()
         self.closed = True

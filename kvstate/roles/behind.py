@@ -1,0 +1,65 @@
+"""A rank's call run behind its scheduler step: on a thread of the rank's own, so the
+step goes on while Redis answers (``KVManager.finish_many(wait=False)``: a prefill's
+push step then waits for one round trip, its poll, not two). Calls stay in order: the
+rank's next call, from any thread, first waits for the one behind (it is bounded by
+its own deadline), so the rank's participants are never touched by two calls at once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+
+class Behind:
+    """At most one call of a rank running behind its step."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # its thread's name (RoundTrips.by_thread tells its trips apart)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self._running: Future[Any] | None = None
+        self._here = threading.local()  # set on the thread while it runs the call
+
+    def submit(self, fn: Callable[[], _T]) -> Future[_T]:
+        """Run ``fn`` behind, once the call before it ended."""
+        self.settle()
+        if self._pool is None or self._pid != os.getpid():  # none yet, or a fork's
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+            self._pid = os.getpid()
+        ctx = contextvars.copy_context()
+        running = self._pool.submit(ctx.run, self._run, fn)
+        self._running = running
+        return running
+
+    def _run(self, fn: Callable[[], _T]) -> _T:
+        self._here.on = True
+        try:
+            return fn()
+        finally:
+            self._here.on = False
+
+    def settle(self) -> None:
+        """Wait for the call behind to end (its outcome stays its future's), unless this
+        is that call."""
+        running = self._running
+        if running is None or getattr(self._here, "on", False):
+            return
+        wait([running])
+        if self._running is running:
+            self._running = None
+
+    def close(self) -> None:
+        self.settle()
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=True)
+        self._pool = None
+
+
+__all__ = ["Behind"]
