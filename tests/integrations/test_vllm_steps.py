@@ -17,6 +17,7 @@ from kvstate.roles.participant import Participant
 from kvstate.testing import RedisProcess, RoundTrips
 from tests.integrations.vllm_engine import room_keys
 from tests.proxy import Proxy
+from tools.bench.steps.engine import behind_trips
 
 pytestmark = pytest.mark.vllm
 LONG_LEASE = (("lease", 600.0),)  # no heartbeat crosses the proxy during a step
@@ -112,25 +113,30 @@ def settle(p: Any, d: Any, rids: list[str]) -> None:
 def test_a_push_step_makes_the_same_round_trips_for_one_room_and_for_four(
     rig: tuple[str, Proxy, Any], n: int
 ) -> None:
-    """The pushed rooms' clears ride their finish (``finish_many(clear=True)``), so the
-    step after the push makes no round trip while a room no decode took yet waits."""
+    """The step that pushes waits for one round trip, its poll, whatever the number of
+    rooms: their ``finish_many``, which clears them (``clear=True``), runs behind it
+    (``wait=False``), and the next step reads its outcome without a trip of its own
+    while a room no decode took yet waits."""
     url, _, model = rig
     p, d = engines(url, url, model, f"flat{n}")
     try:
         rids = [f"r{i}" for i in range(n)]
         prefilled(p, ["held"])
         handed_over(p, d, rids)
-        # poll_changed, which begins the rooms, the decode engine's registration (read
-        # once per engine incarnation: this is the first write to it), finish_many and
-        # the clears
+        # poll_changed, which begins the rooms, and the decode engine's registration
+        # (read once per engine incarnation: this is the first write to it)
+        was = behind_trips()
         push = p.step()
-        assert push.hook_trips == {"get_finished": 3}, push.hook_trips
+        assert push.hook_trips == {"get_finished": 2}, push.hook_trips
+        nxt = p.step()  # "held" waits; the pushed rooms are reported sent
+        assert nxt.hook_trips == {}, nxt.hook_trips
+        assert behind_trips() - was == 1  # finish_many and the clears, one trip
+        assert all(r not in p.scheduler.requests for r in rids)
         # cleared with their finish: "held"'s sender is the one left
         assert len([k for k in room_keys(url) if ":tx:" in k]) == 1
-        assert p.step().hook_trips == {}  # "held" waits
         # a second push to the same decode engine: its registration is known
         handed_over(p, d, ["again"])
-        assert p.step().hook_trips == {"get_finished": 2}
+        assert p.step().hook_trips == {"get_finished": 1}
         rids.append("again")
         d.add("held", 2, p.params["held"])
         rids.append("held")
@@ -151,7 +157,7 @@ def test_redis_lost_mid_step_the_rooms_conclude_on_later_steps(
 ) -> None:
     """The prefill's Redis drops after ``through`` requests of a push step (its
     poll_changed, which begins the rooms, the receivers' registration read the first
-    push makes, finish_many with the rooms' clears):
+    push makes, finish_many with the rooms' clears, behind the step):
     the next steps take each room up where it stopped, the decode gets its KV, no key
     is left and nothing waits for a timeout."""
     url, proxy, model = rig
@@ -160,8 +166,10 @@ def test_redis_lost_mid_step_the_rooms_conclude_on_later_steps(
         rids = ["a", "b"]
         handed_over(p, d, rids)
         proxy.drop_after(through)
+        was = behind_trips()
         trips = p.step().hook_trips.get("get_finished", 0)
-        assert trips > through, trips
+        p.worker._worker.mgr.behind.settle()  # the finish behind the step ended
+        assert trips + behind_trips() - was > through, trips
         proxy.passthrough()
         settle(p, d, rids)
         assert room_keys(url) == []

@@ -14,12 +14,15 @@ Per step (``get_finished``, called once per step by vLLM's worker glue): one
 rooms, the sweep), which on a prefill also begins the rooms whose decode published
 (``begin=True``), then their pages pushed and one ``finish_many``, which clears them
 in its round trip (``clear=True``: the prefill lets go of a room whatever its
-outcome). Other rooms that concluded are cleared with the next step's poll
+outcome) and runs behind the step (``wait=False``: the decode sees Success as soon as
+Redis ran it; the prefill reads the outcome, and frees the blocks, next step). Other
+rooms that concluded are cleared with the next step's poll
 (``clear_many(later=True)``), in its round trip, or at once when they were the last in
 flight. A step looks only at the rooms those answered and the rooms this rank acted on
-since its last step. So a step makes no round trip and costs the same at 1 room and at
-256 while rooms wait, one when rooms are admitted or conclude, two when it pushes
-(begun before the pages are written, finished and cleared after). A room kvstate
+since its last step. So a step waits for no round trip and costs the same at 1 room
+and at 256 while rooms wait, and for one when rooms are admitted, conclude or are
+pushed (begun by the poll before the pages are written; finished and cleared behind
+the step after). A room kvstate
 cannot read (listed in ``.errors`` for another reason than a connection) fails its
 request alone. What happened is counted for vLLM's stats (metrics.py).
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -115,6 +119,7 @@ class WorkerSide:
         # rooms the next step looks at whatever its poll answers: acted on here since
         self._look: set[int] = set()
         self._written: dict[int, tuple[float, int]] = {}  # pushed, not finished: (s, bytes)
+        self._finishing: Future[PollResults] | None = None  # the last push's, behind
 
     # -- start-up -------------------------------------------------------------------
     def _check_device(self, kv_caches: dict[str, Any]) -> None:
@@ -250,7 +255,10 @@ class WorkerSide:
         """(requests whose blocks the prefill may free, requests whose load ended)."""
         mgr = self.mgr
         loaded, self._refused = self._refused, set()
-        if mgr is None or not (self._sending or self._loading or mgr.clearing):
+        if mgr is None:
+            return set(), loaded
+        self._finished()
+        if not (self._sending or self._loading or mgr.clearing):
             return set(), loaded
         try:  # the clears of rooms concluded before ride this poll
             res = self._poll(mgr)
@@ -263,14 +271,19 @@ class WorkerSide:
         look, self._look = self._look | set(res) | set(bad), set()
         reqs = [self._reqs[r] for r in sorted(look) if r in self._reqs]
         done: list[int] = []
+        unclear: list[int] = []  # of those, the rooms whose clear is still to make
         sent: set[str] = set()
         self._push(mgr, [self._sending[q] for q in reqs if q in self._sending], bad)
+        behind = set(self._written) if self._finishing is not None else set()
         for req_id in reqs:
             if req_id not in self._sending:
                 continue
             snd = self._sending[req_id][0]
             if snd.room in bad:
                 self._give_up(snd, bad[snd.room])
+            elif snd.room in behind:  # finishing behind the step: its outcome next step
+                self._look.add(snd.room)
+                continue
             # cleared by its finish: concluded, even where the reply was lost
             if snd.room in bad or snd.status in DONE or snd.cleared:
                 self._written.pop(snd.room, None)
@@ -278,6 +291,8 @@ class WorkerSide:
                     self._count_failure(snd)
                 sent.add(req_id)
                 done.append(snd.room)
+                if not snd.cleared:
+                    unclear.append(snd.room)
                 del self._sending[req_id]
             elif snd.status != KVPoll.Bootstrapping:  # to begin, push or finish
                 self._look.add(snd.room)
@@ -295,11 +310,30 @@ class WorkerSide:
                 self._dropped.discard(req_id)
                 loaded.add(req_id)
                 done.append(rcv.room)
+                unclear.append(rcv.room)
                 del self._loading[req_id]
         for room in done:
             del self._reqs[room]
-        self._clear(mgr, done)
+        self._clear(mgr, unclear)
         return sent, loaded
+
+    def _finished(self) -> None:
+        """The outcome of the last push's ``finish_many``, which ran behind the step
+        since (its rooms are looked at this step): each room it answered leaves
+        ``_written``, its transfer counted; where the batch did not reach Redis the
+        rooms stay written and are finished again this step."""
+        running, self._finishing = self._finishing, None
+        if running is None:
+            return
+        try:
+            res = running.result()
+        except StateConnectionError as exc:
+            log.warning("%s: finishing %d room(s) failed: %s", self.name, len(self._written), exc)
+            return
+        for room, status in res.items():
+            took, nbytes = self._written.pop(room, (0.0, 0))  # or concluded as bad since
+            if status == KVPoll.Success and nbytes:  # a dummy route moves nothing
+                self.stats.record_transfer(took, nbytes)
 
     def _clear(self, mgr: KVManager, rooms: list[int]) -> None:
         """The rooms a step concluded (those its finish cleared are skipped): cleared
@@ -308,7 +342,8 @@ class WorkerSide:
         keys would wait for the next request); one that fails then rides the next
         step's batch."""
         if self._sending or self._loading:
-            mgr.clear_many(rooms, later=True)
+            if rooms:  # (a call waits for a finish running behind: none without rooms)
+                mgr.clear_many(rooms, later=True)
             return
         if not (rooms or mgr.clearing):
             return
@@ -338,9 +373,10 @@ class WorkerSide:
         """The senders looked at whose decode published, as one batch: begun by the
         step's poll (or, answered WaitingForInput by an earlier call, by one
         ``begin_many``), each room's pages pushed, one ``finish_many`` that clears the
-        rooms it concludes (``clear=True``). Rooms an earlier step began but could not
-        push (Redis lost mid-write: the pages are pushed again, the same bytes) or
-        pushed but could not finish are taken up where they stopped."""
+        rooms it concludes (``clear=True``), run behind the step (``wait=False``: its
+        outcome is read next step, ``_finished``). Rooms an earlier step began but
+        could not push (Redis lost mid-write: the pages are pushed again, the same
+        bytes) or pushed but could not finish are taken up where they stopped."""
         live = [(s, b) for s, b in looked if s.room not in bad]
         ready = {s.room: (s, b) for s, b in live if s.status == KVPoll.WaitingForInput}
         unpushed = [
@@ -360,17 +396,8 @@ class WorkerSide:
         for snd, _ in looked:
             if snd.cleared:  # its finish ran with its clear, the reply lost: concluded
                 self._written.pop(snd.room, None)
-        if not self._written:
-            return
-        try:
-            res = mgr.finish_many(sorted(self._written), clear=True)
-        except StateConnectionError as exc:  # pushed: finish them next step
-            log.warning("%s: finishing %d room(s) failed: %s", self.name, len(self._written), exc)
-            return
-        for room, status in res.items():
-            took, nbytes = self._written.pop(room)
-            if status == KVPoll.Success and nbytes:  # a dummy route moves nothing
-                self.stats.record_transfer(took, nbytes)
+        if self._written:
+            self._finishing = mgr.finish_many(sorted(self._written), clear=True, wait=False)
 
     def _write(self, snd: KVSender, blocks: list[list[int]]) -> None:
         """Push the request's pages, to be finished with the step's batch: of each KV
@@ -427,7 +454,9 @@ class WorkerSide:
         next poll), then drop the lease."""
         mgr = self.mgr
         if mgr is not None:
+            self._finished()  # a finish behind: its rooms may be cleared now
             live = [s for s, _ in self._sending.values()] + [r for r, _ in self._loading.values()]
+            live = [p for p in live if not p.cleared]
             for p in live:
                 try:
                     p.abort(f"engine {self.name} shut down")

@@ -186,16 +186,23 @@ class Hooks:
         return out
 
 
+def behind_trips() -> int:
+    """Round trips made so far by KVManagers' threads behind the steps (a prefill's
+    ``finish_many(wait=False)``): the engine's thread does not wait for them."""
+    return sum(n for t, n in RoundTrips.by_thread.items() if t.startswith("kvstate-behind"))
+
+
 @dataclass
 class Step:
     """What one engine step cost: seconds, calls and round trips per hook; all the
-    step's round trips."""
+    round trips of the engine's thread, and those made behind it meanwhile."""
 
     spent: dict[str, float]
     calls: dict[str, int]
     hook_trips: dict[str, int]
     trips: int
     scheduled: int
+    behind: int = 0
 
 
 class Engine:
@@ -282,7 +289,7 @@ class Engine:
         """schedule -> the worker's hooks around an emulated forward -> update."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        before = RoundTrips.by_thread["MainThread"]
+        before, was_behind = RoundTrips.by_thread["MainThread"], behind_trips()
         so = self.scheduler.schedule()
         rids = list(so.num_scheduled_tokens)
         kv = KVConnectorOutput()
@@ -309,7 +316,7 @@ class Engine:
             spent |= w_spent
             calls |= w_calls
             hook_trips |= w_trips
-        return Step(spent, calls, hook_trips, trips, len(rids))
+        return Step(spent, calls, hook_trips, trips, len(rids), behind_trips() - was_behind)
 
     def close(self) -> None:
         if self.worker is not None:

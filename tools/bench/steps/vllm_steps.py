@@ -71,6 +71,7 @@ def summary(steps: list[Step]) -> dict[str, Any]:
     trips = [s.trips for s in steps]
     out["round_trips_max"] = max(trips)
     out["round_trips_mean"] = round(statistics.fmean(trips), 2)
+    out["round_trips_behind"] = sum(s.behind for s in steps)  # not waited for by the step
     calls: dict[str, int] = {}
     for s in steps:
         for k, v in s.calls.items():
