@@ -220,7 +220,8 @@ def test_a_finish_behind_the_step_ends_before_the_managers_next_call(
     """``finish_many(wait=False)``, a vLLM push step's: the Future answers what the
     batch answers; the manager's next call, here the step's next poll, starts only
     once it ended, so it reads the room cleared. Its reply lost, the Future raises
-    StateConnectionError and the finish made again reads the sender cleared."""
+    StateConnectionError and the finish made again reads the sender cleared; a close
+    waits for it. ``clear_many(wait=False)`` whose reply was lost leaves its clears due."""
     with _proxied(redis_proc, "finishbehind") as (proxy, p, d, ct):
         rooms = [1, 2, 3]
         snds = [p.sender(r) for r in rooms]
@@ -253,4 +254,13 @@ def test_a_finish_behind_the_step_ends_before_the_managers_next_call(
         p.close()
         assert last.result() == {3: KVPoll.Success} and snds[2].cleared
         assert rcvs[2].poll() == KVPoll.Success
-        d.clear_many(rooms)
+        # clear_many(wait=False): a clear whose reply was lost stays due, and rides the
+        # next batch
+        proxy.mute()
+        failed = d.clear_many(rooms[:2], wait=False).result()
+        assert set(failed) == {1, 2} and d.clearing == [1, 2]
+        assert all(isinstance(e, StateConnectionError) for e in failed.values())
+        proxy.passthrough()
+        assert wait_for(lambda: _answers(d.poll_changed), 4 * ct)
+        assert d.clearing == [] and rcvs[0].cleared and rcvs[1].cleared
+        assert d.clear_many([3], wait=False).result() == {} and rcvs[2].cleared

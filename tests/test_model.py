@@ -58,9 +58,15 @@ reason = st.sampled_from(["client went away", "decode ran out of pages", "operat
 # the calls, weighted: the lifecycle's own more often than the ways out of it
 op = st.sampled_from(
     ["poll", "create_receiver", "init", "create_sender", "begin", "finish"] * 3
-    + ["abort", "abort_from_elsewhere", "clear", "fail_peer", "finish_clear", "finish_behind"] * 2
+    + ["abort", "abort_from_elsewhere", "clear", "fail_peer", "finish_clear"] * 2
+    + ["finish_behind", "clear_behind"] * 2
     + ["lease_lapse", "close"]
 )
+
+
+# the calls made on one side whatever ``s`` they drew (the others act on side ``s``)
+_TX_OPS = {"create_sender", "begin", "finish", "finish_clear", "finish_behind", "lease_lapse"}
+_RX_OPS = {"create_receiver", "init", "fail_peer"}
 
 
 def _legal(old: KVPoll, new: KVPoll) -> bool:
@@ -91,7 +97,8 @@ class RoomMachine(RuleBasedStateMachine):
         self.closed: set[str] = set()
         self.lapsed: str = ""  # "pending" once its lease lapsed, "done" once a finish saw it
         self.steps = 0
-        self.behind: tuple[Any, Any, KVPoll] | None = None  # finish_many(wait=False) running
+        # a call running behind (wait=False): its side, its Future, the check of its answer
+        self.behind: tuple[str, Any, Callable[[Any], None]] | None = None
 
     def teardown(self) -> None:
         if not hasattr(self, "p"):
@@ -220,29 +227,45 @@ class RoomMachine(RuleBasedStateMachine):
         self._after_lapse(now)
 
     def op_finish_behind(self, i: int, s: str, why: str) -> None:
-        """The same, run behind the step (``wait=False``, the vLLM worker's): the
-        decode's calls and other processes' (``_races``) may run while it does; the
-        prefill's next call waits for it, and its answer is checked then."""
+        """The same, run behind the step (``wait=False``, the vLLM worker's push step's):
+        the other side's calls and other processes' (``_races``) may run while it does;
+        this side's next call waits for it, and its answer is checked then."""
         snd = self._participant(i, "tx")
         if snd is None or snd.cleared:
             return
         was = snd.status
         running = self._call("tx", lambda: self.p.finish_many([snd.room], True, wait=False))
         if running is not None:
-            self.behind = (running, snd, was)
+            self.behind = ("tx", running, lambda got: self._finished(snd, was, got))
+
+    def op_clear_behind(self, i: int, s: str, why: str) -> None:
+        """``clear_many(wait=False)``, a vLLM step's whose rooms were its last: cleared
+        unless its answer lists the room (then its clear is due with the next batch)."""
+        part = self._participant(i, s)
+        if part is None or part.cleared:
+            return
+        running = self._call(s, lambda: self._mgr(s).clear_many([part.room], wait=False))
+        if running is not None:
+            self.behind = (s, running, lambda failed: self._cleared(part, failed))
+
+    def _cleared(self, part: Any, failed: dict[int, KVStateError]) -> None:
+        assert part.cleared != (part.room in failed), failed
+        if part.cleared:
+            self.cleared.add(part.key)
 
     def _settle_behind(self) -> None:
         if self.behind is not None:
-            running, snd, was = self.behind
+            _, running, check = self.behind
             self.behind = None
-            self._finished(snd, was, running.result())
+            check(running.result())
 
-    @staticmethod
-    def _races(op: str, s: str) -> bool:
-        """A call that may run while the prefill's finish runs behind: the decode's, or
-        another process's; the prefill's own wait for it (as its manager does)."""
-        decode = ("poll", "create_receiver", "init", "abort", "clear", "close")
-        return op in ("abort_from_elsewhere", "fail_peer") or (s == "rx" and op in decode)
+    def _races(self, op: str, s: str) -> bool:
+        """Whether a call may run while the call behind does: the other side's, or
+        another process's; a call of the same side waits for it (as its manager does)."""
+        if self.behind is None:
+            return False
+        of = "tx" if op in _TX_OPS else "rx" if op in _RX_OPS else s
+        return op == "abort_from_elsewhere" or of != self.behind[0]
 
     def op_abort(self, i: int, s: str, why: str) -> None:
         part = self._participant(i, s)
@@ -405,6 +428,16 @@ ORDERS = {
         ("abort", "rx"),
         ("clear", "rx"),
         ("poll", "tx"),
+    ],
+    "the decode's last clear behind its step, the prefill finishing meanwhile": [
+        ("create_receiver", "rx"),
+        ("create_sender", "tx"),
+        ("init", "rx"),
+        ("begin", "tx"),
+        ("finish", "tx"),
+        ("clear_behind", "rx"),
+        ("finish_clear", "tx"),
+        ("poll", "rx"),
     ],
     "a finish behind the step, the decode polling meanwhile": [
         ("create_receiver", "rx"),

@@ -392,7 +392,19 @@ class KVManager:
         wanted = {check_room(room): indices for room, indices in pages.items()}
         return self._many("init", wanted, wanted)
 
-    def clear_many(self, rooms: Iterable[object], later: bool = False) -> dict[int, KVStateError]:
+    @overload
+    def clear_many(
+        self, rooms: Iterable[object], later: bool = ..., wait: Literal[True] = ...
+    ) -> dict[int, KVStateError]: ...
+
+    @overload
+    def clear_many(
+        self, rooms: Iterable[object], later: Literal[False] = ..., *, wait: Literal[False]
+    ) -> Future[dict[int, KVStateError]]: ...
+
+    def clear_many(
+        self, rooms: Iterable[object], later: bool = False, wait: bool = True
+    ) -> dict[int, KVStateError] | Future[dict[int, KVStateError]]:
         """``clear()`` of this manager's participants of many rooms in one round trip
         per Redis node. Returns the rooms not cleared, each with its node's
         StateConnectionError (Cluster, node unreachable): they stay live here and can be
@@ -403,7 +415,18 @@ class KVManager:
         in MULTI/EXEC beside its calls: ``poll_changed`` makes one while clears are
         due), so a step that concludes rooms pays no trip for their keys; answers {}.
         A clear that batch could not make stays due for the next one (logged); any
-        ``clear_many`` now takes the clears still due with it (``kvstate.roles.clears``)."""
+        ``clear_many`` now takes the clears still due with it (``kvstate.roles.clears``).
+
+        ``wait=False``: the clears run behind the caller, as ``finish_many``'s, and
+        those not made (a node or the whole store unreachable) stay due for the next
+        batch, logged; the Future answers the rooms not cleared. For a step whose
+        rooms were its last: no later batch may come soon, and it need not wait."""
+        if not wait:
+            if later:
+                raise InvalidValueError("clear_many(later=True) makes no round trip: wait=True")
+            todo_rooms = [check_room(r) for r in rooms]
+            self.check_usable()  # refused here, not in the Future
+            return self.behind.submit(lambda: self._clear_or_later(todo_rooms))
         self.check_usable()
         todo = [p for r in rooms if (p := self._parts.get(check_room(r))) is not None]
         if not later:
@@ -413,9 +436,21 @@ class KVManager:
             self.notices.forget(p.room)  # concluded: its clear, not a poll, is due
         return {}
 
+    def _clear_or_later(self, rooms: list[int]) -> dict[int, KVStateError]:
+        """Clear now; what could not be cleared rides the next batch."""
+        try:
+            failed = self.clear_many(rooms)
+        except KVStateError as exc:
+            log.warning("%s: clearing %d room(s) failed: %s", self.engine, len(rooms), exc)
+            failed = dict.fromkeys(rooms, exc)
+        self.clear_many(list(failed), later=True)
+        return failed
+
     @property
     def clearing(self) -> list[int]:
-        """Rooms whose clear (``clear_many(later=True)``) rides the next batch."""
+        """Rooms whose clear (``clear_many(later=True)``) rides the next batch (once a
+        call running behind ended)."""
+        self.behind.settle()
         return sorted(self.clears.due)
 
     def _check_begin(self, begin: bool) -> None:

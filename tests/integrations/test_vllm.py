@@ -48,7 +48,7 @@ def engines(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
 
 
 def check(url: str, *engines: object, expect: dict[str, list[int]] | None = None) -> None:
-    from tests.integrations.vllm_engine import Engine, room_keys
+    from tests.integrations.vllm_engine import Engine, keys_left
     from tests.integrations.vllm_model import reference
 
     for e in engines:
@@ -59,7 +59,7 @@ def check(url: str, *engines: object, expect: dict[str, list[int]] | None = None
     assert isinstance(d, Engine)
     for rid, toks in (expect or {}).items():
         assert d.tokens[rid] == reference(toks, len(d.tokens[rid])), rid
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_factory_loads_the_connector_by_module_path_and_by_plugin_name(tmp_path: Path) -> None:

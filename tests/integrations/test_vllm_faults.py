@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import scaled
+from tests.helpers import scaled, wait_for
 from tests.integrations.vllm_rig import module_redis, prompt
 
 pytestmark = pytest.mark.vllm
@@ -60,9 +60,15 @@ def test_sigkilled_decode_frees_the_prefill_blocks(url: str, engines: dict[str, 
     print(f"prefill freed {time.monotonic() - t0:.2f} s / {steps} steps after the decode died")
     assert p.problems() == []
     assert failed_transfers(p) >= 1  # vllm:kvstate_num_failed_transfers
-    # what is left is the dead decode's own receiver, under its TTL (the leak backstop)
+
+    # what is left is the dead decode's own receiver, under its TTL (the leak backstop),
+    # once the prefill's clear, behind its last step, ran
+    def only_the_dead() -> bool:
+        return all("k-d1" in k or k.endswith("}:room") for k in room_keys(url))
+
+    assert wait_for(only_the_dead, 5), room_keys(url)
     left = room_keys(url)
-    assert left and all("k-d1" in k or k.endswith("}:room") for k in left), left
+    assert left
     with redis.Redis.from_url(url) as c:
         assert all(0 < c.ttl(k) <= 900 for k in left)
         c.delete(*left)
@@ -71,7 +77,7 @@ def test_sigkilled_decode_frees_the_prefill_blocks(url: str, engines: dict[str, 
 def test_sigkilled_prefill_fails_the_load_and_the_decode_recomputes(
     url: str, engines: dict[str, Any]
 ) -> None:
-    from tests.integrations.vllm_engine import drive, prefill, room_keys
+    from tests.integrations.vllm_engine import drive, keys_left, prefill
     from tests.integrations.vllm_model import reference
 
     p, d2 = engines["p1"], engines["d2"]
@@ -87,4 +93,4 @@ def test_sigkilled_prefill_fails_the_load_and_the_decode_recomputes(
     assert failed_transfers(d2) == 2  # each decode rank's load
     assert d2.tokens["kill-p"] == reference(toks, 5)
     assert d2.mismatches == [] and d2.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []

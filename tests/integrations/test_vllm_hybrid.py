@@ -63,7 +63,7 @@ def test_sliding_window_moves_each_groups_blocks(url: str, engines: dict[str, An
     freed the blocks out of its window), then one the decode has partly cached: the
     full-attention group moves every uncached block, the sliding-window group only
     the window's (cdiv(8, 4) + 1 blocks at most), the bytes are just those pages."""
-    from tests.integrations.vllm_engine import prefill, room_keys, settle
+    from tests.integrations.vllm_engine import keys_left, prefill, settle
     from tests.integrations.vllm_model import reference
 
     p, d = engines["p"], engines["d"]
@@ -97,13 +97,13 @@ def test_sliding_window_moves_each_groups_blocks(url: str, engines: dict[str, An
     print(f"sliding window + full: {read} KV bytes compared, {sent_bytes(p, stats)} moved")
     assert d.mismatches == [] and read > 0
     assert p.problems() == [] and d.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_sliding_window_across_tp_sizes(url: str, engines: dict[str, Any]) -> None:
     """Prefill TP 1 -> decode TP 2 on the sliding-window model: each decode rank reads
     its two KV heads of every group's blocks out of the prefill's pages."""
-    from tests.integrations.vllm_engine import prefill, room_keys, settle
+    from tests.integrations.vllm_engine import keys_left, prefill, settle
     from tests.integrations.vllm_model import reference
 
     p, d = engines["p"], engines["d2"]
@@ -117,7 +117,7 @@ def test_sliding_window_across_tp_sizes(url: str, engines: dict[str, Any]) -> No
     print(f"sliding window + full, TP 1 -> 2: {sum(read)} KV bytes compared on 2 ranks")
     assert d.mismatches == [] and min(read) > 0
     assert p.problems() == [] and d.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_mamba_hybrid_moves_its_state(url: str, engines: dict[str, Any]) -> None:
@@ -125,7 +125,7 @@ def test_mamba_hybrid_moves_its_state(url: str, engines: dict[str, Any]) -> None
     that token); the decode loads the attention KV and the Mamba state, computes the
     last prompt token on that state and goes on: tokens as one engine's, the state's
     bytes and every KV slot read back."""
-    from tests.integrations.vllm_engine import prefill, room_keys, settle
+    from tests.integrations.vllm_engine import keys_left, prefill, settle
     from tests.integrations.vllm_model import reference
 
     p, d = engines["mp"], engines["md"]
@@ -150,7 +150,7 @@ def test_mamba_hybrid_moves_its_state(url: str, engines: dict[str, Any]) -> None
     print(f"Mamba2 + attention: {read} KV and state bytes compared")
     assert d.mismatches == [] and read > 0
     assert p.problems() == [] and d.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_hybrid_abort_and_failed_load(url: str, engines: dict[str, Any]) -> None:
@@ -160,7 +160,7 @@ def test_hybrid_abort_and_failed_load(url: str, engines: dict[str, Any]) -> None
     recomputes (kv_load_failure_policy recompute): tokens right, nothing left."""
     import redis
 
-    from tests.integrations.vllm_engine import drive, prefill, room_keys, settle
+    from tests.integrations.vllm_engine import drive, keys_left, prefill, room_keys, settle
     from tests.integrations.vllm_model import reference
 
     p, d = engines["mp"], engines["md"]
@@ -201,7 +201,7 @@ def test_hybrid_abort_and_failed_load(url: str, engines: dict[str, Any]) -> None
     assert d.tokens["swa-refused"] == reference(toks, 5)
     for e in (*engines.values(),):
         assert e.mismatches == [] and e.problems() == [], e.spec.engine_id
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def planned(tmp_path: Any, kinds: dict[str, Any], model: str = "swa") -> tuple[Any, Any]:

@@ -46,7 +46,7 @@ def pairs(url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
 
 @pytest.mark.parametrize("case", CASES)
 def test_layout_moves_byte_exact(url: str, pairs: dict[str, Any], case: str) -> None:
-    from tests.integrations.vllm_engine import ask, room_keys, settle
+    from tests.integrations.vllm_engine import ask, keys_left, settle
     from tests.integrations.vllm_model import reference
 
     p, d = pairs[case]
@@ -61,7 +61,7 @@ def test_layout_moves_byte_exact(url: str, pairs: dict[str, Any], case: str) -> 
     assert d.mismatches == [] and min(d.bytes_verified) > 0  # every rank, its heads
     print(f"{case} TP 1 -> {d.spec.tp}: {sum(d.bytes_verified)} KV bytes compared")
     assert p.problems() == [] and d.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_engines_with_different_layouts_refuse_the_pages(
@@ -70,7 +70,7 @@ def test_engines_with_different_layouts_refuse_the_pages(
     """Same pages, another byte order: the decode must not take them. It computes the
     prompts itself, says why in one WARNING for the pair of engines, and counts each
     request in vLLM's stats (vllm:kvstate_num_recompute_fallbacks)."""
-    from tests.integrations.vllm_engine import ask, drive, room_keys, settle
+    from tests.integrations.vllm_engine import ask, drive, keys_left, settle
     from tests.integrations.vllm_model import reference
 
     p, _ = pairs["LBNHC"]
@@ -85,7 +85,7 @@ def test_engines_with_different_layouts_refuse_the_pages(
     for rid, toks in prompts.items():
         assert d.first_computed[rid] == 0 and d.tokens[rid] == reference(toks, 5)
     assert d.mismatches == [] and p.problems() == [] and d.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []
     [warning] = [r for r in caplog.records if "computes requests from prefill" in r.message]
     assert warning.levelname == "WARNING"
     assert "KV cache layout 'LBNHC' there, 'LBHNC' here" in warning.message, warning.message

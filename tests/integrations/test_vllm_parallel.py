@@ -61,7 +61,7 @@ def test_pipeline_parallel_prefill_sends_each_stage_s_layers(
 ) -> None:
     """Prefill TP 2 x PP 2 (each stage one of the 2 layers), decode TP 1: the decode
     reads each layer from its stage and each head from its TP rank (4 senders)."""
-    from tests.integrations.vllm_engine import ask, room_keys, settle
+    from tests.integrations.vllm_engine import ask, keys_left, settle
     from tests.integrations.vllm_model import reference
 
     p, d = engines["pp"], engines["pd"]
@@ -84,14 +84,14 @@ def test_pipeline_parallel_prefill_sends_each_stage_s_layers(
         assert d.tokens[rid] == reference(toks, 4), rid
     print(f"PP 2 x TP 2 -> TP 1: {sum(d.bytes_verified) - before} KV bytes compared")
     assert d.mismatches == [] and p.problems() == [] and d.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_data_parallel_rooms_bind_to_their_ranks(url: str, engines: dict[str, Any]) -> None:
     """Two data-parallel prefill engines and two data-parallel decode engines (TP 2,
     MLA): a request prefilled on DP rank 1 and decoded on DP rank 0 is a room between
     exactly those engines' workers, and the other way round."""
-    from tests.integrations.vllm_engine import ask, room_keys, settle
+    from tests.integrations.vllm_engine import ask, keys_left, settle
     from tests.integrations.vllm_model import reference
 
     assert engines["dpp1"].config.kv_transfer_config.engine_id == "dpp_dp1"  # vLLM's suffix
@@ -116,7 +116,7 @@ def test_data_parallel_rooms_bind_to_their_ranks(url: str, engines: dict[str, An
         assert d.tokens[rid] == reference(toks[rid], 4) and d.mismatches == []
         assert engines[pk].problems() == [] and d.problems() == []
         print(f"DP {rid}: {sum(d.bytes_verified)} KV bytes compared on {dk}")
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 
 from kvstate.roles.participant import Participant
 from kvstate.testing import RedisProcess, RoundTrips
-from tests.integrations.vllm_engine import room_keys
+from tests.integrations.vllm_engine import keys_left, room_keys
 from tests.proxy import Proxy
 from tools.bench.steps.engine import behind_trips
 
@@ -141,7 +141,7 @@ def test_a_push_step_makes_the_same_round_trips_for_one_room_and_for_four(
         d.add("held", 2, p.params["held"])
         rids.append("held")
         settle(p, d, rids)
-        assert room_keys(url) == []
+        assert keys_left(url) == []
     finally:
         p.close()
         d.close()
@@ -172,7 +172,7 @@ def test_redis_lost_mid_step_the_rooms_conclude_on_later_steps(
         assert trips + behind_trips() - was > through, trips
         proxy.passthrough()
         settle(p, d, rids)
-        assert room_keys(url) == []
+        assert keys_left(url) == []
     finally:
         p.close()
         d.close()

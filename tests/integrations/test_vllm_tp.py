@@ -63,7 +63,7 @@ def show(url: str, room: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_shape_moves_byte_exact(url: str, engines: dict[str, Any], shape: str) -> None:
-    from tests.integrations.vllm_engine import ask, room_keys, settle
+    from tests.integrations.vllm_engine import ask, keys_left, settle
     from tests.integrations.vllm_model import reference
 
     p, d = (engines[k] for k in SHAPES[shape])
@@ -80,14 +80,14 @@ def test_shape_moves_byte_exact(url: str, engines: dict[str, Any], shape: str) -
     print(f"{shape}: {sum(read)} KV bytes compared on {len(read)} decode rank(s)")
     assert d.mismatches == [] and min(read) > 0  # every rank read its own heads
     assert p.problems() == [] and d.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_the_room_shows_which_rank_sends_which_heads(url: str, engines: dict[str, Any]) -> None:
     """4 prefill ranks (2 KV heads: each held twice) to 1 decode rank: ranks 0 and 2
     send one head each, ranks 1 and 3 move nothing; then 1 prefill rank to 4 decode
     ranks (each head read by two). `kvstate show` while the rooms wait for the sends."""
-    from tests.integrations.vllm_engine import prefill, room_keys, settle
+    from tests.integrations.vllm_engine import keys_left, prefill, settle
 
     def moves(p: Any, d: Any, rid: str) -> dict[tuple[str, str], str]:
         toks = prompt(9, 13)
@@ -111,13 +111,13 @@ def test_the_room_shows_which_rank_sends_which_heads(url: str, engines: dict[str
     assert got == {
         ("vllm@tp-p1.tp0", f"vllm@tp-d4.tp{r}"): f"heads {r // 2}-{r // 2} -> 0-0" for r in range(4)
     }
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_decode_abort_frees_every_prefill_rank(url: str, engines: dict[str, Any]) -> None:
     """4 prefill ranks (2 of them dummies) for 1 decode rank that aborts after it
     published: every prefill rank's sender fails and frees on its next step."""
-    from tests.integrations.vllm_engine import drive, prefill, room_keys, settle
+    from tests.integrations.vllm_engine import drive, keys_left, prefill, settle
 
     p, d = engines["p4"], engines["d1"]
     toks = prompt(4, 13)
@@ -131,7 +131,7 @@ def test_decode_abort_frees_every_prefill_rank(url: str, engines: dict[str, Any]
     assert drive([p], lambda: p.held() == 0, max_steps=3) <= 1  # every rank reported
     settle(p, d)
     assert p.problems() == [] and d.problems() == []
-    assert room_keys(url) == []
+    assert keys_left(url) == []
 
 
 def test_what_no_route_serves_is_refused_with_the_reason() -> None:
@@ -166,7 +166,7 @@ def test_transfers_reach_vllms_stats_and_prometheus(
     from prometheus_client import REGISTRY
     from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
-    from tests.integrations.vllm_engine import ask, room_keys, settle
+    from tests.integrations.vllm_engine import ask, keys_left, settle
     from tests.integrations.vllm_rig import HEAD_SIZE
 
     p, d = engines["p4"], engines["d1"]
@@ -196,4 +196,4 @@ def test_transfers_reach_vllms_stats_and_prometheus(
         vlog.removeHandler(caplog.handler)
     line = next(r.getMessage() for r in caplog.records if "KV Transfer metrics" in r.getMessage())
     assert "Num successful transfers=2" in line and "Num failed transfers=0" in line, line
-    assert room_keys(url) == []
+    assert keys_left(url) == []

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tests.helpers import wait_for
 from tests.integrations.vllm_rig import Spec, Workers, dp_configs, plan, vllm_config
 
 
@@ -238,6 +239,14 @@ def room_keys(url: str) -> list[str]:
         kept = [k for k in keys if k.endswith(("}:aborted", "}:trace"))]
         assert all(c.pttl(k) > 0 for k in kept), kept
     return [k for k in keys if k not in kept]
+
+
+def keys_left(url: str, within: float = 5.0) -> list[str]:
+    """``room_keys`` once the clears made behind the last steps ran (a rank's last
+    rooms are cleared behind its step: ``clear_many(wait=False)``), or after
+    ``within`` s: what is left then."""
+    wait_for(lambda: not room_keys(url), within)
+    return room_keys(url)
 
 
 def ask(p: Engine, d: Engine, rid: str, prompt: list[int], n: int) -> None:

@@ -10,21 +10,20 @@ decode rank reads from get a dummy route), and declares how many decode ranks ea
 serves; a prefill worker's sender waits for as many (``required_receivers=None``).
 
 Per step (``get_finished``, called once per step by vLLM's worker glue): one
-``poll_changed`` (the rooms of this rank that may have moved: change notices, new
-rooms, the sweep), which on a prefill also begins the rooms whose decode published
-(``begin=True``), then their pages pushed and one ``finish_many``, which clears them
-in its round trip (``clear=True``: the prefill lets go of a room whatever its
-outcome) and runs behind the step (``wait=False``: the decode sees Success as soon as
-Redis ran it; the prefill reads the outcome, and frees the blocks, next step). Other
-rooms that concluded are cleared with the next step's poll
-(``clear_many(later=True)``), in its round trip, or at once when they were the last in
-flight. A step looks only at the rooms those answered and the rooms this rank acted on
-since its last step. So a step waits for no round trip and costs the same at 1 room
-and at 256 while rooms wait, and for one when rooms are admitted, conclude or are
-pushed (begun by the poll before the pages are written; finished and cleared behind
-the step after). A room kvstate
-cannot read (listed in ``.errors`` for another reason than a connection) fails its
-request alone. What happened is counted for vLLM's stats (metrics.py).
+``poll_changed`` (the rooms of this rank that may have moved: change notices, new rooms,
+the sweep), which on a prefill also begins the rooms whose decode published
+(``begin=True``), then their pages pushed and one ``finish_many``, which clears them in
+its round trip (``clear=True``: the prefill lets go of a room whatever its outcome) and
+runs behind the step (``wait=False``: the decode sees Success as soon as Redis ran it;
+the prefill reads the outcome, and frees the blocks, next step). Other rooms that
+concluded are cleared with the next step's poll (``clear_many(later=True)``), in its
+round trip, or at once, behind the step, when they were the last in flight. A step looks
+only at the rooms those answered and the rooms this rank acted on since its last step.
+So a step waits for no round trip and costs the same at 1 room and at 256 while rooms
+wait, and for one when rooms are admitted, conclude or are pushed (begun by the poll
+before the pages are written; finished and cleared behind the step after). A room
+kvstate cannot read (listed in ``.errors`` for another reason than a connection) fails
+its request alone. What happened is counted for vLLM's stats (metrics.py).
 """
 
 from __future__ import annotations
@@ -338,21 +337,15 @@ class WorkerSide:
     def _clear(self, mgr: KVManager, rooms: list[int]) -> None:
         """The rooms a step concluded (those its finish cleared are skipped): cleared
         with the next step's poll while this rank has rooms in flight (vLLM steps again
-        for them), at once when they were its last (an idle engine is not stepped: their
-        keys would wait for the next request); one that fails then rides the next
-        step's batch."""
+        for them), at once, behind the step, when they were its last (an idle engine is
+        not stepped: their keys would wait for the next request); one that fails then
+        rides the next step's batch."""
         if self._sending or self._loading:
             if rooms:  # (a call waits for a finish running behind: none without rooms)
                 mgr.clear_many(rooms, later=True)
             return
-        if not (rooms or mgr.clearing):
-            return
-        try:
-            failed = list(mgr.clear_many(rooms))
-        except KVStateError as exc:
-            log.warning("%s: clearing %d room(s) failed: %s", self.name, len(rooms), exc)
-            failed = rooms
-        mgr.clear_many(failed, later=True)
+        if rooms or mgr.clearing:  # behind the step; those not cleared ride the next batch
+            mgr.clear_many(rooms, wait=False)
 
     def _count_failure(self, snd: KVSender) -> None:
         """A prefill room that failed: blocks freed because no decode came (its
