@@ -25,7 +25,8 @@ kvstate to NIXL per step (scheduler sides; both sides where NIXL's worker ran); 
 targets (0 round trips a step with nothing in flight, at most 1 otherwise). One
 redis-server of its own.
 
-    python tools/bench_vllm_steps.py [--counts 0 1 64 256] [--steps 20] [--json] [--smoke]
+    python tools/bench_vllm_steps.py [--counts 0 1 64 256] [--steps 20] [--forward-ms 0]
+        [--json] [--smoke]
 
 Needs vLLM 0.34 (the [vllm] extra). Modules: ``engine`` (one engine, its hooks timed),
 ``nixl`` (NIXL's worker side), ``vllm_steps`` (the phases, the figures), ``cli``.

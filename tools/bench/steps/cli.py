@@ -25,6 +25,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--counts", type=int, nargs="+", default=[0, 1, 64, 256])
     ap.add_argument("--steps", type=int, default=20, help="steps timed per steady phase")
     ap.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="each step's forward: ms the engine's thread waits without the GIL, as a "
+        "worker waits for its device (what runs behind the step runs then); default 0",
+    )
+    ap.add_argument(
         "--smoke",
         action="store_true",
         help="check that the tool runs (tests): counts 0 1 4, 2 steps; figures meaningless",
@@ -44,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     ):
         model = write_model(Path(tmp) / "model")
         doc: dict[str, Any] = {"counts": counts, "steps_per_phase": steps, "phases": PHASES}
-        doc["vllm"] = measure(server.url, model, counts, steps)
+        doc["forward_ms"] = args.forward_ms
+        doc["vllm"] = measure(server.url, model, counts, steps, args.forward_ms / 1000)
     doc["nixl_worker_side"] = nixl.available()  # else its scheduler side alone
     doc["ratios_kvstate_over_nixl"] = ratios(doc["vllm"], counts)
     doc["targets"] = targets(doc["vllm"], counts)
@@ -52,7 +60,6 @@ def main(argv: list[str] | None = None) -> None:
         "start": [round(x, 2) for x in load0],
         "end": [round(x, 2) for x in os.getloadavg()],
     }
-    doc["command"] = "python tools/bench_vllm_steps.py " + (
-        "--smoke" if args.smoke else f"--counts {' '.join(map(str, counts))} --steps {steps}"
-    )
+    run = f"--counts {' '.join(map(str, counts))} --steps {steps} --forward-ms {args.forward_ms:g}"
+    doc["command"] = "python tools/bench_vllm_steps.py " + ("--smoke" if args.smoke else run)
     print(json.dumps(doc, indent=None if args.json else 2))

@@ -207,7 +207,11 @@ class Step:
 
 class Engine:
     """vLLM's Scheduler and, for kvstate, its worker-side connector (TP 1) in this
-    process; ``step()`` is EngineCore.step() with an emulated forward."""
+    process; ``step()`` is EngineCore.step() with an emulated forward: ``forward_s``
+    of the engine's thread waiting without the GIL, as a worker waits for its device
+    (0: none), between ``start_load_kv`` and ``get_finished``, where vLLM runs it."""
+
+    forward_s = 0.0
 
     def __init__(self, spec: Spec) -> None:
         from vllm.config import set_current_vllm_config
@@ -296,6 +300,8 @@ class Engine:
         if self.worker is not None:
             self.worker.bind_connector_metadata(so.kv_connector_metadata)
             self.worker.start_load_kv(None)
+            if self.forward_s:
+                time.sleep(self.forward_s)
             sent, loaded = self.worker.get_finished(so.finished_req_ids)
             kv.finished_sending, kv.finished_recving = sent, loaded
             kv.invalid_block_ids = self.worker.get_block_ids_with_load_errors()

@@ -27,11 +27,14 @@ class Pair:
     """A prefill and a decode engine of one connector, each with one local request
     always running, so that every step has a forward as a serving step does."""
 
-    def __init__(self, connector: str, url: str, model_dir: str, seqs: int) -> None:
+    def __init__(
+        self, connector: str, url: str, model_dir: str, seqs: int, forward_s: float = 0.0
+    ) -> None:
         name = CONNECTORS[connector]
         self.connector = connector
         self.p = Engine(Spec("kv_producer", f"{connector}-p", name, url, model_dir, seqs))
         self.d = Engine(Spec("kv_consumer", f"{connector}-d", name, url, model_dir, seqs))
+        self.p.forward_s = self.d.forward_s = forward_s
         self.runs = 0
         self.running: dict[Engine, str] = {}
 
@@ -146,11 +149,13 @@ def run_count(pair: Pair, n: int, steps: int, tag: str) -> dict[str, Any]:
     return {k: summary(v) for k, v in res.items()}
 
 
-def measure(url: str, model_dir: str, counts: list[int], steps: int) -> dict[str, Any]:
+def measure(
+    url: str, model_dir: str, counts: list[int], steps: int, forward_s: float = 0.0
+) -> dict[str, Any]:
     """Every count, kvstate's connector and NixlConnector's scheduler side, one pair of
     engines each (made once, for the largest count), counts in turn."""
     seqs = max(counts) + 8
-    pairs = {c: Pair(c, url, model_dir, seqs) for c in CONNECTORS}
+    pairs = {c: Pair(c, url, model_dir, seqs, forward_s) for c in CONNECTORS}
     out: dict[str, Any] = {c: {} for c in CONNECTORS}
     try:
         for pair in pairs.values():  # warm: scripts loaded, connections and UCX up
