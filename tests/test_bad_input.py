@@ -19,6 +19,7 @@ from kvstate.errors import (
     InvalidRoomError,
     InvalidStatusError,
     InvalidURLError,
+    InvalidValueError,
     StateConnectionError,
 )
 from kvstate.store import Store
@@ -49,6 +50,13 @@ def test_bad_rooms_are_refused_everywhere(store: Store, room: object) -> None:
             p.poll_many([1, room])
         with pytest.raises(InvalidRoomError):
             store.abort(room, "x")  # type: ignore[arg-type]
+        # the calls run behind the step refuse before anything runs, not in their Future
+        with pytest.raises(InvalidRoomError):
+            p.finish_many([room], clear=True, wait=False)
+        with pytest.raises(InvalidRoomError):
+            d.clear_many([room], wait=False)
+        with pytest.raises(InvalidValueError, match="later=True"):
+            d.clear_many([1], later=True, wait=False)  # type: ignore[call-overload]
         assert snapshot(store) == before
 
 

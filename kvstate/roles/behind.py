@@ -1,6 +1,7 @@
 """A rank's call run behind its scheduler step: on a thread of the rank's own, so the
 step goes on while Redis answers (``KVManager.finish_many(wait=False)``: a prefill's
-push step then waits for one round trip, its poll, not two). Calls stay in order: the
+push step then waits for one round trip, its poll, not two; ``clear_many(wait=False)``:
+a step whose rooms were its last clears them without waiting). Calls stay in order: the
 rank's next call, from any thread, first waits for the one behind (it is bounded by
 its own deadline), so the rank's participants are never touched by two calls at once.
 """

@@ -118,7 +118,7 @@ class KVManager:
         self.notices = Notices(self._parts, None, store.options.notice_sweep)
         self._peers = PeerWatch(self.engine)
         self.clears = Clears(store, self.engine, self.prefill_engines, self.forget)
-        self.behind = Behind(f"kvstate-behind-{self.engine}")  # finish_many(wait=False)
+        self.behind = Behind(f"kvstate-behind-{self.engine}")  # the calls made wait=False
         self.info = EngineInfo(
             engine=self.engine,
             role=role,
@@ -184,7 +184,7 @@ class KVManager:
                 "a new kvstate.connect() and KVManager, with its own engine name, in the "
                 "child"
             )
-        self.behind.settle()  # a finish running behind the step ends first
+        self.behind.settle()  # a call running behind the step ends first
         taken = self.heartbeat.taken
         if new and taken is not None:  # our lease lapsed (we stalled) and was taken
             raise EngineNameTakenError(
@@ -362,9 +362,9 @@ class KVManager:
         ``cleared`` on that next finish, its status still Transferring: concluded,
         its outcome its receivers'."""
         if not wait:
-            todo = list(rooms)
+            checked = [check_room(r) for r in rooms]
             self.check_usable()  # refused here, not in the Future
-            return self.behind.submit(lambda: self.finish_many(todo, clear))
+            return self.behind.submit(lambda: self.finish_many(checked, clear))
         if not clear:
             return self._many("finish", rooms)
         todo = list(rooms)
@@ -423,10 +423,13 @@ class KVManager:
         rooms were its last: no later batch may come soon, and it need not wait."""
         if not wait:
             if later:
-                raise InvalidValueError("clear_many(later=True) makes no round trip: wait=True")
-            todo_rooms = [check_room(r) for r in rooms]
+                raise InvalidValueError(
+                    "clear_many(later=True) rides the next batch and makes no round trip of "
+                    "its own: nothing to run behind; pass wait=False without later=True"
+                )
+            checked = [check_room(r) for r in rooms]
             self.check_usable()  # refused here, not in the Future
-            return self.behind.submit(lambda: self._clear_or_later(todo_rooms))
+            return self.behind.submit(lambda: self._clear_or_later(checked))
         self.check_usable()
         todo = [p for r in rooms if (p := self._parts.get(check_room(r))) is not None]
         if not later:
