@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
@@ -37,6 +38,9 @@ class Behind:
         ctx = contextvars.copy_context()
         running = self._pool.submit(ctx.run, self._run, fn)
         self._running = running
+        # let go of the GIL once: the thread takes it and sends the call now, instead of
+        # once this thread next blocks (0.15-0.35 ms later in tools/bench/steps' engine)
+        time.sleep(0)
         return running
 
     def _run(self, fn: Callable[[], _T]) -> _T:
