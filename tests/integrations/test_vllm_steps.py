@@ -168,7 +168,7 @@ def test_redis_lost_mid_step_the_rooms_conclude_on_later_steps(
         proxy.drop_after(through)
         was = behind_trips()
         trips = p.step().hook_trips.get("get_finished", 0)
-        p.worker._worker.mgr.behind.settle()  # the finish behind the step ended
+        p.worker.worker.mgr.behind.settle()  # the finish behind the step ended
         assert trips + behind_trips() - was > through, trips
         proxy.passthrough()
         settle(p, d, rids)

@@ -203,6 +203,7 @@ class Step:
     trips: int
     scheduled: int
     behind: int = 0
+    moved: int = 0  # bytes kvstate's transport moved in the step (a push step's)
 
 
 class Engine:
@@ -294,6 +295,7 @@ class Engine:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         before, was_behind = RoundTrips.by_thread["MainThread"], behind_trips()
+        moved = self._moved()
         so = self.scheduler.schedule()
         rids = list(so.num_scheduled_tokens)
         kv = KVConnectorOutput()
@@ -322,7 +324,14 @@ class Engine:
             spent |= w_spent
             calls |= w_calls
             hook_trips |= w_trips
-        return Step(spent, calls, hook_trips, trips, len(rids), behind_trips() - was_behind)
+        behind = behind_trips() - was_behind
+        return Step(spent, calls, hook_trips, trips, len(rids), behind, self._moved() - moved)
+
+    def _moved(self) -> int:
+        """Bytes kvstate's transport moved so far (0: NIXL's connector)."""
+        side = getattr(self.worker, "worker", None)
+        transport = getattr(side, "transport", None)
+        return int(transport.stats.bytes_moved) if transport is not None else 0
 
     def close(self) -> None:
         if self.worker is not None:

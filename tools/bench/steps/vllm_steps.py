@@ -75,6 +75,13 @@ def summary(steps: list[Step]) -> dict[str, Any]:
     out["round_trips_max"] = max(trips)
     out["round_trips_mean"] = round(statistics.fmean(trips), 2)
     out["round_trips_behind"] = sum(s.behind for s in steps)  # not waited for by the step
+    pushes = [s for s in steps if s.moved]  # the prefill's steps that pushed pages
+    if pushes:
+        out["push_steps"] = len(pushes)
+        out["push_hooks_us_median"] = round(
+            statistics.median(sum(s.spent.values()) * 1e6 for s in pushes), 1
+        )
+        out["push_round_trips_max"] = max(s.trips for s in pushes)
     calls: dict[str, int] = {}
     for s in steps:
         for k, v in s.calls.items():
