@@ -4,6 +4,12 @@ push step then waits for one round trip, its poll, not two; ``clear_many(wait=Fa
 a step whose rooms were its last clears them without waiting). Calls stay in order: the
 rank's next call, from any thread, first waits for the one behind (it is bounded by
 its own deadline), so the rank's participants are never touched by two calls at once.
+
+The thread takes the GIL when the caller next lets go of it (or after the interpreter's
+5 ms switch interval): a vLLM worker lets go while it waits for its device, and blocks
+between steps. Handing it over at once (a sleep(0) after submitting) sent the finish
+0.1-0.3 ms sooner but cost the push step 0.35 ms of waiting for the GIL back
+(tools/bench/steps' engine): not done.
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ from __future__ import annotations
 import contextvars
 import os
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
@@ -38,9 +43,6 @@ class Behind:
         ctx = contextvars.copy_context()
         running = self._pool.submit(ctx.run, self._run, fn)
         self._running = running
-        # let go of the GIL once: the thread takes it and sends the call now, instead of
-        # once this thread next blocks (0.15-0.35 ms later in tools/bench/steps' engine)
-        time.sleep(0)
         return running
 
     def _run(self, fn: Callable[[], _T]) -> _T:

@@ -167,6 +167,12 @@ def measure(
     try:
         for pair in pairs.values():  # warm: scripts loaded, connections and UCX up
             run_count(pair, 2, 2, "warm")
+        # as EngineCore does once started: the startup heap (vLLM's, torch's) frozen, so
+        # that an oldest-generation collection does not walk it (100-300 ms here,
+        # landing in whichever hook it falls in)
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
         for n in counts:
             for c, pair in pairs.items():
                 out[c][str(n)] = run_count(pair, n, steps, "q")
