@@ -115,12 +115,7 @@ def test_a_finish_that_clears_concludes_its_room_even_with_its_reply_lost(
     room with no sender here) leaves no clear due; made again, it finishes and clears."""
     with _proxied(redis_proc, "finishclear") as (proxy, p, d, ct):
         rooms = [1, 2, 3]
-        snds = [p.sender(r) for r in rooms]
-        rcvs = [d.receiver(r, PREFILL_ADDR) for r in rooms]
-        for i, rcv in enumerate(rcvs):
-            rcv.init(np.arange(4 * i, 4 * i + 4))
-        assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
-        assert p.begin_many(rooms) == dict.fromkeys(rooms, KVPoll.Transferring)
+        snds, rcvs = _begun(p, d, rooms)
         assert p.finish_many([1], clear=True) == {1: KVPoll.Success}
         assert snds[0].cleared and p.live_rooms == [2, 3] and p.clearing == []
         assert rcvs[0].poll() == KVPoll.Success
@@ -144,6 +139,17 @@ def test_a_finish_that_clears_concludes_its_room_even_with_its_reply_lost(
         assert snds[2].cleared and p.live_rooms == []
         assert rcvs[2].poll() == KVPoll.Success
         d.clear_many(rooms)
+
+
+def _begun(p: Any, d: Any, rooms: list[int]) -> tuple[list[Any], list[Any]]:
+    """Senders and receivers of ``rooms``, each receiver published, each sender begun."""
+    snds = [p.sender(r) for r in rooms]
+    rcvs = [d.receiver(r, PREFILL_ADDR) for r in rooms]
+    for i, rcv in enumerate(rcvs):
+        rcv.init(np.arange(4 * i, 4 * i + 4))
+    assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+    assert p.begin_many(rooms) == dict.fromkeys(rooms, KVPoll.Transferring)
+    return snds, rcvs
 
 
 def _answers(call: Callable[[], object]) -> bool:
@@ -224,12 +230,7 @@ def test_a_finish_behind_the_step_ends_before_the_managers_next_call(
     waits for it. ``clear_many(wait=False)`` whose reply was lost leaves its clears due."""
     with _proxied(redis_proc, "finishbehind") as (proxy, p, d, ct):
         rooms = [1, 2, 3]
-        snds = [p.sender(r) for r in rooms]
-        rcvs = [d.receiver(r, PREFILL_ADDR) for r in rooms]
-        for i, rcv in enumerate(rcvs):
-            rcv.init(np.arange(4 * i, 4 * i + 4))
-        assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
-        assert p.begin_many(rooms) == dict.fromkeys(rooms, KVPoll.Transferring)
+        snds, rcvs = _begun(p, d, rooms)
         proxy.stall()  # nothing reaches Redis: the finish waits behind, not the caller
         running = p.finish_many([1], clear=True, wait=False)
         assert not running.done() and not snds[0].cleared

@@ -22,13 +22,15 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
+# the name of a rank's thread behind starts so (RoundTrips.by_thread tells its trips apart)
+THREAD_PREFIX = "kvstate-behind-"
 
 
 class Behind:
     """At most one call of a rank running behind its step."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name  # its thread's name (RoundTrips.by_thread tells its trips apart)
+    def __init__(self, engine: str) -> None:
+        self.name = THREAD_PREFIX + engine
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
         self._running: Future[Any] | None = None
@@ -69,4 +71,4 @@ class Behind:
         self._pool = None
 
 
-__all__ = ["Behind"]
+__all__ = ["THREAD_PREFIX", "Behind"]

@@ -11,7 +11,7 @@ import logging
 import os
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Literal, TypeVar, overload
 
@@ -46,6 +46,7 @@ from transports.base import Transport
 
 log = logging.getLogger(__name__)
 _P = TypeVar("_P", bound=Step)
+_R = TypeVar("_R")
 ROLES: dict[str, Side] = {"prefill": "tx", "decode": "rx"}
 
 # Managers of this process, so that a fork can mark them unusable in the child: the
@@ -118,7 +119,7 @@ class KVManager:
         self.notices = Notices(self._parts, None, store.options.notice_sweep)
         self._peers = PeerWatch(self.engine)
         self.clears = Clears(store, self.engine, self.prefill_engines, self.forget)
-        self.behind = Behind(f"kvstate-behind-{self.engine}")  # the calls made wait=False
+        self.behind = Behind(self.engine)  # the calls made wait=False
         self.info = EngineInfo(
             engine=self.engine,
             role=role,
@@ -362,9 +363,7 @@ class KVManager:
         ``cleared`` on that next finish, its status still Transferring: concluded,
         its outcome its receivers'."""
         if not wait:
-            checked = [check_room(r) for r in rooms]
-            self.check_usable()  # refused here, not in the Future
-            return self.behind.submit(lambda: self.finish_many(checked, clear))
+            return self._behind(rooms, lambda checked: self.finish_many(checked, clear))
         if not clear:
             return self._many("finish", rooms)
         todo = list(rooms)
@@ -427,9 +426,7 @@ class KVManager:
                     "clear_many(later=True) rides the next batch and makes no round trip of "
                     "its own: nothing to run behind; pass wait=False without later=True"
                 )
-            checked = [check_room(r) for r in rooms]
-            self.check_usable()  # refused here, not in the Future
-            return self.behind.submit(lambda: self._clear_or_later(checked))
+            return self._behind(rooms, self._clear_or_later)
         self.check_usable()
         todo = [p for r in rooms if (p := self._parts.get(check_room(r))) is not None]
         if not later:
@@ -438,6 +435,13 @@ class KVManager:
         for p in todo:
             self.notices.forget(p.room)  # concluded: its clear, not a poll, is due
         return {}
+
+    def _behind(self, rooms: Iterable[object], call: Callable[[list[int]], _R]) -> Future[_R]:
+        """``call(rooms)`` behind the caller (``kvstate.roles.behind``); the rooms checked,
+        and a closed or forked manager refused, here rather than in the Future."""
+        checked = [check_room(r) for r in rooms]
+        self.check_usable()
+        return self.behind.submit(lambda: call(checked))
 
     def _clear_or_later(self, rooms: list[int]) -> dict[int, KVStateError]:
         """Clear now; what could not be cleared rides the next batch."""

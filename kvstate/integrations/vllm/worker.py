@@ -256,7 +256,7 @@ class WorkerSide:
         loaded, self._refused = self._refused, set()
         if mgr is None:
             return set(), loaded
-        self._finished()
+        self._read_finish()
         if not (self._sending or self._loading or mgr.clearing):
             return set(), loaded
         try:  # the clears of rooms concluded before ride this poll
@@ -316,7 +316,7 @@ class WorkerSide:
         self._clear(mgr, unclear)
         return sent, loaded
 
-    def _finished(self) -> None:
+    def _read_finish(self) -> None:
         """The outcome of the last push's ``finish_many``, which ran behind the step
         since (its rooms are looked at this step): each room it answered leaves
         ``_written``, its transfer counted; where the batch did not reach Redis the
@@ -367,7 +367,7 @@ class WorkerSide:
         step's poll (or, answered WaitingForInput by an earlier call, by one
         ``begin_many``), each room's pages pushed, one ``finish_many`` that clears the
         rooms it concludes (``clear=True``), run behind the step (``wait=False``: its
-        outcome is read next step, ``_finished``). Rooms an earlier step began but
+        outcome is read next step, ``_read_finish``). Rooms an earlier step began but
         could not push (Redis lost mid-write: the pages are pushed again, the same
         bytes) or pushed but could not finish are taken up where they stopped."""
         live = [(s, b) for s, b in looked if s.room not in bad]
@@ -447,7 +447,7 @@ class WorkerSide:
         next poll), then drop the lease."""
         mgr = self.mgr
         if mgr is not None:
-            self._finished()  # a finish behind: its rooms may be cleared now
+            self._read_finish()  # a finish behind: its rooms may be cleared now
             live = [s for s, _ in self._sending.values()] + [r for r, _ in self._loading.values()]
             live = [p for p in live if not p.cleared]
             for p in live:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstate.roles.behind import THREAD_PREFIX
 from kvstate.testing import RoundTrips
 from kvstate.testing.process import free_port
 from tools.bench.steps import nixl
@@ -189,7 +190,7 @@ class Hooks:
 def behind_trips() -> int:
     """Round trips made so far by KVManagers' threads behind the steps (a prefill's
     ``finish_many(wait=False)``): the engine's thread does not wait for them."""
-    return sum(n for t, n in RoundTrips.by_thread.items() if t.startswith("kvstate-behind"))
+    return sum(n for t, n in RoundTrips.by_thread.items() if t.startswith(THREAD_PREFIX))
 
 
 @dataclass
