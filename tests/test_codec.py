@@ -5,6 +5,8 @@ side's run builder: every (src, dst) pair kept in order, in maximal runs."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import msgpack
 import numpy as np
 import pytest
@@ -93,6 +95,17 @@ def test_encoding_is_one_pair_per_maximal_run(indices: np.ndarray) -> None:
     pairs = np.frombuffer(raw, dtype="<i4").reshape(-1, 2).astype(np.int64)
     # maximal: no run continues the one before it
     assert not (pairs[1:, 0] == pairs[:-1, 0] + pairs[:-1, 1]).any()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(any_indices, runs()))
+def test_few_pages_encode_as_numpy_encodes_many(indices: np.ndarray) -> None:
+    """Below codec._FEW pages the runs are found in Python: the same bytes as numpy's."""
+    idx = as_indices(indices)
+    if idx.size:
+        few = codec._few_runs(idx.tolist())
+        with patch.object(codec, "_FEW", 0):
+            assert encode_runs(idx) == few
 
 
 int32 = st.integers(-(2**31), 2**31 - 1)
