@@ -17,15 +17,14 @@ begins the rooms whose decode published (``begin=True``), then, behind the step
 pushed and one ``finish_many``, which clears them in its round trip (``clear=True``: the
 prefill lets go of a room whatever its outcome; the decode sees Success as soon as
 Redis ran it; the prefill reads the outcome, and frees the blocks, next step). Other
-rooms that
-concluded are cleared with the next step's poll (``clear_many(later=True)``), in its
-round trip, or at once, behind the step, when they were the last in flight. A step looks
-only at the rooms those answered and the rooms this rank acted on since its last step.
-So a step waits for no round trip and costs the same at 1 room and at 256 while rooms
-wait, and for one when rooms are admitted, conclude or are pushed (begun by the poll;
-written, finished and cleared behind the step). A room
-kvstate cannot read (listed in ``.errors`` for another reason than a connection) fails
-its request alone. What happened is counted for vLLM's stats (metrics.py).
+rooms that concluded are cleared with the next step's poll (``clear_many(later=True)``),
+in its round trip, or at once, behind the step, when they were the last in flight. A
+step looks only at the rooms those answered and the rooms this rank acted on since its
+last step. So a step waits for no round trip and costs the same at 1 room and at 256
+while rooms wait, and for one when rooms are admitted, conclude or are pushed (begun by
+the poll; written, finished and cleared behind the step). A room kvstate cannot read
+(listed in ``.errors`` for another reason than a connection) fails its request alone.
+What happened is counted for vLLM's stats (metrics.py).
 """
 
 from __future__ import annotations
@@ -402,6 +401,7 @@ class WorkerSide:
         for snd, _ in looked:
             if snd.cleared:  # its finish ran with its clear, the reply lost: concluded
                 self._written.pop(snd.room, None)
+        # begun (a room begin_many answered Failed is not written to)
         todo = [(s, b) for s, b in [*unpushed, *ready.values()] if s.status == KVPoll.Transferring]
         return todo, sorted(set(self._written) - set(bad))  # pushed earlier, not finished
 

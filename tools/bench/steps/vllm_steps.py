@@ -71,6 +71,7 @@ def summary(steps: list[Step]) -> dict[str, Any]:
         v = us(names)
         out[f"{part}_hooks_us_median"] = round(statistics.median(v), 1)
         out[f"{part}_hooks_us_mean"] = round(statistics.fmean(v), 1)
+    out["all_hooks_ms_total"] = round(sum(us(SCHED_HOOKS + WORKER_HOOKS)) / 1000, 2)
     trips = [s.trips for s in steps]
     out["round_trips_max"] = max(trips)
     out["round_trips_mean"] = round(statistics.fmean(trips), 2)
