@@ -297,7 +297,6 @@ def test_a_closed_manager_refuses_every_call(store: Store) -> None:
     snd, rcv = ready_room(p, d, 13)
     p.close()
     d.close()
-    ran: list[object] = []
     calls: dict[str, Callable[[], object]] = {
         "sender": lambda: p.sender(14),
         "receiver": lambda: d.receiver(14, PREFILL_ADDR),
@@ -307,7 +306,6 @@ def test_a_closed_manager_refuses_every_call(store: Store) -> None:
         "init_many": lambda: d.init_many({13: [1]}),
         "clear_many": lambda: p.clear_many([13]),
         "finish_many behind": lambda: p.finish_many([13], wait=False),
-        "run_behind": lambda: p.run_behind(lambda: ran.append(1)),  # refused: never runs
         "fail_peer": lambda: d.fail_peer(PREFILL_ADDR, "x"),
         "poll": snd.poll,
         "rcv.poll": rcv.poll,
@@ -330,7 +328,6 @@ def test_a_closed_manager_refuses_every_call(store: Store) -> None:
     assert {k: v for k, v in snapshot(store).items() if ":engine" not in k} == {
         k: v for k, v in before.items() if ":engine" not in k
     }
-    assert ran == []
     p.close()  # idempotent
     # the participants' keys expire on their TTL (the closed manager cannot clear)
     spare = kvstate.KVManager(store, "prefill", "spare", "10.0.0.9:1")

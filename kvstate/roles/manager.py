@@ -436,19 +436,12 @@ class KVManager:
             self.notices.forget(p.room)  # concluded: its clear, not a poll, is due
         return {}
 
-    def run_behind(self, fn: Callable[[], _R]) -> Future[_R]:
-        """``fn`` run behind the caller, on this manager's own thread, as
-        ``finish_many(wait=False)`` runs its batch: for a step's work around this
-        manager's calls (a vLLM push step: pages written, then ``finish_many``). Its
-        answer (or what it raised) is the Future's; this manager's next call from
-        another thread waits for it first. A closed or forked manager is refused here."""
-        self.check_usable()
-        return self.behind.submit(fn)
-
     def _behind(self, rooms: Iterable[object], call: Callable[[list[int]], _R]) -> Future[_R]:
-        """``call(rooms)`` behind the caller; the rooms checked here, not in the Future."""
+        """``call(rooms)`` behind the caller (``kvstate.roles.behind``); the rooms checked,
+        and a closed or forked manager refused, here rather than in the Future."""
         checked = [check_room(r) for r in rooms]
-        return self.run_behind(lambda: call(checked))
+        self.check_usable()
+        return self.behind.submit(lambda: call(checked))
 
     def _clear_or_later(self, rooms: list[int]) -> dict[int, KVStateError]:
         """Clear now; what could not be cleared rides the next batch."""

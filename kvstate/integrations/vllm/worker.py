@@ -9,22 +9,21 @@ every head it holds from one prefill rank, on every pipeline stage; prefill rank
 decode rank reads from get a dummy route), and declares how many decode ranks each
 serves; a prefill worker's sender waits for as many (``required_receivers=None``).
 
-Per step (``get_finished``, called once per step by vLLM's worker glue, after the
-forward): the prefill's new senders made, one ``poll_changed`` (the rooms of this rank
-that may have moved: change notices, new rooms, the sweep), which on a prefill also
-begins the rooms whose decode published (``begin=True``), then, behind the step
-(``KVManager.run_behind``: the copy overlaps the engine's next forward), their pages
-pushed and one ``finish_many``, which clears them in its round trip (``clear=True``: the
-prefill lets go of a room whatever its outcome; the decode sees Success as soon as
-Redis ran it; the prefill reads the outcome, and frees the blocks, next step). Other
-rooms that concluded are cleared with the next step's poll (``clear_many(later=True)``),
-in its round trip, or at once, behind the step, when they were the last in flight. A
-step looks only at the rooms those answered and the rooms this rank acted on since its
-last step. So a step waits for no round trip and costs the same at 1 room and at 256
-while rooms wait, and for one when rooms are admitted, conclude or are pushed (begun by
-the poll; written, finished and cleared behind the step). A room kvstate cannot read
-(listed in ``.errors`` for another reason than a connection) fails its request alone.
-What happened is counted for vLLM's stats (metrics.py).
+Per step (``get_finished``, called once per step by vLLM's worker glue): one
+``poll_changed`` (the rooms of this rank that may have moved: change notices, new rooms,
+the sweep), which on a prefill also begins the rooms whose decode published
+(``begin=True``), then their pages pushed and one ``finish_many``, which clears them in
+its round trip (``clear=True``: the prefill lets go of a room whatever its outcome) and
+runs behind the step (``wait=False``: the decode sees Success as soon as Redis ran it;
+the prefill reads the outcome, and frees the blocks, next step). Other rooms that
+concluded are cleared with the next step's poll (``clear_many(later=True)``), in its
+round trip, or at once, behind the step, when they were the last in flight. A step looks
+only at the rooms those answered and the rooms this rank acted on since its last step.
+So a step waits for no round trip and costs the same at 1 room and at 256 while rooms
+wait, and for one when rooms are admitted, conclude or are pushed (begun by the poll
+before the pages are written; finished and cleared behind the step after). A room
+kvstate cannot read (listed in ``.errors`` for another reason than a connection) fails
+its request alone. What happened is counted for vLLM's stats (metrics.py).
 """
 
 from __future__ import annotations
@@ -55,8 +54,6 @@ from transports.base import Transport
 
 log = logging.getLogger(__name__)
 DONE = (KVPoll.Success, KVPoll.Failed)
-# a push step's work behind it: the rooms written, (seconds, bytes) each; the finish's answer
-Pushed = tuple[dict[int, tuple[float, int]], PollResults]
 
 
 def parallel_ranks() -> tuple[int, int]:
@@ -121,10 +118,7 @@ class WorkerSide:
         # rooms the next step looks at whatever its poll answers: acted on here since
         self._look: set[int] = set()
         self._written: dict[int, tuple[float, int]] = {}  # pushed, not finished: (s, bytes)
-        self._finishing: Future[Pushed] | None = None  # the last push step's, behind
-        # a prefill's requests to send, made senders by the next get_finished (a
-        # manager call made before the forward would wait there for the push behind)
-        self._arrived: dict[str, tuple[int, list[list[int]], str | None]] = {}
+        self._finishing: Future[PollResults] | None = None  # the last push's, behind
 
     # -- start-up -------------------------------------------------------------------
     def _check_device(self, kv_caches: dict[str, Any]) -> None:
@@ -197,7 +191,9 @@ class WorkerSide:
         if mgr is None or not (meta.send or meta.recv or meta.abort):
             return  # most steps: nothing new
         for req_id, (room, blocks) in meta.send.items():
-            self._arrived[req_id] = (room, blocks, meta.traces.get(req_id))
+            snd = mgr.sender(room, required_receivers=None, trace_context=meta.traces.get(req_id))
+            self._sending[req_id] = (snd, blocks)
+            self._reqs[snd.room] = req_id
         pages: dict[object, object] = {}
         for req_id, load in meta.recv.items():
             try:
@@ -261,7 +257,6 @@ class WorkerSide:
         if mgr is None:
             return set(), loaded
         self._read_finish()
-        self._make_senders(mgr)
         if not (self._sending or self._loading or mgr.clearing):
             return set(), loaded
         try:  # the clears of rooms concluded before ride this poll
@@ -277,15 +272,15 @@ class WorkerSide:
         done: list[int] = []
         unclear: list[int] = []  # of those, the rooms whose clear is still to make
         sent: set[str] = set()
-        push = self._push(mgr, [self._sending[q] for q in reqs if q in self._sending], bad)
-        behind = {s.room for s, _ in push[0]} | set(push[1])
+        self._push(mgr, [self._sending[q] for q in reqs if q in self._sending], bad)
+        behind = set(self._written) if self._finishing is not None else set()
         for req_id in reqs:
             if req_id not in self._sending:
                 continue
             snd = self._sending[req_id][0]
             if snd.room in bad:
                 self._give_up(snd, bad[snd.room])
-            elif snd.room in behind:  # pushed behind the step: its outcome next step
+            elif snd.room in behind:  # finishing behind the step: its outcome next step
                 self._look.add(snd.room)
                 continue
             # cleared by its finish: concluded, even where the reply was lost
@@ -319,30 +314,21 @@ class WorkerSide:
         for room in done:
             del self._reqs[room]
         self._clear(mgr, unclear)
-        if behind:  # last: the step's other calls would wait for it
-            self._finishing = mgr.run_behind(lambda: self._push_behind(mgr, *push))
         return sent, loaded
 
-    def _make_senders(self, mgr: KVManager) -> None:
-        """The requests ``start`` took to send, as senders (no Redis: their first poll
-        creates them)."""
-        arrived, self._arrived = self._arrived, {}
-        for req_id, (room, blocks, trace) in arrived.items():
-            snd = mgr.sender(room, required_receivers=None, trace_context=trace)
-            self._sending[req_id] = (snd, blocks)
-            self._reqs[snd.room] = req_id
-
     def _read_finish(self) -> None:
-        """The outcome of the last push step's pages and ``finish_many``, run behind the
-        step since (its rooms are looked at this step): each room pushed joins
-        ``_written``; each the finish answered leaves it, its transfer counted. Where
-        the finish did not reach Redis the rooms stay written and are finished again
-        this step; a room whose write was cut off is pushed again."""
+        """The outcome of the last push's ``finish_many``, which ran behind the step
+        since (its rooms are looked at this step): each room it answered leaves
+        ``_written``, its transfer counted; where the batch did not reach Redis the
+        rooms stay written and are finished again this step."""
         running, self._finishing = self._finishing, None
         if running is None:
             return
-        written, res = running.result()
-        self._written.update(written)
+        try:
+            res = running.result()
+        except StateConnectionError as exc:
+            log.warning("%s: finishing %d room(s) failed: %s", self.name, len(self._written), exc)
+            return
         for room, status in res.items():
             took, nbytes = self._written.pop(room, (0.0, 0))  # or concluded as bad since
             if status == KVPoll.Success and nbytes:  # a dummy route moves nothing
@@ -376,15 +362,14 @@ class WorkerSide:
         mgr: KVManager,
         looked: list[tuple[KVSender, list[list[int]]]],
         bad: dict[int, KVStateError],
-    ) -> tuple[list[tuple[KVSender, list[list[int]]]], list[int]]:
+    ) -> None:
         """The senders looked at whose decode published, as one batch: begun by the
         step's poll (or, answered WaitingForInput by an earlier call, by one
-        ``begin_many``), then, behind the step (``_push_behind``), each room's pages
-        pushed and one ``finish_many`` that clears the rooms it concludes
-        (``clear=True``); its outcome is read next step (``_read_finish``). Rooms an
-        earlier step began but could not push (Redis lost mid-write: the pages are
-        pushed again, the same bytes) or pushed but could not finish are taken up
-        where they stopped. Returns (the senders to push, the rooms to finish again)."""
+        ``begin_many``), each room's pages pushed, one ``finish_many`` that clears the
+        rooms it concludes (``clear=True``), run behind the step (``wait=False``: its
+        outcome is read next step, ``_read_finish``). Rooms an earlier step began but
+        could not push (Redis lost mid-write: the pages are pushed again, the same
+        bytes) or pushed but could not finish are taken up where they stopped."""
         live = [(s, b) for s, b in looked if s.room not in bad]
         ready = {s.room: (s, b) for s, b in live if s.status == KVPoll.WaitingForInput}
         unpushed = [
@@ -398,37 +383,20 @@ class WorkerSide:
             except StateConnectionError as exc:  # statuses stay: the next step begins them
                 log.warning("%s: beginning %d room(s) failed: %s", self.name, len(ready), exc)
                 ready = {}
+        for snd, blocks in [*unpushed, *ready.values()]:
+            if snd.status == KVPoll.Transferring:  # else failed meanwhile: write nothing
+                self._write(snd, blocks)
         for snd, _ in looked:
             if snd.cleared:  # its finish ran with its clear, the reply lost: concluded
                 self._written.pop(snd.room, None)
-        # begun (a room begin_many answered Failed is not written to)
-        todo = [(s, b) for s, b in [*unpushed, *ready.values()] if s.status == KVPoll.Transferring]
-        return todo, sorted(set(self._written) - set(bad))  # pushed earlier, not finished
+        if self._written:
+            self._finishing = mgr.finish_many(sorted(self._written), clear=True, wait=False)
 
-    def _push_behind(
-        self, mgr: KVManager, todo: list[tuple[KVSender, list[list[int]]]], again: list[int]
-    ) -> Pushed:
-        """Behind the step: the pages of ``todo`` written, then one ``finish_many`` of
-        those and ``again``. The rooms written, with (seconds, bytes), and what the
-        finish answered (nothing, logged, where it did not reach Redis)."""
-        written: dict[int, tuple[float, int]] = {}
-        for snd, blocks in todo:
-            took = self._write(snd, blocks)
-            if took is not None:
-                written[snd.room] = took
-        rooms = sorted({*again, *written})
-        try:
-            return written, mgr.finish_many(rooms, clear=True) if rooms else PollResults()
-        except StateConnectionError as exc:
-            log.warning("%s: finishing %d room(s) failed: %s", self.name, len(rooms), exc)
-            return written, PollResults()
-
-    def _write(self, snd: KVSender, blocks: list[list[int]]) -> tuple[float, int] | None:
+    def _write(self, snd: KVSender, blocks: list[list[int]]) -> None:
         """Push the request's pages, to be finished with the step's batch: of each KV
         cache group, the tail the decode asked for (it may have the head cached;
         groups.split reads how much of each group from the number of pages it
-        published); (seconds, bytes) once written. A failure fails the room, which
-        send() records."""
+        published); a failure fails the room, which send() records."""
         assert self.transport is not None
         try:
             want = max((len(i.kv_indices) for i in snd.transfer_infos().values()), default=0)
@@ -441,12 +409,12 @@ class WorkerSide:
             moved, t0 = self.transport.stats.bytes_moved, time.perf_counter()
             src = np.asarray(flatten(blocks, take), dtype=np.int64)
             if snd.send(src, last=False) == KVPoll.Transferring:
-                return time.perf_counter() - t0, self.transport.stats.bytes_moved - moved
+                nbytes = self.transport.stats.bytes_moved - moved
+                self._written[snd.room] = (time.perf_counter() - t0, nbytes)
         except StateConnectionError as exc:  # the room stays; its timeouts stay the bound
             log.warning("room %s: send interrupted: %s", snd.room, exc)
         except KVStateError as exc:  # e.g. a receiver's infos kvstate cannot read
             self._give_up(snd, exc)
-        return None
 
     def _give_up(self, p: KVSender | KVReceiver, exc: KVStateError) -> None:
         log.warning("room %s: failing its request: %s", p.room, exc)
@@ -492,7 +460,6 @@ class WorkerSide:
             except KVStateError as exc:
                 log.warning("%s: clearing at shutdown failed: %s", self.name, exc)
             self._sending.clear()
-            self._arrived.clear()  # not made senders yet: nothing of theirs in Redis
             self._loading.clear()
             self._reqs.clear()
             mgr.close()

@@ -18,13 +18,11 @@ as vLLM does, pages moved between the two engines). With ``n`` requests at a tim
   with an abort (``nixl_worker_side`` in the JSON says which).
 
 Per phase and count: hook us per step (median and mean; scheduler side, worker side,
-both) and the phase's total (ms: what a step moves to the next, as a push behind the
-step does, shows there), Redis round trips per step of the engine's thread (most and
-mean; counted at the socket, the KVManagers' heartbeat threads apart) and those made
-behind the steps (a prefill's push and finish: the phase's total), hook calls, and the
-hooks of kvstate's push steps (the prefill's steps during which its pages moved, behind
-the step that began them: median us; none where they moved during another engine's
-forward); the ratios of
+both) and the phase's total (ms: work a step leaves to the next shows there), Redis
+round trips per step of the engine's thread (most and mean; counted at the socket, the
+KVManagers' heartbeat threads apart) and those made behind the steps (a prefill's
+``finish_many(wait=False)``: the phase's total), hook calls, and the hooks of kvstate's
+push steps (the prefill's steps during which its pages moved: median us); the ratios of
 kvstate to NIXL per step (scheduler sides; both sides where NIXL's worker ran); the
 targets (0 round trips a step with nothing in flight, at most 1 otherwise). One
 redis-server of its own.
