@@ -142,6 +142,24 @@ def test_any_stored_runs_decode_or_are_corrupt(raw: bytes) -> None:
     np.testing.assert_array_equal(decode_runs(encode_runs(back), "k", "f"), back)
 
 
+def _decoded(raw: bytes, max_pages: int) -> object:
+    try:
+        return decode_runs(raw, "k", "f", max_pages).tolist()
+    except CorruptStateError as exc:
+        return str(exc)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(stored_runs(), st.builds(lambda a: encode_runs(as_indices(a)), runs())))
+def test_few_runs_decode_as_numpy_decodes_many(raw: bytes) -> None:
+    """Up to codec._FEW runs (and _FEW_PAGES pages) are checked and made in Python: the
+    same pages, or the same refusal, as numpy's, with and without a page limit."""
+    for max_pages in (MAX_PAGES, 40):
+        few = _decoded(raw, max_pages)
+        with patch.object(codec, "_FEW", 0):
+            assert _decoded(raw, max_pages) == few
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=64))
 def test_any_bytes_as_a_transfer_info_are_corrupt_or_valid(raw: bytes) -> None:
