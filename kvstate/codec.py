@@ -27,6 +27,11 @@ MAX_INDEX = 2**31 - 1
 # size of its pages is allocated (a 30-byte info could list 2^31 pages: issue 30).
 MAX_PAGES = 2**24
 IndexArray = npt.NDArray[np.int32]
+# Up to _FEW pages (encoding) or _FEW runs of at most _FEW_PAGES pages (decoding), runs
+# are made in Python: numpy's 10-15 calls cost 20-35 us whatever the size, and a step
+# pays them per room (a decode's admission encodes, a prefill's push decodes; issue 33)
+_FEW = 64
+_FEW_PAGES = 512
 _PAIR = np.dtype("<i4")
 
 
@@ -71,11 +76,6 @@ def encode_runs(indices: IndexArray) -> bytes:
     pairs[:, 0] = idx[bounds[:-1]]
     pairs[:, 1] = np.diff(bounds)
     return pairs.tobytes()
-
-
-# Up to this many pages, runs are found in Python: numpy's ~10 calls cost ~20 us
-# whatever the size, a step's receivers each pay it (a decode's admission, issue 33)
-_FEW = 64
 
 
 def _few_runs(pages: list[int]) -> bytes:
@@ -144,10 +144,8 @@ def decode_runs(raw: bytes, key: str, field_name: str, max_pages: int = MAX_PAGE
 
 
 def _few_pages(raw: bytes, key: str, field_name: str, limit: int) -> IndexArray | None:
-    """``decode_runs`` of at most ``_FEW`` runs, the same checks in the same order, in
-    Python (a sender decodes each receiver's info every push: numpy's ~15 calls cost
-    ~30 us whatever the size); None when they hold over ``_FEW_PAGES`` pages (numpy
-    makes those faster)."""
+    """``decode_runs`` of at most ``_FEW`` runs, the same checks in the same order;
+    None when they hold over ``_FEW_PAGES`` pages (numpy makes those faster)."""
     flat = struct.unpack(f"<{len(raw) // 4}i", raw)
     starts, lengths = flat[0::2], flat[1::2]
     if not starts:
@@ -165,9 +163,6 @@ def _few_pages(raw: bytes, key: str, field_name: str, limit: int) -> IndexArray 
         return None
     pages = [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + n)]
     return np.array(pages, dtype=np.int32)
-
-
-_FEW_PAGES = 512
 
 
 def _run_chunk(

@@ -154,6 +154,13 @@ def test_what_no_route_serves_is_refused_with_the_reason() -> None:
     assert "KV heads 2 there, 4 here" in refusal("P", one, "D", lh)
     # NixlConnector moves blocks of other sizes (block_size_ratio); kvstate refuses
     assert "block size 16 there, 4 here" in refusal("P", replace(d, block_size=16), "D", d)
+    # facts of another type than kvstate's (a list, a bool for a count) are not read
+    sent = d.params()
+    assert KVFacts.from_params(sent) == d
+    for field, value in (("split", ["x"]), ("tp", True), ("pp", "1"), ("mla", 0)):
+        theirs = KVFacts.from_params(dict(sent, **{field: value}))
+        assert theirs is None, field
+        assert "sent no KV cache facts kvstate can read" in refusal("P", theirs, "D", d)
 
 
 def test_transfers_reach_vllms_stats_and_prometheus(

@@ -37,6 +37,9 @@ MUST_MATCH = {
 }
 
 
+_KINDS = {"str": str, "int": int, "bool": bool}  # KVFacts' field types, by annotation
+
+
 @dataclass(frozen=True)
 class KVFacts:
     """One engine's KV cache as its peer must know it (JSON-safe: it travels through
@@ -97,13 +100,17 @@ class KVFacts:
 
     @classmethod
     def from_params(cls, value: object) -> KVFacts | None:
-        """The facts a prefill sent (None if they are not a kvstate prefill's facts)."""
+        """The facts a prefill sent (None if they are not a kvstate prefill's facts:
+        each field of its type, as JSON carries it; ``plan`` keys its cache on them)."""
         if not isinstance(value, dict):
             return None
-        names = {f.name for f in fields(cls)}
+        kinds = {f.name: _KINDS[str(f.type)] for f in fields(cls)}
+        got = {k: v for k, v in value.items() if k in kinds}
+        if any(type(v) is not kinds[k] for k, v in got.items()):  # a bool is no int here
+            return None
         try:
-            return cls(**{k: v for k, v in value.items() if k in names})
-        except TypeError:
+            return cls(**got)
+        except TypeError:  # a field missing
             return None
 
 
