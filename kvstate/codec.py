@@ -116,15 +116,15 @@ def decode_runs(raw: bytes, key: str, field_name: str, max_pages: int = MAX_PAGE
     total = 0
     for at in range(0, len(pairs), _CHUNK):
         starts, lengths = _run_chunk(pairs, at)
-        if (starts < 0).any() or (lengths <= 0).any():
-            raise CorruptStateError(key, field_name, "run list has a negative start or length")
-        if int((starts + lengths - 1).max()) > MAX_INDEX:  # a run's last page
-            raise CorruptStateError(key, field_name, f"run list goes past page {MAX_INDEX}")
         total += int(lengths.sum())
-        if total > limit:
-            raise CorruptStateError(
-                key, field_name, f"run list holds over {limit} pages, more than allowed"
-            )
+        _check_runs(
+            bool((starts < 0).any() or (lengths <= 0).any()),
+            int((starts + lengths - 1).max()),  # the last page of a run, the highest
+            total,
+            limit,
+            key,
+            field_name,
+        )
     # each page is the one before it + 1, but at a run's first page, which jumps from
     # the last run's last page: ones, the jumps at the runs' first pages, then a
     # running sum, in place (every partial sum is a page index: int32 holds it)
@@ -150,19 +150,35 @@ def _few_pages(raw: bytes, key: str, field_name: str, limit: int) -> IndexArray 
     starts, lengths = flat[0::2], flat[1::2]
     if not starts:
         return np.empty(0, dtype=np.int32)
-    if min(starts) < 0 or min(lengths) <= 0:
-        raise CorruptStateError(key, field_name, "run list has a negative start or length")
-    if max(s + n - 1 for s, n in zip(starts, lengths, strict=True)) > MAX_INDEX:
-        raise CorruptStateError(key, field_name, f"run list goes past page {MAX_INDEX}")
     total = sum(lengths)
-    if total > limit:
-        raise CorruptStateError(
-            key, field_name, f"run list holds over {limit} pages, more than allowed"
-        )
+    _check_runs(
+        min(starts) < 0 or min(lengths) <= 0,
+        max(s + n - 1 for s, n in zip(starts, lengths, strict=True)),
+        total,
+        limit,
+        key,
+        field_name,
+    )
     if total > _FEW_PAGES:
         return None
     pages = [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + n)]
     return np.array(pages, dtype=np.int32)
+
+
+def _check_runs(
+    negative: bool, last: int, total: int, limit: int, key: str, field_name: str
+) -> None:
+    """Refuse runs with a negative start or length, a run past page MAX_INDEX (``last``:
+    the highest last page), or more than ``limit`` pages in all (``total``), in that
+    order: both decoders refuse alike."""
+    if negative:
+        raise CorruptStateError(key, field_name, "run list has a negative start or length")
+    if last > MAX_INDEX:
+        raise CorruptStateError(key, field_name, f"run list goes past page {MAX_INDEX}")
+    if total > limit:
+        raise CorruptStateError(
+            key, field_name, f"run list holds over {limit} pages, more than allowed"
+        )
 
 
 def _run_chunk(
