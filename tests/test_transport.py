@@ -73,6 +73,34 @@ def test_fragmented_pages_arrive(fresh: tuple[Peer, Peer, Peer]) -> None:
     assert_layers(rx, [(src, dst)])
 
 
+@pytest.mark.parametrize("env", [{}, {"KVSTATE_UCX_CMA": "0"}], ids=["cma", "ucx"])
+def test_rooms_in_turn_to_buffers_of_interleaved_sizes(env: dict[str, str]) -> None:
+    """Buffers of two page sizes in turn (a hybrid model's attention and state): the
+    plan groups the alike ones, and every byte still lands in its own buffer; rooms
+    written in turn to the same receiver's layout (the plan's pairing made once)
+    each land whole."""
+    spec = [(48, 1024), (48, 256), (48, 1024), (48, 256), (48, 512)]
+    tx, rx = Peer("sender", spec=spec, env=env), Peer("receiver", spec=spec)
+    try:
+        rng = np.random.default_rng(11)
+        rooms = [  # destinations apart, so that each room's pages show
+            (fragmented(rng, 6, 48)[0], np.array([0, 1, 2, 7, 8, 4])),
+            (np.arange(10, 16), np.arange(20, 26)),
+            (rng.permutation(48)[:6], np.arange(30, 36)),
+        ]
+        jobs = [(i, src, [rx.target(dst)], 10.0) for i, (src, dst) in enumerate(rooms)]
+        tx.call("writes", jobs)
+        for layer, got in enumerate(rx.layers()):
+            want = np.full(spec[layer], FILL, dtype=np.uint8)
+            for src, dst in rooms:
+                want[dst] = sender_pages(layer, spec)[src]
+            bad = np.flatnonzero((got != want).any(axis=1))
+            assert bad.size == 0, f"buffer {layer}: pages {bad[:10].tolist()} differ"
+    finally:
+        tx.stop()
+        rx.stop()
+
+
 def test_two_receivers_and_a_dummy(fresh: tuple[Peer, Peer, Peer]) -> None:
     tx, rx1, rx2 = fresh
     src = np.array([5, 6, 7, 50, 51, 90, 1])

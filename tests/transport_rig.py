@@ -79,6 +79,12 @@ def _peer_main(conn: Connection, env: dict[str, str]) -> None:
                 t0 = time.monotonic()
                 transport.write(room, src, targets, timeout)
                 conn.send(("ok", (time.monotonic() - t0, transport.stats)))
+            elif cmd == "writes":
+                # Several writes in turn from one message: targets sent together share
+                # their layout objects here, as a receiver's registration read once does.
+                for job in args[0]:
+                    transport.write(*job)
+                conn.send(("ok", transport.stats))
             elif cmd == "write_threads":
                 # Several writes at once from caller threads, as a serving engine does.
                 import threading

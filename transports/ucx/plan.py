@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -60,21 +61,61 @@ class Peer:
     rkeys: dict[bytes, int] = field(default_factory=dict)
 
 
+#: spans in a group of buffers: local addresses, remote addresses, lengths (buffers x spans)
+_Spans = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass
 class Plan:
     """Everything one target needs, computed and validated before any byte moves."""
 
     endpoint: bytes
-    name: str
-    regions: list[Region]  # the local buffers written, one per entry of rkeys and ops
-    rkeys: list[bytes]
-    # per buffer: (local addresses, remote addresses, byte counts) as Python lists
-    ops: list[tuple[list[int], list[int], list[int]]]
+    pairing: Pairing
+    spans: list[_Spans]  # one per group of ``pairing``
     nbytes: int
+    put_chunk: int = 0  # UCX puts of host memory cut to this size (0: whole spans)
     # same-host peer reachable by process_vm_writev: its identity and iovec arrays
     peer: cma.Identity | None = None
     local_iov: np.ndarray | None = None
     remote_iov: np.ndarray | None = None
+
+    @property
+    def name(self) -> str:
+        return self.pairing.name
+
+    @property
+    def regions(self) -> list[Region]:
+        """The local buffers written, one per entry of ``rkeys`` and ``ops``."""
+        return self.pairing.regions
+
+    @property
+    def rkeys(self) -> list[bytes]:
+        return self.pairing.rkeys
+
+    @cached_property
+    def ops(self) -> list[tuple[list[int], list[int], list[int]]]:
+        """Per buffer: the UCX puts' local addresses, remote addresses and byte counts,
+        as Python lists (made only for a write through UCX)."""
+        ops: list[tuple[list[int], list[int], list[int]]] = []
+        for g, (laddr, raddr, length) in zip(self.pairing.groups, self.spans, strict=True):
+            sizes = length[0]  # the same in every buffer of the group
+            if self.put_chunk > 0 and g.host and sizes.size and int(sizes.max()) > self.put_chunk:
+                for la, ra in zip(laddr, raddr, strict=True):
+                    lo, ro, n = split_spans(la, ra, sizes, self.put_chunk)
+                    ops.append((lo.tolist(), ro.tolist(), n.tolist()))
+            else:
+                each = sizes.tolist()  # shared by the group's buffers: puts only read it
+                ops += [
+                    (la, ra, each) for la, ra in zip(laddr.tolist(), raddr.tolist(), strict=True)
+                ]
+        return ops
+
+    def iovecs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Local and remote ``struct iovec`` arrays of every span (the same-host path)."""
+        length = np.concatenate([n.ravel() for _, _, n in self.spans])
+        local = np.concatenate([a.ravel() for a, _, _ in self.spans])
+        remote = np.concatenate([a.ravel() for _, a, _ in self.spans])
+        return cma.iovecs(local, length), cma.iovecs(remote, length)
 
 
 def buffer_info(obj: Any, what: str) -> tuple[int, int, str]:
@@ -127,6 +168,7 @@ def make_plans(
     no_cma: Collection[bytes],
     put_chunk: int = 0,
     here: cma.Identity | None = None,
+    pairings: dict[tuple[Any, ...], Pairing] | None = None,
 ) -> list[Plan]:
     """Validate everything and turn each target into per-layer put lists.
 
@@ -136,7 +178,8 @@ def make_plans(
     of host memory into pieces of at most that size (``UCXSettings.put_chunk``
     says why) for peers on another host; ``here`` is this process: to a peer on
     this host and network namespace UCX puts over cma, where whole runs are faster
-    (``chunk_for``). The same-host iovecs keep whole runs.
+    (``chunk_for``). The same-host iovecs keep whole runs. ``pairings``: where each
+    target's ``Pairing`` is kept between calls (the transport's; None: none kept).
     """
     if not regions:
         raise LayoutError("write() before register_buffers()")
@@ -144,34 +187,30 @@ def make_plans(
     src = check_indices(src_indices, local_pages, f"room {room} source indices")
     plans = []
     for t in targets:
-        name = short_name(t.endpoint, t.layout)
         dst_raw = np.asarray(t.dst_indices)
         if dst_raw.size == 0:
             continue  # dummy receiver: nothing to send
-        pairs = pair_buffers(t.layout, regions, name, t.buffers)
-        remote_pages = min(int(b["num_pages"]) for _, b in pairs)
-        dst = check_indices(dst_raw, remote_pages, f"room {room} indices for {name}")
+        pairing = _pairing_for(t, regions, pairings)
+        name = pairing.name
+        dst = check_indices(dst_raw, pairing.remote_pages, f"room {room} indices for {name}")
         check_unique(dst, f"room {room} indices for {name}")
         if dst.size != src.size:
             raise LayoutError(
                 f"room {room}: {src.size} source pages but {dst.size} destination pages for {name}"
             )
-        peer = cma.Identity.from_dict(t.layout.get("id"))
-        plan, (locals_, remotes, sizes) = _plan_target(
-            t.endpoint, name, pairs, merge_runs(src, dst), t.heads, chunk_for(put_chunk, here, peer)
+        peer = pairing.peer
+        plan = _plan_target(
+            t.endpoint, pairing, merge_runs(src, dst), chunk_for(put_chunk, here, peer)
         )
         if (
             cma_from is not None
             and peer is not None
             and cma_from.same_host(peer)
             and t.endpoint not in no_cma
-            and all(r.memory == "host" for r, _ in pairs)
-            and all(b.get("memory") == "host" for _, b in pairs)
+            and pairing.host
         ):
-            length = np.concatenate(sizes)
             plan.peer = peer
-            plan.local_iov = cma.iovecs(np.concatenate(locals_), length)
-            plan.remote_iov = cma.iovecs(np.concatenate(remotes), length)
+            plan.local_iov, plan.remote_iov = plan.iovecs()
         plans.append(plan)
     return plans
 
@@ -240,55 +279,119 @@ def _cut(local: Region, remote: dict[str, Any], heads: Heads | None, what: str) 
     )
 
 
-def _plan_target(
-    endpoint: bytes,
-    name: str,
-    pairs: list[tuple[Region, dict[str, Any]]],
-    runs: Runs,
-    heads: Heads | None = None,
-    put_chunk: int = 0,
-) -> tuple[Plan, tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]]:
-    """The plan for one target, and per buffer its local and remote span addresses
-    and span lengths as arrays (for the same-host path, whole spans): a run of whole
-    pages is one span; with ``heads``, each page is ``outer`` spans of those heads."""
-    ops = []
-    nbytes = 0
-    locals_, remotes, sizes = [], [], []
+@dataclass(frozen=True)
+class _Group:
+    """Buffers whose pages split alike (page sizes, heads written, memory kinds): the
+    same spans in each page, each buffer at its own base address."""
+
+    lbase: np.ndarray  # local base addresses, one per buffer (int64)
+    rbase: np.ndarray  # the remote buffers' base addresses
+    pb: int  # local page bytes
+    rpb: int  # remote page bytes
+    cut: _Cut | None
+    host: bool  # host memory on both sides: UCX puts of it may be cut (put_chunk)
+
+    def offsets(self, runs: Runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The spans of ``runs`` in one buffer: local and remote offsets, lengths: a run
+        of whole pages is one span; with a cut, each page is ``outer`` spans of those
+        heads."""
+        if self.cut is None:
+            return runs.src * self.pb, runs.dst * self.rpb, runs.length * self.pb
+        cut = self.cut
+        first = np.repeat(runs.src - np.cumsum(runs.length) + runs.length, runs.length)
+        src_pages = first + np.arange(runs.pages, dtype=np.int64)
+        dst_pages = np.repeat(runs.dst - runs.src, runs.length) + src_pages
+        blocks = np.arange(cut.outer, dtype=np.int64)
+        loff = (cut.src + (src_pages[:, None] * self.pb + blocks * cut.src_block)).ravel()
+        roff = (cut.dst + (dst_pages[:, None] * self.rpb + blocks * cut.dst_block)).ravel()
+        return loff, roff, np.full(loff.size, cut.seg, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """What writing to one receiver's layout takes whatever the pages: the buffers
+    paired and checked (``pair_buffers``, ``_cut``), grouped by how their pages split,
+    in group order. Made once per target layout: a room then costs a few array
+    operations per group, not per buffer (a model's layers are one group)."""
+
+    layout: dict[str, Any]  # the layout it was made from (``_pairing_for`` checks it is)
+    source: list[Region]  # the transport's buffers it was made from (likewise)
+    name: str
+    regions: list[Region]
+    rkeys: list[bytes]
+    groups: list[_Group]
+    remote_pages: int
+    peer: cma.Identity | None
+    host: bool  # every buffer host memory on both sides: the same-host copy may apply
+
+
+def make_pairing(t: Target, regions: list[Region]) -> Pairing:
+    """``t``'s Pairing with these local buffers; LayoutError where they do not fit."""
+    name = short_name(t.endpoint, t.layout)
+    pairs = pair_buffers(t.layout, regions, name, t.buffers)
+    members: dict[tuple[int, int, _Cut | None, bool], list[tuple[Region, dict[str, Any]]]] = {}
     for i, (local, rb) in enumerate(pairs):
         pb, rpb = local.page_bytes, int(rb["page_bytes"])
         what = f"buffer {local.geometry.name or i} of {name}"
-        cut = _cut(local, rb, heads, what)
-        if cut is None:
-            if rpb != pb:
-                raise LayoutError(f"{what}: page size {pb} here but {rpb} there")
-            lengths = runs.length * pb
-            laddr = local.addr + runs.src * pb
-            raddr = int(rb["addr"]) + runs.dst * rpb
-        else:
-            first = np.repeat(runs.src - np.cumsum(runs.length) + runs.length, runs.length)
-            step = np.arange(runs.pages, dtype=np.int64)
-            src_pages = first + step
-            dst_pages = np.repeat(runs.dst - runs.src, runs.length) + src_pages
-            blocks = np.arange(cut.outer, dtype=np.int64)
-            laddr = (
-                local.addr + cut.src + (src_pages[:, None] * pb + blocks * cut.src_block)
-            ).ravel()
-            raddr = (
-                int(rb["addr"]) + cut.dst + (dst_pages[:, None] * rpb + blocks * cut.dst_block)
-            ).ravel()
-            lengths = np.full(laddr.size, cut.seg, dtype=np.int64)
-        locals_.append(laddr)
-        remotes.append(raddr)
-        sizes.append(lengths)
-        if put_chunk > 0 and local.memory == "host" and rb.get("memory", "host") == "host":
-            op = split_spans(laddr, raddr, lengths, put_chunk)
-        else:
-            op = (laddr, raddr, lengths)
-        ops.append((op[0].tolist(), op[1].tolist(), op[2].tolist()))
-        nbytes += int(lengths.sum())
-    regions = [r for r, _ in pairs]
-    plan = Plan(endpoint, name, regions, [bytes(b["rkey"]) for _, b in pairs], ops, nbytes)
-    return plan, (locals_, remotes, sizes)
+        cut = _cut(local, rb, t.heads, what)
+        if cut is None and rpb != pb:
+            raise LayoutError(f"{what}: page size {pb} here but {rpb} there")
+        host = local.memory == "host" and rb.get("memory", "host") == "host"
+        members.setdefault((pb, rpb, cut, host), []).append((local, rb))
+    ordered = [pair for group in members.values() for pair in group]
+    groups = [
+        _Group(
+            np.array([r.addr for r, _ in group], dtype=np.int64),
+            np.array([int(b["addr"]) for _, b in group], dtype=np.int64),
+            *key,
+        )
+        for key, group in members.items()
+    ]
+    return Pairing(
+        t.layout,
+        regions,
+        name,
+        [r for r, _ in ordered],
+        [bytes(b["rkey"]) for _, b in ordered],
+        groups,
+        min(int(b["num_pages"]) for _, b in pairs),
+        cma.Identity.from_dict(t.layout.get("id")),
+        all(r.memory == "host" and b.get("memory") == "host" for r, b in pairs),
+    )
+
+
+_PAIRINGS = 1024  # pairings kept at most (receivers x head layouts), then made again
+
+
+def _pairing_for(
+    t: Target, regions: list[Region], kept: dict[tuple[Any, ...], Pairing] | None
+) -> Pairing:
+    """``t``'s Pairing, from ``kept`` when made from the same layout and buffers (the
+    objects themselves: a receiver's layout is read once per incarnation and not
+    changed; a registration replaces the transport's list of buffers)."""
+    key = (t.endpoint, t.heads, t.buffers)
+    if kept is not None:
+        found = kept.get(key)
+        if found is not None and found.layout is t.layout and found.source is regions:
+            return found
+    made = make_pairing(t, regions)
+    if kept is not None:
+        if len(kept) >= _PAIRINGS:
+            kept.clear()
+        kept[key] = made
+    return made
+
+
+def _plan_target(endpoint: bytes, pairing: Pairing, runs: Runs, put_chunk: int = 0) -> Plan:
+    """The plan for one target: per group, the spans of ``runs`` in each buffer."""
+    spans: list[_Spans] = []
+    nbytes = 0
+    for g in pairing.groups:
+        loff, roff, length = g.offsets(runs)
+        laddr, raddr = g.lbase[:, None] + loff, g.rbase[:, None] + roff
+        spans.append((laddr, raddr, np.broadcast_to(length, laddr.shape)))
+        nbytes += int(length.sum()) * g.lbase.size
+    return Plan(endpoint, pairing, spans, nbytes, put_chunk)
 
 
 def split_spans(

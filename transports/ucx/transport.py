@@ -39,6 +39,7 @@ from transports.ucx.abi import (
 )
 from transports.ucx.plan import (
     LAYOUT_VERSION,
+    Pairing,
     Plan,
     Region,
     buffer_info,
@@ -63,6 +64,7 @@ class UCXTransport(Transport):
         self._puts = Puts(self._rt, self.settings.error_handling)
         self._rooms: dict[int, np.ndarray] = {}
         self._no_cma: set[bytes] = set()  # peers where process_vm_writev was refused
+        self._pairings: dict[tuple[Any, ...], Pairing] = {}  # make_plans' per target
         self._identity = cma.Identity.here()
         self._stats = TransportStats()
         self._stats_lock = threading.Lock()
@@ -115,6 +117,7 @@ class UCXTransport(Transport):
     async def _map(self, regions: list[Region]) -> None:
         lib = self._lib
         old, self._regions = self._regions, []
+        self._pairings.clear()  # they hold the old buffers
         self._unmap(old)
         try:
             for r in regions:
@@ -202,6 +205,7 @@ class UCXTransport(Transport):
             self._no_cma,
             self.settings.put_chunk,
             self._identity,
+            self._pairings,
         )
         if not plans:
             self._record(0, 0.0, ok=True)
@@ -310,6 +314,7 @@ class UCXTransport(Transport):
         self._puts.close()
         self._unmap(self._regions)
         self._regions = []
+        self._pairings.clear()
 
     def _check_open(self) -> None:
         if self._closed:
