@@ -230,9 +230,9 @@ def test_bench_vllm_steps_smoke() -> None:
     trips are counts (not timings): with nothing in flight a step makes none. NIXL's
     worker side runs where NIXL is installed (not in CI's vLLM venv)."""
     pytest.importorskip("vllm")
-    doc, _ = run_tool("bench_vllm_steps.py", "--smoke", "--json", timeout=300)
-    assert doc["command"] == "python tools/bench_vllm_steps.py --smoke"
-    assert doc["counts"] == [0, 1, 4] and doc["steps_per_phase"] == 2
+    doc, _ = run_tool("bench_vllm_steps.py", "--smoke", "--layers", "3", "--json", timeout=300)
+    assert doc["command"] == "python tools/bench_vllm_steps.py --smoke --layers 3"
+    assert doc["counts"] == [0, 1, 4] and doc["steps_per_phase"] == 2 and doc["layers"] == 3
     assert set(doc["phases"]) == STEP_PHASES
     nixl_worker = doc["nixl_worker_side"]
     assert nixl_worker is (importlib.util.find_spec("nixl") is not None)

@@ -5,7 +5,7 @@ The code is the package ``tools/bench/steps/`` (what is measured: its ``__init__
 ``--help``); this script runs it, as ``python -m tools.bench.steps`` does.
 
     python tools/bench_vllm_steps.py [--counts 0 1 64 256] [--steps 20] [--forward-ms 0]
-        [--json] [--smoke]
+        [--layers 2] [--json] [--smoke]
 """
 
 import sys

@@ -28,7 +28,10 @@ targets (0 round trips a step with nothing in flight, at most 1 otherwise). One
 redis-server of its own.
 
     python tools/bench_vllm_steps.py [--counts 0 1 64 256] [--steps 20] [--forward-ms 0]
-        [--json] [--smoke]
+        [--layers 2] [--json] [--smoke]
+
+``--layers``: the model's attention layers (a real model's 32 or more: each is a KV
+cache both connectors register, K and V side by side: a push writes one buffer each).
 
 Needs vLLM 0.34 (the [vllm] extra). Modules: ``engine`` (one engine, its hooks timed),
 ``nixl`` (NIXL's worker side), ``vllm_steps`` (the phases, the figures), ``cli``.

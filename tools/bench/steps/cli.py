@@ -13,7 +13,7 @@ from typing import Any
 import tools.bench.steps as package
 from kvstate.testing import RedisProcess, RoundTrips
 from tools.bench.steps import nixl
-from tools.bench.steps.engine import write_model
+from tools.bench.steps.engine import LAYERS, write_model
 from tools.bench.steps.vllm_steps import PHASES, measure, ratios, targets
 
 
@@ -30,6 +30,13 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="each step's forward: ms the engine's thread waits without the GIL, as a "
         "worker waits for its device (what runs behind the step runs then); default 0",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=LAYERS,
+        help=f"attention layers of the model (default {LAYERS}): a KV cache each (K and V "
+        "side by side), so a push writes (and plans) that many buffers",
     )
     ap.add_argument(
         "--smoke",
@@ -49,9 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         RedisProcess(port="auto") as server,
         RoundTrips.installed(),
     ):
-        model = write_model(Path(tmp) / "model")
+        model = write_model(Path(tmp) / "model", args.layers)
         doc: dict[str, Any] = {"counts": counts, "steps_per_phase": steps, "phases": PHASES}
         doc["forward_ms"] = args.forward_ms
+        doc["layers"] = args.layers
         doc["vllm"] = measure(server.url, model, counts, steps, args.forward_ms / 1000)
     doc["nixl_worker_side"] = nixl.available()  # else its scheduler side alone
     doc["ratios_kvstate_over_nixl"] = ratios(doc["vllm"], counts)
@@ -60,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         "start": [round(x, 2) for x in load0],
         "end": [round(x, 2) for x in os.getloadavg()],
     }
+    layers = "" if args.layers == LAYERS else f" --layers {args.layers}"
     run = f"--counts {' '.join(map(str, counts))} --steps {steps} --forward-ms {args.forward_ms:g}"
-    doc["command"] = "python tools/bench_vllm_steps.py " + ("--smoke" if args.smoke else run)
+    run = ("--smoke" if args.smoke else run) + layers
+    doc["command"] = "python tools/bench_vllm_steps.py " + run
     print(json.dumps(doc, indent=None if args.json else 2))

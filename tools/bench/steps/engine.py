@@ -43,8 +43,9 @@ SCHED_HOOKS = (
 WORKER_HOOKS = ("start_load_kv", "get_finished")
 
 
-def write_model(path: Path) -> str:
-    """A config.json vLLM's ModelConfig reads without a hub (no weights are loaded)."""
+def write_model(path: Path, layers: int = LAYERS) -> str:
+    """A config.json vLLM's ModelConfig reads without a hub (no weights are loaded), of
+    ``layers`` attention layers (each a KV cache the connectors register)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(
         json.dumps(
@@ -55,7 +56,7 @@ def write_model(path: Path) -> str:
                 "intermediate_size": 64,
                 "num_attention_heads": HEADS,
                 "num_key_value_heads": HEADS,
-                "num_hidden_layers": LAYERS,
+                "num_hidden_layers": layers,
                 "vocab_size": 1024,
                 "max_position_embeddings": 4096,
                 "torch_dtype": "float16",
@@ -138,7 +139,8 @@ def plan(config: Any) -> tuple[Any, Any]:
     spec = FullAttentionSpec(
         block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16
     )
-    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(LAYERS)}]
+    layers = config.model_config.hf_config.num_hidden_layers
+    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}]
     layout = resolve_kv_cache_layout(config, [["LBNHC", "LBHNC"]], list(specs[0].values()))
     groups = get_global_kv_cache_groups(config, specs)
     worker = get_kv_cache_configs(config, specs, [1 << 30], groups)[0]
