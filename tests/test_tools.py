@@ -370,6 +370,23 @@ def test_bench_state_pairs_smoke() -> None:
     }
 
 
+# -- tools/bench_plan.py ----------------------------------------------------------------------
+def test_bench_plan_smoke() -> None:
+    """Every shape's plan (kept and first room) and the copy it plans, which moved the
+    bytes it says into the pages (and heads) named: its spans, one per buffer and run."""
+    pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
+    doc, _ = run_tool("bench_plan.py", "--smoke", "--json")
+    assert doc["command"] == "python tools/bench_plan.py --smoke" and doc["reps"] == 3
+    rows = {(r["buffers"], r["pages"], r["fragmented"], r["heads"]): r for r in doc["rows"]}
+    assert set(rows) == {(2, 4, False, None), (64, 4, False, None), (64, 64, True, None),
+                         (64, 64, True, 2), (160, 16, False, None)}  # fmt: skip
+    for (buffers, pages, _, heads), r in rows.items():
+        assert_positive(r, "plan_us", "plan_first_room_us", "copy_us", "plan_over_copy")
+        assert r["bytes"] == buffers * pages * 256 // (2 if heads else 1)
+        assert r["copied"] is True
+    assert rows[(64, 4, False, None)]["spans"] == 64  # one run of 4 pages per buffer
+
+
 # -- tools/bench_transfer.py ------------------------------------------------------------------
 ROW_KEYS = {
     "mode",
