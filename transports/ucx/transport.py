@@ -64,7 +64,7 @@ class UCXTransport(Transport):
         self._puts = Puts(self._rt, self.settings.error_handling)
         self._rooms: dict[int, np.ndarray] = {}
         self._no_cma: set[bytes] = set()  # peers where process_vm_writev was refused
-        self._pairings: dict[tuple[Any, ...], Pairing] = {}  # make_plans' per target
+        self._pairings: dict[tuple[Any, ...], Pairing] = {}  # each receiver's (make_plans)
         self._identity = cma.Identity.here()
         self._stats = TransportStats()
         self._stats_lock = threading.Lock()

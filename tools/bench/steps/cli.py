@@ -68,8 +68,10 @@ def main(argv: list[str] | None = None) -> None:
         "start": [round(x, 2) for x in load0],
         "end": [round(x, 2) for x in os.getloadavg()],
     }
-    layers = "" if args.layers == LAYERS else f" --layers {args.layers}"
     run = f"--counts {' '.join(map(str, counts))} --steps {steps} --forward-ms {args.forward_ms:g}"
-    run = ("--smoke" if args.smoke else run) + layers
+    if args.smoke:
+        run = "--smoke"
+    if args.layers != LAYERS:
+        run += f" --layers {args.layers}"
     doc["command"] = "python tools/bench_vllm_steps.py " + run
     print(json.dumps(doc, indent=None if args.json else 2))
