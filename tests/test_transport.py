@@ -101,6 +101,66 @@ def test_rooms_in_turn_to_buffers_of_interleaved_sizes(env: dict[str, str]) -> N
         rx.stop()
 
 
+PATHS = {"cma": {}, "ucx": {"KVSTATE_UCX_CMA": "0"}}
+ROW = sum(pb for _, pb in LAYOUT)  # bytes of one page in every layer
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_rooms_written_together_land_each_whole(fresh: tuple[Peer, Peer, Peer], path: str) -> None:
+    """write_many: rooms to two receivers in one pass per receiver, each answered with
+    its bytes; a room whose plan is refused moves nothing and the others still land."""
+    _, rx1, rx2 = fresh
+    tx = Peer("sender", env=PATHS[path])
+    try:
+        rng = np.random.default_rng(21)
+        frag_src, frag_dst = fragmented(rng, 12, 40)
+        jobs = [
+            (1, np.arange(0, 8), [rx1.target(np.arange(50, 58))]),
+            (2, frag_src, [rx1.target(frag_dst)]),
+            (3, np.arange(60, 64), [rx2.target(np.arange(0, 4))]),
+            (4, np.array([70, 71]), [rx1.target([80, 81]), rx2.target([90, 91])]),
+            (5, np.array([1, 2]), [rx1.target([3, LAYOUT[0][0]])]),  # outside: refused
+            (6, np.array([5]), [rx2.target([])]),  # a dummy receiver only: nothing moves
+        ]
+        got = tx.call("write_many", jobs, 10.0)
+        assert {r: got[r] for r in (1, 2, 3, 4, 6)} == {1: 8 * ROW, 2: 12 * ROW} | {
+            3: 4 * ROW, 4: 4 * ROW, 6: 0
+        }  # fmt: skip
+        assert isinstance(got[5], LayoutError) and "outside" in str(got[5])
+        assert_layers(rx1, [(np.arange(8), np.arange(50, 58)), (frag_src, frag_dst),
+                            (np.array([70, 71]), np.array([80, 81]))])  # fmt: skip
+        assert_layers(rx2, [(np.arange(60, 64), np.arange(4)),
+                            (np.array([70, 71]), np.array([90, 91]))])  # fmt: skip
+    finally:
+        tx.stop()
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_dead_receiver_fails_its_rooms_alone(path: str) -> None:
+    """write_many with one receiver SIGKILLed: the rooms that write to it fail with
+    why, the others' bytes land, within the deadline."""
+    tx = Peer("sender", env=PATHS[path])
+    alive, dead = Peer("receiver"), Peer("receiver")
+    try:
+        dead.kill()
+        jobs = [
+            (1, np.arange(0, 4), [alive.target(np.arange(10, 14))]),
+            (2, np.arange(4, 8), [dead.target(np.arange(0, 4))]),
+            (3, np.arange(8, 10), [alive.target([20, 21]), dead.target([30, 31])]),
+            (4, np.arange(12, 14), [alive.target([40, 41])]),
+        ]
+        got = tx.call("write_many", jobs, 5.0, timeout=60.0)
+        assert got[1] == 4 * ROW and got[4] == 2 * ROW, got
+        for room in (2, 3):
+            assert isinstance(got[room], TransportError) and f"room {room}:" in str(got[room])
+        # room 3's part for the live receiver landed with the others (the room failed)
+        assert_layers(alive, [(np.arange(0, 4), np.arange(10, 14)), (np.arange(8, 10),
+                      np.array([20, 21])), (np.arange(12, 14), np.array([40, 41]))])  # fmt: skip
+    finally:
+        for p in (tx, alive, dead):
+            p.stop()
+
+
 def test_two_receivers_and_a_dummy(fresh: tuple[Peer, Peer, Peer]) -> None:
     tx, rx1, rx2 = fresh
     src = np.array([5, 6, 7, 50, 51, 90, 1])

@@ -85,6 +85,9 @@ def _peer_main(conn: Connection, env: dict[str, str]) -> None:
                 for job in args[0]:
                     transport.write(*job)
                 conn.send(("ok", transport.stats))
+            elif cmd == "write_many":
+                jobs, timeout = args
+                conn.send(("ok", transport.write_many(jobs, timeout)))
             elif cmd == "write_threads":
                 # Several writes at once from caller threads, as a serving engine does.
                 import threading

@@ -8,6 +8,7 @@ sender as :class:`Target` entries.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +70,10 @@ class Target:
     buffers: tuple[str, ...] | None = None
 
 
+#: one room's write: the room, its source page indices, its receivers
+WriteJob = tuple[int, np.ndarray, Sequence[Target]]
+
+
 @dataclass(frozen=True)
 class TransportStats:
     """Counters for metrics: totals since the transport was created."""
@@ -122,6 +127,25 @@ class Transport(ABC):
         Returns only once the bytes are in the receivers' memory; raises
         :class:`TransportError` otherwise, within ``timeout`` seconds.
         """
+
+    def write_many(
+        self, jobs: Sequence[WriteJob], timeout: float
+    ) -> dict[int, int | TransportError]:
+        """Sender side: ``write`` of several rooms (each once), all within ``timeout``
+        seconds: each room answers its bytes moved, or the TransportError that failed it
+        (the other rooms are still written). Here they are written in turn; a transport
+        may write them together (UCXTransport: one pass per receiver)."""
+        deadline = time.monotonic() + timeout
+        out: dict[int, int | TransportError] = {}
+        for room, src, targets in jobs:
+            before = self.stats.bytes_moved
+            try:
+                self.write(room, src, targets, max(0.0, deadline - time.monotonic()))
+            except TransportError as exc:
+                out[room] = exc
+            else:
+                out[room] = self.stats.bytes_moved - before
+        return out
 
     @abstractmethod
     def release(self, room: int) -> None:

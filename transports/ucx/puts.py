@@ -72,14 +72,35 @@ class Puts:
         with contextlib.suppress(Exception):
             peer.ep.abort()
 
-    async def write(self, room: int, plans: list[Plan], deadline: float) -> None:
-        """Put every run of ``plans`` and flush each target; return at remote completion."""
+    async def write_each(self, plans: list[Plan], deadline: float) -> dict[bytes, str]:
+        """``write`` to each receiver of ``plans`` at once (its plans together): the
+        receivers whose write failed, with why; the others' bytes still land."""
+        by_receiver: dict[bytes, list[Plan]] = {}
+        for p in plans:
+            by_receiver.setdefault(p.endpoint, []).append(p)
+        done = await asyncio.gather(
+            *(self.write(group, deadline) for group in by_receiver.values()),
+            return_exceptions=True,
+        )
+        failed = {}
+        for endpoint, outcome in zip(by_receiver, done, strict=True):
+            if isinstance(outcome, TransportError):
+                failed[endpoint] = str(outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        return failed
+
+    async def write(self, plans: list[Plan], deadline: float) -> None:
+        """Put every run of ``plans`` and flush each receiver once, after the puts of its
+        last plan in a row (a flush completes once every put before it on its endpoint
+        has); return at remote completion. Errors name the receiver; the caller names
+        the rooms."""
         lib = self._lib
         put, flush_nbx = lib.put_nbx, lib.ep_flush_nbx
         flush_param = RequestParam()
         pending: list[tuple[int, Plan]] = []
         try:
-            for plan in plans:
+            for i, plan in enumerate(plans):
                 peer = await self._peer(plan.endpoint, plan.name)
                 rkeys = [self._rkey(peer, packed) for packed in plan.rkeys]
                 ep_h = peer.ep_h
@@ -93,21 +114,22 @@ class Puts:
                             status = ptr_status(ptr)
                             if status < 0:
                                 raise TransportError(
-                                    f"room {room}: put to {plan.name} failed: "
+                                    f"put to {plan.name} failed: "
                                     f"{lib.status_string(status)}{_PEER_HINT}"
                                 )
                             pending.append((ptr, plan))
-                # Remote completion of every put above, in one request per target.
+                if i + 1 < len(plans) and plans[i + 1].endpoint == plan.endpoint:
+                    continue  # the same receiver's next plan: one flush after all
+                # Remote completion of every put above, in one request per receiver.
                 ptr = flush_nbx(ep_h, ctypes.byref(flush_param))
                 status = ptr_status(ptr)
                 if status < 0:
                     raise TransportError(
-                        f"room {room}: flush to {plan.name} failed: "
-                        f"{lib.status_string(status)}{_PEER_HINT}"
+                        f"flush to {plan.name} failed: {lib.status_string(status)}{_PEER_HINT}"
                     )
                 if status == UCS_INPROGRESS:
                     pending.append((ptr or 0, plan))
-            await self._wait(room, pending, deadline)
+            await self._wait(pending, deadline)
         except BaseException as exc:
             for ptr, _ in pending:
                 lib.request_free(ptr)
@@ -121,12 +143,12 @@ class Puts:
             if isinstance(exc, TimeoutError):
                 names = sorted({p.name for _, p in pending})
                 raise TransportError(
-                    f"room {room}: deadline exceeded with {len(pending)} operations to "
+                    f"deadline exceeded with {len(pending)} operations to "
                     f"{', '.join(names)} unfinished (peer dead or unreachable?)"
                 ) from None
             raise
 
-    async def _wait(self, room: int, pending: list[tuple[int, Plan]], deadline: float) -> None:
+    async def _wait(self, pending: list[tuple[int, Plan]], deadline: float) -> None:
         """Progress the worker until every request completes; TimeoutError at the deadline.
 
         Only the last request of each target (its flush) is polled while waiting:
@@ -154,7 +176,7 @@ class Puts:
                     lib.request_free(ptr)
                     if status < 0 and error is None:
                         error = (
-                            f"room {room}: transfer to {plan.name} failed: "
+                            f"transfer to {plan.name} failed: "
                             f"{lib.status_string(status)}{_PEER_HINT}"
                         )
                 pending[:] = keep
@@ -171,10 +193,10 @@ class Puts:
 
     @staticmethod
     def _lasts(pending: list[tuple[int, Plan]]) -> list[int]:
-        """The last outstanding request of each target (the flush, when it is pending)."""
-        last: dict[int, int] = {}
+        """The last outstanding request to each receiver (the flush, when it is pending)."""
+        last: dict[bytes, int] = {}
         for ptr, plan in pending:
-            last[id(plan)] = ptr
+            last[plan.endpoint] = ptr
         return list(last.values())
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from transports.base import (
     Transport,
     TransportError,
     TransportStats,
+    WriteJob,
 )
 from transports.pages import check_indices, check_unique
 from transports.ucx.abi import (
@@ -195,89 +196,139 @@ class UCXTransport(Transport):
         targets: Sequence[Target],
         timeout: float,
     ) -> None:
+        outcome = self.write_many([(room, src_indices, targets)], timeout)[room]
+        if isinstance(outcome, TransportError):
+            raise outcome
+
+    def write_many(
+        self, jobs: Sequence[WriteJob], timeout: float
+    ) -> dict[int, int | TransportError]:
+        """``write`` of several rooms together, per receiver: on this host one check that
+        it is still the process that published its layout and one series of
+        ``process_vm_writev`` calls, through UCX every room's puts and one flush, so a
+        step pushing many rooms pays per receiver, not per room. Each room answers its
+        bytes moved, or the TransportError that failed it: its own plan refused (as
+        ``write`` refuses it, nothing moved for it), or a receiver it writes to failed
+        (the other rooms' bytes still land). One deadline, ``timeout``, for them all."""
         self._check_open()
-        plans = make_plans(
-            room,
-            src_indices,
-            targets,
-            self._regions,
-            self._identity if self.settings.cma else None,
-            self._no_cma,
-            self.settings.put_chunk,
-            self._identity,
-            self._pairings,
-        )
-        if not plans:
-            self._record(0, 0.0, ok=True)
-            return
-        started = time.perf_counter()
         deadline = time.monotonic() + timeout
-        try:
-            direct = [p for p in plans if p.peer is not None]
-            via_ucx = [p for p in plans if p.peer is None]
-            fut = None
-            if via_ucx:  # runs on the UCX thread while same-host copies run here
-                fut = asyncio.run_coroutine_threadsafe(
-                    self._puts.write(room, via_ucx, deadline), self._rt.loop
-                )
+        out: dict[int, int | TransportError] = {}
+        plans: list[tuple[int, Plan]] = []
+        unplanned: set[int] = set()  # refused before a byte moved: not a failed transfer
+        for room, src, targets in jobs:
             try:
-                refused = [p for p in direct if not self._write_direct(room, p, deadline)]
-            finally:
-                self._wait_future(fut, room, deadline)
-            if refused:  # the kernel would not let us write there: go through UCX
-                for p in refused:
-                    p.peer = None
-                self._wait_future(
-                    asyncio.run_coroutine_threadsafe(
-                        self._puts.write(room, refused, deadline), self._rt.loop
-                    ),
+                made = make_plans(
                     room,
-                    deadline,
+                    src,
+                    targets,
+                    self._regions,
+                    self._identity if self.settings.cma else None,
+                    self._no_cma,
+                    self.settings.put_chunk,
+                    self._identity,
+                    self._pairings,
                 )
-        except TransportError:
-            self._record(0, 0.0, ok=False)
-            raise
-        self._record(sum(p.nbytes for p in plans), time.perf_counter() - started, ok=True)
+            except TransportError as exc:
+                out[room] = exc
+                unplanned.add(room)
+                continue
+            out[room] = sum(p.nbytes for p in made)
+            plans += [(room, p) for p in made]
+        started = time.perf_counter()
+        failed = self._write_plans([p for _, p in plans], deadline) if plans else {}
+        took = time.perf_counter() - started
+        for room, plan in plans:
+            why = failed.get(plan.endpoint)
+            if why is not None and not isinstance(out[room], TransportError):
+                out[room] = TransportError(f"room {room}: {why}")
+        for room, moved in out.items():
+            if room not in unplanned:
+                ok = isinstance(moved, int)
+                self._record(moved if isinstance(moved, int) else 0, took, ok)
+        return out
+
+    def _write_plans(self, plans: list[Plan], deadline: float) -> dict[bytes, str]:
+        """Every plan written, per receiver: those on this host by process_vm_writev here
+        while the others' puts run on the UCX thread; a receiver where the kernel
+        refused process_vm_writev through UCX after. The receivers that failed, with
+        why."""
+        direct: dict[bytes, list[Plan]] = {}
+        for p in plans:
+            if p.peer is not None:
+                direct.setdefault(p.endpoint, []).append(p)
+        failed: dict[bytes, str] = {}
+        via_ucx = [p for p in plans if p.peer is None]
+        fut = self._submit(via_ucx, deadline)
+        refused: list[Plan] = []
+        try:
+            for endpoint, group in direct.items():
+                try:
+                    if not self._write_direct(group, deadline):
+                        refused += group
+                except TransportError as exc:
+                    failed[endpoint] = str(exc)
+        finally:
+            failed.update(self._wait_future(fut, via_ucx, deadline))
+        if refused:  # the kernel would not let us write there: go through UCX
+            for p in refused:
+                p.peer = None
+            failed.update(self._wait_future(self._submit(refused, deadline), refused, deadline))
+        return failed
+
+    def _submit(
+        self, plans: list[Plan], deadline: float
+    ) -> concurrent.futures.Future[dict[bytes, str]] | None:
+        """The puts of ``plans``, started on the UCX thread (None: no plans)."""
+        if not plans:
+            return None
+        return asyncio.run_coroutine_threadsafe(
+            self._puts.write_each(plans, deadline), self._rt.loop
+        )
 
     def _wait_future(
-        self, fut: concurrent.futures.Future[None] | None, room: int, deadline: float
-    ) -> None:
-        """Wait for a UCX-thread write; the coroutine enforces the deadline itself,
-        the margin here only covers a stuck event loop."""
+        self,
+        fut: concurrent.futures.Future[dict[bytes, str]] | None,
+        plans: list[Plan],
+        deadline: float,
+    ) -> dict[bytes, str]:
+        """The receivers a UCX-thread write failed; the coroutine enforces the deadline
+        itself, the margin here only covers a stuck event loop."""
         if fut is None:
-            return
+            return {}
         try:
-            fut.result(max(0.0, deadline - time.monotonic()) + 0.5)
+            return fut.result(max(0.0, deadline - time.monotonic()) + 0.5)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            raise TransportError(f"room {room}: deadline exceeded (UCX thread busy)") from None
+            return dict.fromkeys((p.endpoint for p in plans), "deadline exceeded (UCX thread busy)")
 
-    def _write_direct(self, room: int, plan: Plan, deadline: float) -> bool:
-        """Same-host write by process_vm_writev; False when the kernel refuses it."""
-        assert plan.peer is not None and plan.local_iov is not None
-        assert plan.remote_iov is not None
+    def _write_direct(self, plans: list[Plan], deadline: float) -> bool:
+        """Same-host write of one receiver's plans by process_vm_writev, one check that
+        it is the process that published first; False when the kernel refuses it."""
+        first = plans[0]
+        assert first.peer is not None and first.local_iov is not None
+        assert first.remote_iov is not None
+        name = first.name
 
         def check_deadline() -> None:
             if time.monotonic() >= deadline:
-                raise TransportError(f"room {room}: deadline exceeded writing into {plan.name}")
+                raise TransportError(f"deadline exceeded writing into {name}")
 
-        cma.check_alive(plan.peer, plan.name)
+        cma.check_alive(first.peer, name)
+        local, remote = first.local_iov, first.remote_iov
+        if len(plans) > 1:
+            local = np.concatenate([p.local_iov for p in plans])
+            remote = np.concatenate([p.remote_iov for p in plans])
         try:
             cma.write_runs(
-                plan.peer.pid,
-                plan.local_iov,
-                plan.remote_iov,
-                plan.name,
-                check_deadline,
-                self.settings.cma_threads,
+                first.peer.pid, local, remote, name, check_deadline, self.settings.cma_threads
             )
         except cma.CMAError as exc:
             if exc.errno == errno.EPERM:
-                self._no_cma.add(plan.endpoint)
+                self._no_cma.add(first.endpoint)
                 return False
             if exc.errno == errno.ESRCH:
-                raise TransportError(f"room {room}: {plan.name} is gone (process exited)") from None
-            raise TransportError(f"room {room}: {exc}") from None
+                raise TransportError(f"{name} is gone (process exited)") from None
+            raise TransportError(str(exc)) from None
         return True
 
     def _record(self, nbytes: int, latency: float, ok: bool) -> None:
