@@ -187,3 +187,70 @@ def test_receiver_killed_before_the_write_fails_the_room_with_a_reason(
     # and the abort reached them: the receiver's hash says why
     rx = store.client.hgetall(store.keys.participant(9, "rx", "decode-k.tp0"))
     assert rx[b"status"] == b"Failed" and b"transfer failed" in rx[b"reason"]
+
+
+def test_send_many_writes_the_rooms_together_each_decided_alone(store: Store) -> None:
+    """KVManager.send_many: one call writes rooms to two decode engines (one pass per
+    receiver), each room answered as its send() would be: the rooms whose receiver
+    published are Transferring with their bytes in place (finish_many then acks them),
+    a room still Bootstrapping is refused in ``.errors`` with nothing written, and a
+    room whose decode engine is gone is Failed with why, its neighbours unharmed. A
+    room this manager has no sender for is refused before any byte moves."""
+    import kvstate
+    from kvstate.errors import KVStateError
+    from kvstate.poll import KVPoll
+    from transports.ucx import UCXTransport
+
+    transports = [UCXTransport() for _ in range(3)]
+    pools = [workers._pool(LAYERS, 64, PAGE, fill=3 if i == 0 else None) for i in range(3)]
+    for t, pool in zip(transports, pools, strict=True):
+        t.register_buffers(pool, [PAGE] * LAYERS)
+    p = kvstate.KVManager(store, "prefill", "prefill-m.tp0", ADDR, transport=transports[0])
+    a = kvstate.KVManager(store, "decode", "decode-a.tp0", transport=transports[1])
+    b = kvstate.KVManager(store, "decode", "decode-b.tp0", transport=transports[2])
+    try:
+        src = {1: [1, 2, 3], 2: [10, 12, 14], 3: [20, 21], 4: [30, 31, 32, 33], 5: [40]}
+        dst = {1: [5, 6, 7], 2: [9, 8, 1], 3: [40, 41], 4: [12, 13, 14, 15], 5: [50]}
+        engine_of = {1: a, 2: a, 3: b, 4: b, 5: a}
+        senders = {r: p.sender(r) for r in src}
+        receivers = {r: engine_of[r].receiver(r, ADDR) for r in src if r != 5}
+        for r, rcv in receivers.items():
+            assert rcv.init(dst[r]) == KVPoll.WaitingForInput
+        for snd in senders.values():
+            snd.poll()
+        with pytest.raises(KVStateError, match="no live participant"):
+            p.send_many({1: src[1], 99: [1]})
+        with pytest.raises(KVStateError, match="a prefill manager's senders"):
+            a.send_many({1: src[1]})
+        assert senders[1].status == KVPoll.WaitingForInput  # refused whole: nothing begun
+        b.close()  # decode-b's registration (endpoint, layout) is gone: rooms 3 and 4 fail
+        res = p.send_many(src)
+        assert res == {1: KVPoll.Transferring, 2: KVPoll.Transferring} | {
+            3: KVPoll.Failed,
+            4: KVPoll.Failed,
+        }
+        assert list(res.errors) == [5] and "before every receiver published" in str(res.errors[5])
+        for r in (3, 4):
+            assert "transfer failed" in (senders[r].reason or "")
+        assert senders[5].status == KVPoll.Bootstrapping  # nothing written for it
+        assert senders[1].moved == 3 * LAYERS * PAGE and senders[5].moved == 0
+        assert p.finish_many([1, 2]) == {1: KVPoll.Success, 2: KVPoll.Success}
+        for r in (1, 2):
+            assert receivers[r].poll() == KVPoll.Success
+        pool = pools[1]
+        for layer in range(LAYERS):
+            for r in (1, 2):
+                for s, d in zip(src[r], dst[r], strict=True):
+                    assert np.array_equal(pool[layer][d], workers.expected_page(layer, s, PAGE, 3))
+        untouched(pool, set(dst[1]) | set(dst[2]))
+        assert not any(pools[2][layer].any() for layer in range(LAYERS))  # b's: nothing
+        p.clear_many(p.live_rooms)
+        a.clear_many(a.live_rooms)
+        for r in (3, 4):  # decode-b's manager is closed: its keys go through the Store
+            store.clear(r, "rx", "decode-b.tp0", senders=receivers[r].senders, peer_addr=ADDR)
+    finally:
+        for mgr in (p, a, b):
+            mgr.close()
+        for t in transports:
+            t.close()
+    assert keys_of(store) == []

@@ -37,7 +37,7 @@ from kvstate.roles.notices import Notices
 from kvstate.roles.peers import PeerWatch
 from kvstate.roles.predecessor import clear_predecessor
 from kvstate.roles.receiver import KVReceiver
-from kvstate.roles.sender import KVSender
+from kvstate.roles.sender import KVSender, send_many
 from kvstate.roles.table import Participants
 from kvstate.stats import TransferRecorder
 from kvstate.store import Store, one_call
@@ -379,6 +379,27 @@ class KVManager:
             return self._many("finish", todo)
         finally:
             self.clears.withdraw([p for p in ending if p.status == KVPoll.Transferring])
+
+    def send_many(self, pages: Mapping[object, object]) -> PollResults:
+        """``send(kv_indices, last=False)`` of many senders of this (prefill) manager,
+        room -> source page indices: their pages written together, one pass per
+        receiver (``Transport.write_many``: through UCX every room's puts and one
+        flush, on one host one check and one series of copies), within
+        ``transfer_timeout`` for them all. Each room answers what ``send`` returns:
+        Transferring once its pages landed (``finish_many`` them), Failed with why when
+        they could not; a room ``send`` would refuse is in ``.errors`` with that error,
+        nothing written for it, and so is one whose Redis calls raised (``send`` would
+        raise it). A room without a live sender here is refused before any byte moves."""
+        self.check_usable()
+        if self.side != "tx":
+            raise KVStateError(
+                f"send_many is for a prefill manager's senders; {self.engine} is {self.role}"
+            )
+        items: list[tuple[KVSender, object]] = []
+        for (_, part), kv in zip(self._parts.resolve(pages, "send"), pages.values(), strict=True):
+            assert isinstance(part, KVSender)  # a prefill manager's participants are senders
+            items.append((part, kv))
+        return send_many(items)
 
     def init_many(self, pages: Mapping[object, object]) -> PollResults:
         """``init(kv_indices)`` of many receivers of this (decode) manager, room ->

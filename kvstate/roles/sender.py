@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvstate import schema
 from kvstate.codec import TransferInfo, as_indices, is_int, unpack
@@ -17,7 +21,7 @@ from kvstate.errors import (
     NotReadyError,
 )
 from kvstate.keys import Side
-from kvstate.poll import KVPoll
+from kvstate.poll import KVPoll, PollResults
 from kvstate.roles.contract import Bound, Lookups, Rank, StepInput
 from kvstate.roles.participant import Participant, participant_call
 from kvstate.store import Call, Status, paused
@@ -56,6 +60,7 @@ class KVSender(Participant):
         self._incarnations: tuple[dict[str, bytes], dict[str, str]] | None = None
         self._num_pages: int | None = None
         self._sent = 0
+        self._moved = 0  # bytes its sends wrote
         self._peer_failed = False  # the heartbeat failed it: a receiver's engine died
 
     def _poll_call(self, begin: bool = False) -> Call:
@@ -239,9 +244,23 @@ class KVSender(Participant):
         destination pages), then record the state transition. Any transport or registry
         failure on the way aborts the room with the reason (returns Failed); a Redis
         error is raised as StateConnectionError after a best-effort abort."""
+        job = self._send_job(kv_indices)
+        if job is not None:
+            errors = _send([job], last)
+            if self.room in errors:
+                raise errors[self.room]
+        return self._status
+
+    @property
+    def moved(self) -> int:
+        """Bytes its sends wrote so far, to every receiver."""
+        return self._moved
+
+    def _send_job(self, kv_indices: object) -> _Send | None:
+        """send()'s checks, raising what it refuses (nothing written); None once the
+        room concluded (its status says how)."""
         src = as_indices(kv_indices)
-        transport = self.mgr.transport
-        if transport is None:
+        if self.mgr.transport is None:
             raise KVStateError(
                 f"room {self.room}: send() needs a transport, and this KVManager has none; "
                 "move the bytes yourself between begin_transfer() and finish_transfer() "
@@ -249,7 +268,7 @@ class KVSender(Participant):
             )
         infos = self.transfer_infos()
         if self._status in (KVPoll.Failed, KVPoll.Success):
-            return self._status
+            return None
         if self._status < KVPoll.WaitingForInput or not infos:
             raise KVStateError(
                 f"room {self.room}: send() before every receiver published its pages "
@@ -261,33 +280,34 @@ class KVSender(Participant):
                 f"room {self.room}: sending {total} pages, more than init() announced "
                 f"({self._num_pages})"
             )
-        try:  # the one failure boundary: every way out below leaves the room decided
-            targets = self._targets(infos, len(src))
-            if self._status != KVPoll.Transferring and self.begin_transfer() != KVPoll.Transferring:
-                return self._status
-            if targets:
-                moved, t0 = transport.stats.bytes_moved, time.perf_counter()
-                with paused():  # bounded by transfer_timeout, not by the call's Redis time
-                    transport.write(self.room, src, targets, self.mgr.transfer_timeout)
-                if self.mgr.recorder is not None:
-                    self.mgr.recorder.observe(
-                        transport.stats.bytes_moved - moved, time.perf_counter() - t0
-                    )
-        except (TransportError, InvalidIndicesError) as exc:
-            # the whole room: receivers learn it on their next poll instead of
-            # waiting out their timeout for pages that will not come
-            self.abort(f"transfer failed: {exc}")
-            return self._status
-        except KVStateError as exc:
-            try:
-                self.abort(f"transfer failed: {exc}")
-            except KVStateError as again:  # Redis is what failed: the abort may fail too
-                log.warning("room %s: could not abort after %s: %s", self.room, exc, again)
-            raise
-        self._sent = total
+        return _Send(self, src, total)
+
+    def _begin_send(self, job: _Send) -> bool:
+        """Where ``job``'s pages go, and the room Transferring; False when it failed
+        meanwhile (write nothing then)."""
+        job.targets = self._targets(self.transfer_infos(), len(job.src))
+        return self._status == KVPoll.Transferring or self.begin_transfer() == KVPoll.Transferring
+
+    def _sent_ok(self, job: _Send, moved: int, last: bool) -> None:
+        self._sent = job.total
+        self._moved += moved
         if last:
             self.finish_transfer()
-        return self._status
+
+    def _give_up(self, exc: TransportError | KVStateError) -> KVStateError | None:
+        """The room fails with why its send did (its receivers learn it on their next
+        poll instead of waiting out their timeout for pages that will not come). What
+        the caller raises, if anything: a Redis error that stopped the send (after a
+        best-effort abort), or the abort's own after a failed transfer."""
+        try:
+            self.abort(f"transfer failed: {exc}")
+        except KVStateError as again:
+            if isinstance(exc, TransportError | InvalidIndicesError):
+                return again
+            log.warning("room %s: could not abort after %s: %s", self.room, exc, again)
+        if isinstance(exc, TransportError | InvalidIndicesError):
+            return None
+        return exc
 
     def _targets(self, infos: dict[str, TransferInfo], n: int) -> list[Target]:
         targets = []
@@ -306,4 +326,73 @@ class KVSender(Participant):
         return targets
 
 
-__all__ = ["KVSender"]
+@dataclass
+class _Send:
+    """One room's part of a send: its sender, its source pages, the pages it will have
+    sent once they land, and where they go (read when it begins)."""
+
+    sender: KVSender
+    src: np.ndarray
+    total: int
+    targets: list[Target] = field(default_factory=list)
+
+
+def send_many(items: Sequence[tuple[KVSender, object]], last: bool = False) -> PollResults:
+    """``send(pages, last)`` of senders of one rank, their pages written together
+    (``Transport.write_many``: one pass per receiver). Each room answers what its
+    ``send()`` returns; a room ``send()`` would refuse (nothing written for it), or
+    whose send raised, is in ``.errors`` with that error."""
+    jobs, errors = [], {}
+    for snd, pages in items:
+        try:
+            job = snd._send_job(pages)
+        except KVStateError as exc:
+            errors[snd.room] = exc
+            continue
+        if job is not None:
+            jobs.append(job)
+    errors.update(_send(jobs, last))
+    return PollResults(((s.room, s.status) for s, _ in items if s.room not in errors), errors)
+
+
+def _send(jobs: list[_Send], last: bool) -> dict[int, KVStateError]:
+    """Each job begun, the pages of those still live written together, and each room
+    then decided: sent (and finished if ``last``), or failed with why. The one failure
+    boundary of a send: answers the rooms whose Redis calls raised (to be raised)."""
+    errors: dict[int, KVStateError] = {}
+    ready = []
+    for job in jobs:
+        try:
+            if job.sender._begin_send(job):
+                ready.append(job)
+        except (TransportError, KVStateError) as exc:
+            if (raised := job.sender._give_up(exc)) is not None:
+                errors[job.sender.room] = raised
+    writing = [j for j in ready if j.targets]
+    outcomes: dict[int, int | TransportError] = {}
+    took = 0.0
+    if writing:
+        mgr = writing[0].sender.mgr
+        assert mgr.transport is not None  # checked by _send_job
+        t0 = time.perf_counter()
+        with paused():  # bounded by transfer_timeout, not by the call's Redis time
+            outcomes = mgr.transport.write_many(
+                [(j.sender.room, j.src, j.targets) for j in writing], mgr.transfer_timeout
+            )
+        took = time.perf_counter() - t0
+    for job in ready:
+        snd, outcome = job.sender, outcomes.get(job.sender.room, 0)
+        try:
+            if isinstance(outcome, TransportError):
+                if (raised := snd._give_up(outcome)) is not None:
+                    errors[snd.room] = raised
+                continue
+            if job.targets and snd.mgr.recorder is not None:
+                snd.mgr.recorder.observe(outcome, took)
+            snd._sent_ok(job, outcome, last)
+        except KVStateError as exc:
+            errors[snd.room] = exc
+    return errors
+
+
+__all__ = ["KVSender", "send_many"]

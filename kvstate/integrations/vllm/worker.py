@@ -383,21 +383,25 @@ class WorkerSide:
             except StateConnectionError as exc:  # statuses stay: the next step begins them
                 log.warning("%s: beginning %d room(s) failed: %s", self.name, len(ready), exc)
                 ready = {}
-        for snd, blocks in [*unpushed, *ready.values()]:
-            if snd.status == KVPoll.Transferring:  # else failed meanwhile: write nothing
-                self._write(snd, blocks)
+        pushing = {
+            snd.room: (snd, src)
+            for snd, blocks in [*unpushed, *ready.values()]
+            if snd.status == KVPoll.Transferring  # else failed meanwhile: write nothing
+            and (src := self._source(snd, blocks)) is not None
+        }
+        if pushing:
+            self._write(mgr, pushing)
         for snd, _ in looked:
             if snd.cleared:  # its finish ran with its clear, the reply lost: concluded
                 self._written.pop(snd.room, None)
         if self._written:
             self._finishing = mgr.finish_many(sorted(self._written), clear=True, wait=False)
 
-    def _write(self, snd: KVSender, blocks: list[list[int]]) -> None:
-        """Push the request's pages, to be finished with the step's batch: of each KV
-        cache group, the tail the decode asked for (it may have the head cached;
-        groups.split reads how much of each group from the number of pages it
-        published); a failure fails the room, which send() records."""
-        assert self.transport is not None
+    def _source(self, snd: KVSender, blocks: list[list[int]]) -> np.ndarray | None:
+        """The request's pages to push: of each KV cache group, the tail the decode
+        asked for (it may have the head cached; groups.split reads how much of each
+        group from the number of pages it published); None when there is none (the
+        room is failed) or its infos could not be read (it stays)."""
         try:
             want = max((len(i.kv_indices) for i in snd.transfer_infos().values()), default=0)
             take = split([len(ids) for ids in blocks], want)
@@ -406,15 +410,28 @@ class WorkerSide:
                     f"the decode published {want} pages, which no tail of this prefill's "
                     f"KV cache groups' {[len(ids) for ids in blocks]} blocks makes"
                 )
-            moved, t0 = self.transport.stats.bytes_moved, time.perf_counter()
-            src = np.asarray(flatten(blocks, take), dtype=np.int64)
-            if snd.send(src, last=False) == KVPoll.Transferring:
-                nbytes = self.transport.stats.bytes_moved - moved
-                self._written[snd.room] = (time.perf_counter() - t0, nbytes)
+            return np.asarray(flatten(blocks, take), dtype=np.int64)
         except StateConnectionError as exc:  # the room stays; its timeouts stay the bound
             log.warning("room %s: send interrupted: %s", snd.room, exc)
         except KVStateError as exc:  # e.g. a receiver's infos kvstate cannot read
             self._give_up(snd, exc)
+        return None
+
+    def _write(self, mgr: KVManager, pushing: dict[int, tuple[KVSender, np.ndarray]]) -> None:
+        """Push the rooms' pages together (``send_many``: one pass per decode rank), to
+        be finished with the step's batch; a room whose write failed is failed by it."""
+        before = {room: snd.moved for room, (snd, _) in pushing.items()}
+        t0 = time.perf_counter()
+        res = mgr.send_many({room: src for room, (_, src) in pushing.items()})
+        took = time.perf_counter() - t0
+        for room, exc in res.errors.items():
+            if isinstance(exc, StateConnectionError):  # the room stays, to push again
+                log.warning("room %s: send interrupted: %s", room, exc)
+            else:
+                self._give_up(pushing[room][0], exc)
+        for room, status in res.items():
+            if status == KVPoll.Transferring:
+                self._written[room] = (took, pushing[room][0].moved - before[room])
 
     def _give_up(self, p: KVSender | KVReceiver, exc: KVStateError) -> None:
         log.warning("room %s: failing its request: %s", p.room, exc)
