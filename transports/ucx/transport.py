@@ -242,9 +242,10 @@ class UCXTransport(Transport):
             if why is not None and not isinstance(out[room], TransportError):
                 out[room] = TransportError(f"room {room}: {why}")
         for room, moved in out.items():
-            if room not in unplanned:
-                ok = isinstance(moved, int)
-                self._record(moved if isinstance(moved, int) else 0, took, ok)
+            if isinstance(moved, int):
+                self._record(moved, took, ok=True)
+            elif room not in unplanned:
+                self._record(0, 0.0, ok=False)
         return out
 
     def _write_plans(self, plans: list[Plan], deadline: float) -> dict[bytes, str]:
