@@ -151,7 +151,7 @@ class Puts:
     async def _wait(self, pending: list[tuple[int, Plan]], deadline: float) -> None:
         """Progress the worker until every request completes; TimeoutError at the deadline.
 
-        Only the last request of each target (its flush) is polled while waiting:
+        Only the last request to each receiver (its flush) is polled while waiting:
         polling hundreds of puts per progress call cost more than the copies. Those
         are found again only after a sweep, not on every spin.
         Completed requests are removed from ``pending`` in place, so the caller
