@@ -81,7 +81,7 @@ if importlib.util.find_spec("ucxx") is None:
         name="ucxx",
     )
 
-from transports.ucx.plan import LAYOUT_VERSION  # noqa: E402
+from transports.ucx.pairing import LAYOUT_VERSION  # noqa: E402
 from transports.ucx.runtime import run_on_ucx_thread  # noqa: E402
 from transports.ucx.settings import UCX_DEFAULTS, UCXSettings  # noqa: E402
 from transports.ucx.transport import UCXTransport  # noqa: E402
