@@ -15,8 +15,9 @@ from transports import cma
 from transports.base import Geometry, Heads, Target
 
 pytest.importorskip("ucxx", reason="ucxx not installed (the [ucx] extra)")
+from transports.ucx.buffers import Region  # noqa: E402
 from transports.ucx.pairing import LAYOUT_VERSION  # noqa: E402
-from transports.ucx.plan import Plan, Region, make_plans  # noqa: E402
+from transports.ucx.plan import Plan, make_plans  # noqa: E402
 
 PAGES = 32
 # (page bytes, heads per page) of each buffer, page sizes in turn: attention layers

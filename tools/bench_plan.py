@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transports import cma  # noqa: E402
 from transports.base import Geometry, Heads, Target  # noqa: E402
+from transports.ucx.buffers import Region  # noqa: E402
 from transports.ucx.pairing import LAYOUT_VERSION  # noqa: E402
-from transports.ucx.plan import Region, make_plans  # noqa: E402
+from transports.ucx.plan import make_plans  # noqa: E402
 
 PAGE = 256  # bytes of one page of one buffer (a block of a small model's layer)
 HEADS = 4

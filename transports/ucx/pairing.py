@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from transports import cma
 from transports.base import Heads, LayoutError, Target
 from transports.pages import Runs
-
-if TYPE_CHECKING:
-    from transports.ucx.plan import Region
+from transports.ucx.buffers import Region
 
 LAYOUT_VERSION = 1
 

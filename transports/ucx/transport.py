@@ -38,8 +38,9 @@ from transports.ucx.abi import (
     MemMapParams,
     RequestParam,
 )
+from transports.ucx.buffers import Region, buffer_info
 from transports.ucx.pairing import LAYOUT_VERSION, Pairing
-from transports.ucx.plan import Plan, Region, buffer_info, make_plans
+from transports.ucx.plan import Plan, make_plans
 from transports.ucx.puts import Puts
 from transports.ucx.runtime import Runtime
 from transports.ucx.settings import UCXSettings
