@@ -314,9 +314,15 @@ def test_poll_changed_answers_only_the_rooms_that_moved(
                 assert p.poll_changed() == {}
             assert rt.count == before
         assert looked == []
+        # what a step may skip on (the vLLM worker starts no run): nothing due, no
+        # round trip, and a notice read here stays for the poll that answers it
+        assert p.nothing_due()
         assert d.init_many({ROOMS[3]: np.arange(4)})[ROOMS[3]] == KVPoll.WaitingForInput
+        assert wait_for(lambda: not p.nothing_due(), 5.0)
+        assert not p.nothing_due()
         assert changed(p, ROOMS[3]) == {ROOMS[3]: KVPoll.WaitingForInput}
         assert p.poll_changed() == {}
+        assert p.nothing_due()
         assert p.begin_many(ROOMS[3:4]) == {ROOMS[3]: KVPoll.Transferring}
         assert p.finish_many(ROOMS[3:4]) == {ROOMS[3]: KVPoll.Success}
         # Success is not waiting: answered every step until cleared
@@ -329,8 +335,15 @@ def test_poll_changed_answers_only_the_rooms_that_moved(
         d.clear_many(ROOMS[3:4])
         assert wait_for(lambda: not d.poll_changed(), 5.0)
         p.sender(500)
+        assert not p.nothing_due()  # a new room is due
         assert p.poll_changed() == {500: KVPoll.Bootstrapping}
         assert p.poll_changed() == {}
+        assert p.nothing_due()
+        p.clear_many([500], later=True)
+        assert not p.nothing_due()  # a clear rides the next batch
+        assert p.poll_changed() == {} and p.nothing_due()
+        p.sender(500)
+        assert p.poll_changed() == {500: KVPoll.Bootstrapping}
         p.sender(ROOMS[5]).abort("notice test")  # the decode's room fails: it is told
         assert changed(d, ROOMS[5]) == {ROOMS[5]: KVPoll.Failed}
         p.clear_many([*ROOMS, 500])
@@ -351,6 +364,7 @@ def test_poll_changed_sweeps_and_asks_again(redis_url: str, redis_proc: RedisPro
             p.sender(ROOMS[0])
             p.sender(ROOMS[1])
             assert wait_for(lambda: not p.poll_changed(), 5.0)
+            assert wait_for(lambda: not p.nothing_due(), 3.0)  # the sweep came
             # swept: answered again (Bootstrapping) until poll.lua fails them
             seen: dict[int, KVPoll] = {}
             assert wait_for(
@@ -361,6 +375,7 @@ def test_poll_changed_sweeps_and_asks_again(redis_url: str, redis_proc: RedisPro
             p.sender(ROOMS[2])
             assert wait_for(lambda: not p.poll_changed(), 5.0)
             assert admin.client_kill_filter(_type="pubsub") >= 1  # as above
+            assert wait_for(lambda: not p.nothing_due(), 5.0)  # notices may be lost
             assert changed(p, ROOMS[2]) == {ROOMS[2]: KVPoll.Bootstrapping}
             p.clear_many(ROOMS[2:3])
     finally:

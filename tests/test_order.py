@@ -14,6 +14,7 @@ produces, on real Redis, standalone and a 3-primary Cluster.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,6 +38,7 @@ from tests.helpers import (
     keys_of,
     managers,
     room_keys,
+    scaled,
     snapshot,
     wait_for,
 )
@@ -289,6 +291,37 @@ def test_batches_refuse_rooms_not_ready(store: Store) -> None:
         assert ready.status == KVPoll.Success
 
 
+def test_a_step_run_behind_runs_its_calls_and_holds_the_callers(store: Store) -> None:
+    """``run_behind``: a step's calls run on the manager's thread while the caller goes
+    on; a call inside the step runs at once, a call from the caller's thread waits for
+    the step to end (never two calls at once on one rank), and what the step raised is
+    its Future's, the manager usable after."""
+    p, d = managers(store)
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def step() -> int:
+        snd = p.sender(31)  # inside: does not wait for itself
+        snd.poll()  # its create, a round trip on the thread behind
+        gate.wait(scaled(10))
+        ran.append("step")
+        return snd.room
+
+    run = p.run_behind(step)
+    assert not run.done()  # held at the gate: the caller went on
+    threading.Timer(0.1, gate.set).start()
+    assert p.poll_many([]) == {}  # the caller's call waits for the step first
+    assert run.done() and ran == ["step"] and run.result() == 31
+    failed = p.run_behind(lambda: 1 // 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result(timeout=scaled(10))
+    assert p.poll_many([31]) == {31: KVPoll.Bootstrapping}
+    p.clear_many([31])
+    p.close()
+    d.close()
+    assert room_keys(store, 31) == []
+
+
 # ------------------------------------------------------------------- 4. closed
 
 
@@ -306,6 +339,7 @@ def test_a_closed_manager_refuses_every_call(store: Store) -> None:
         "init_many": lambda: d.init_many({13: [1]}),
         "clear_many": lambda: p.clear_many([13]),
         "finish_many behind": lambda: p.finish_many([13], wait=False),
+        "run_behind": lambda: p.run_behind(lambda: None),
         "fail_peer": lambda: d.fail_peer(PREFILL_ADDR, "x"),
         "poll": snd.poll,
         "rcv.poll": rcv.poll,

@@ -1,9 +1,9 @@
 """A rank's call run behind its scheduler step: on a thread of the rank's own, so the
-step goes on while Redis answers (``KVManager.finish_many(wait=False)``: a prefill's
-push step then waits for one round trip, its poll, not two; ``clear_many(wait=False)``:
-a step whose rooms were its last clears them without waiting). Calls stay in order: the
-rank's next call, from any thread, first waits for the one behind (it is bounded by
-its own deadline), so the rank's participants are never touched by two calls at once.
+step goes on while Redis answers and pages move (``KVManager.run_behind``: the vLLM
+worker's whole step; ``finish_many(wait=False)``, ``clear_many(wait=False)``: one
+batch). Calls stay in order: the rank's next call, from any thread, first waits for the
+one behind (it is bounded by its own deadline), so the rank's participants are never
+touched by two calls at once.
 
 The thread takes the GIL when the caller next lets go of it (or after the interpreter's
 5 ms switch interval): a vLLM worker lets go while it waits for its device, and blocks
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ class Behind:
         self._pid = 0
         self._running: Future[Any] | None = None
         self._here = threading.local()  # set on the thread while it runs the call
+        self.spent = 0.0  # seconds the calls behind ran, all told (benchmarks read it)
 
     def submit(self, fn: Callable[[], _T]) -> Future[_T]:
         """Run ``fn`` behind, once the call before it ended."""
@@ -49,9 +51,11 @@ class Behind:
 
     def _run(self, fn: Callable[[], _T]) -> _T:
         self._here.on = True
+        t0 = time.perf_counter()
         try:
             return fn()
         finally:
+            self.spent += time.perf_counter() - t0
             self._here.on = False
 
     def settle(self) -> None:

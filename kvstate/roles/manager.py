@@ -320,6 +320,13 @@ class KVManager:
             return PollResults()
         return self._batch("poll", parts, begin=begin)
 
+    def nothing_due(self) -> bool:
+        """``poll_changed`` would poll no room now (no change notice, no new room, none
+        past the sweep) and no clear is due: a step with nothing else to do may skip
+        it. No round trip; the notices stay for the next poll."""
+        self.check_usable()
+        return not self.clears.due and self.notices.quiet()
+
     def begin_many(self, rooms: Iterable[object]) -> PollResults:
         """``begin_transfer()`` of many senders of this (prefill) manager in one round
         trip per Redis node: a scheduler step's worth. Each room is Transferring, or
@@ -456,6 +463,16 @@ class KVManager:
         for p in todo:
             self.notices.forget(p.room)  # concluded: its clear, not a poll, is due
         return {}
+
+    def run_behind(self, step: Callable[[], _R]) -> Future[_R]:
+        """Run ``step``, a scheduler step's calls of this manager, behind the caller on
+        this manager's own thread (where ``wait=False`` calls run): the caller goes on
+        while Redis answers and pages move, and the Future holds what ``step`` returned
+        or raised. A call made inside ``step`` runs at once; one from another thread
+        first waits for ``step`` to end, so the caller should look at ``done()`` before
+        it calls again (the vLLM worker runs its whole step so)."""
+        self.check_usable()
+        return self.behind.submit(step)
 
     def _behind(self, rooms: Iterable[object], call: Callable[[list[int]], _R]) -> Future[_R]:
         """``call(rooms)`` behind the caller (``kvstate.roles.behind``); the rooms checked,

@@ -102,6 +102,16 @@ class Notices:
                 out.append((room, p))
         return out
 
+    def quiet(self) -> bool:
+        """``due()`` would answer no room now: no notice, no room asked for, none past
+        the sweep. Drains nothing (a step may skip its poll on it)."""
+        if self.feed is None or not self.feed.quiet():
+            return False
+        now = self._clock()
+        with self._lock:
+            oldest = next(iter(self._answered.values()), None)
+            return not self._due and (oldest is None or now - oldest < self.sweep)
+
     def polled(self, parts: Iterable[tuple[int, Step | None]]) -> None:
         """These rooms' polls (or any batch's calls) were answered now."""
         now = self._clock()

@@ -130,6 +130,14 @@ class ChangeFeed:
                 return EVERYTHING
         return rooms
 
+    def quiet(self) -> bool:
+        """Subscribed, and no room named nor notice lost since the last ``drain``: a
+        drain now would answer no room. Drains nothing."""
+        with self._lock:
+            return self._reader is not None and not (
+                self._rooms or self._lost or self.closed or not self._confirmed
+            )
+
     def close(self) -> None:
         """Stop the reader without waiting for it: within READ_S it closes the
         subscription and drops the connection itself (a connection closed under its
