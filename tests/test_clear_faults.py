@@ -223,7 +223,7 @@ def test_clear_keeps_its_call_timeout_when_the_pool_is_contended(
 def test_a_finish_behind_the_step_ends_before_the_managers_next_call(
     redis_proc: Any, redis_tcp_url: str
 ) -> None:
-    """``finish_many(wait=False)``, a vLLM push step's: the Future answers what the
+    """``finish_many(wait=False)``, a push behind the step: the Future answers what the
     batch answers; the manager's next call, here the step's next poll, starts only
     once it ended, so it reads the room cleared. Its reply lost, the Future raises
     StateConnectionError and the finish made again reads the sender cleared; a close

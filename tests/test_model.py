@@ -227,9 +227,10 @@ class RoomMachine(RuleBasedStateMachine):
         self._after_lapse(now)
 
     def op_finish_behind(self, i: int, s: str, why: str) -> None:
-        """The same, run behind the step (``wait=False``, the vLLM worker's push step's):
-        the other side's calls and other processes' (``_races``) may run while it does;
-        this side's next call waits for it, and its answer is checked then."""
+        """The same, run behind the step (``wait=False``; the vLLM worker runs its whole
+        step so, ``run_behind``): the other side's calls and other processes'
+        (``_races``) may run while it does; this side's next call waits for it, and its
+        answer is checked then."""
         snd = self._participant(i, "tx")
         if snd is None or snd.cleared:
             return
@@ -418,7 +419,7 @@ ORDERS = {
         ("abort", "rx"),
         ("finish_clear", "tx"),
     ],
-    # finish_many(wait=False), a vLLM push step's, with the decode's calls meanwhile
+    # finish_many(wait=False), a push behind the step, with the decode's calls meanwhile
     "a finish behind the step, the decode aborting and clearing meanwhile": [
         ("create_receiver", "rx"),
         ("create_sender", "tx"),

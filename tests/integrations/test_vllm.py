@@ -145,7 +145,8 @@ def test_decode_abort_after_the_prefill_sender_exists(url: str, engines: dict[st
     with redis.Redis.from_url(url) as c:
         assert c.hget(tx, "status") == b"Failed"
     assert p.held() > 0
-    assert drive([p], lambda: p.held() == 0, max_steps=3) <= 1
+    # seen by the run behind one step, reported by the next
+    assert drive([p], lambda: p.held() == 0, max_steps=3) <= 2
     settle(p, d)
     check(url, p, d)
 

@@ -155,7 +155,8 @@ def test_mamba_hybrid_moves_its_state(url: str, engines: dict[str, Any]) -> None
 
 def test_hybrid_abort_and_failed_load(url: str, engines: dict[str, Any]) -> None:
     """Mamba hybrid: a decode that aborts a request whose load started fails the room,
-    the prefill frees its blocks (every group's) on its next step. Sliding window:
+    the prefill frees its blocks (every group's) within two steps (the run behind the
+    first sees the abort, the second reports it). Sliding window:
     `kvstate abort` of a room the decode published fails its load, which vLLM
     recomputes (kv_load_failure_policy recompute): tokens right, nothing left."""
     import redis
@@ -175,7 +176,7 @@ def test_hybrid_abort_and_failed_load(url: str, engines: dict[str, Any]) -> None
     with redis.Redis.from_url(url) as c:
         assert c.hget(tx, "status") == b"Failed"
     assert p.held() > 0
-    assert drive([p], lambda: p.held() == 0, max_steps=3) <= 1
+    assert drive([p], lambda: p.held() == 0, max_steps=3) <= 2
     settle(p, d)
 
     p, d = engines["p"], engines["d"]

@@ -116,7 +116,8 @@ def test_the_room_shows_which_rank_sends_which_heads(url: str, engines: dict[str
 
 def test_decode_abort_frees_every_prefill_rank(url: str, engines: dict[str, Any]) -> None:
     """4 prefill ranks (2 of them dummies) for 1 decode rank that aborts after it
-    published: every prefill rank's sender fails and frees on its next step."""
+    published: every prefill rank's sender fails and frees within two steps (the run behind the
+    first sees the abort, the second reports it)."""
     from tests.integrations.vllm_engine import drive, keys_left, prefill, settle
 
     p, d = engines["p4"], engines["d1"]
@@ -128,7 +129,7 @@ def test_decode_abort_frees_every_prefill_rank(url: str, engines: dict[str, Any]
     d.abort("tp-abort")
     d.step()
     assert p.held() > 0
-    assert drive([p], lambda: p.held() == 0, max_steps=3) <= 1  # every rank reported
+    assert drive([p], lambda: p.held() == 0, max_steps=3) <= 2  # every rank reported
     settle(p, d)
     assert p.problems() == [] and d.problems() == []
     assert keys_left(url) == []

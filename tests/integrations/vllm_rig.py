@@ -38,6 +38,7 @@ PRELOAD = [
     "tests.integrations.vllm_model",
 ]
 READY_TIMEOUT = 180.0  # s: a worker's start-up (imports torch and vLLM)
+BEHIND_TIMEOUT = 60.0  # s: kvstate's run behind a step (bounded by its own deadlines)
 MAX_LEN = 128  # tokens: the longest request (blocks x block_size must cover it)
 
 
@@ -350,15 +351,30 @@ def worker_main(
                 else:
                     glue.pre_forward(so)
                     rids, sampled = model.forward(so, all_ok)
+                    behind_step()  # the forward lasts as long as the run behind it
                     glue.finish_forward()
                     out = ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled)
                     out.kv_connector_output = glue.post_forward(so.finished_req_ids)
+                if glue is not None:
+                    behind_step()  # and the step's gap: the run get_finished started
             report = (model.bytes_verified, list(model.mismatches))
             model.mismatches.clear()
             conn.send(("out", (out, report)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
             return
+
+
+def behind_step() -> None:
+    """Wait for kvstate's run behind the step (``WorkerSide.idle``), as a GPU forward
+    and the gap between steps outlast it: the hand-ordered steps of these tests then see
+    a step's rooms made, aborted or pushed when it returns (their outcome reported by
+    the next step's ``get_finished``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "worker", None)
+    if worker is not None and not worker.idle(BEHIND_TIMEOUT):
+        raise TimeoutError(f"kvstate's run behind the step outlasted {BEHIND_TIMEOUT} s")
 
 
 class WorkerDied(RuntimeError):

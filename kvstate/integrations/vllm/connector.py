@@ -102,7 +102,7 @@ class KVStateConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Make this step's rooms; pages move in get_finished, outside the forward."""
+        """Hand this step's new rooms to the worker's run behind the step (worker.py)."""
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, KVStateConnectorMetadata)

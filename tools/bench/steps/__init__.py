@@ -20,9 +20,12 @@ as vLLM does, pages moved between the two engines). With ``n`` requests at a tim
 Per phase and count: hook us per step (median and mean; scheduler side, worker side,
 both) and the phase's total (ms: work a step leaves to the next shows there), Redis
 round trips per step of the engine's thread (most and mean; counted at the socket, the
-KVManagers' heartbeat threads apart) and those made behind the steps (a prefill's
-``finish_many(wait=False)``: the phase's total), hook calls, and the hooks of kvstate's
-push steps (the prefill's steps during which its pages moved: median us); the ratios of
+KVManagers' heartbeat threads apart) and those made behind the steps (kvstate's worker
+runs its step's work behind it, ``KVManager.run_behind``: the phase's total and the
+most in one step), the ms those runs took (``behind_ms_total``: on a thread that shares
+the GIL with the engine's, hidden where a forward lets go of it: ``--forward-ms``), hook
+calls, and the hooks of kvstate's push steps (the prefill's steps during which its pages
+moved: median us); the ratios of
 kvstate to NIXL per step (scheduler sides; both sides where NIXL's worker ran); the
 targets (0 round trips a step with nothing in flight, at most 1 otherwise). One
 redis-server of its own.

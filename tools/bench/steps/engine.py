@@ -189,10 +189,12 @@ class Hooks:
         return out
 
 
-def behind_trips() -> int:
-    """Round trips made so far by KVManagers' threads behind the steps (a prefill's
-    ``finish_many(wait=False)``): the engine's thread does not wait for them."""
-    return sum(n for t, n in RoundTrips.by_thread.items() if t.startswith(THREAD_PREFIX))
+def behind_trips(engine: str) -> int:
+    """Round trips made so far by KVManagers' threads behind the steps (kvstate's
+    worker's runs, ``run_behind``), of the ranks whose engine name starts with
+    ``engine``: the engine's thread does not wait for them."""
+    prefix = THREAD_PREFIX + engine
+    return sum(n for t, n in RoundTrips.by_thread.items() if t.startswith(prefix))
 
 
 @dataclass
@@ -205,8 +207,12 @@ class Step:
     hook_trips: dict[str, int]
     trips: int
     scheduled: int
+    # since the engine's last step (runs behind a step may end between two): round
+    # trips made behind, bytes kvstate's transport moved (a push step's), seconds the
+    # runs behind ran
     behind: int = 0
-    moved: int = 0  # bytes kvstate's transport moved in the step (a push step's)
+    moved: int = 0
+    behind_s: float = 0.0
 
 
 class Engine:
@@ -216,6 +222,9 @@ class Engine:
     (0: none), between ``start_load_kv`` and ``get_finished``, where vLLM runs it."""
 
     forward_s = 0.0
+    #: the forward and the gap after a step last until kvstate's run behind the step
+    #: ended (``WorkerSide.idle``), as on a GPU: hand-ordered tests see each step's work
+    wait_behind = False
 
     def __init__(self, spec: Spec) -> None:
         from vllm.config import set_current_vllm_config
@@ -259,6 +268,8 @@ class Engine:
         self.worker_hooks = Hooks(self.worker, WORKER_HOOKS) if self.worker else None
         self.params: dict[str, dict[str, Any]] = {}
         self.finished: set[str] = set()
+        self.name = f"vllm@{spec.engine_id}."  # its ranks' engine names start so
+        self._marked = self._marks()
 
     def _caches(self, worker_config: Any) -> dict[str, Any]:
         """The KV caches of one worker, allocated as vLLM does."""
@@ -297,8 +308,7 @@ class Engine:
         """schedule -> the worker's hooks around an emulated forward -> update."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        before, was_behind = RoundTrips.by_thread["MainThread"], behind_trips()
-        moved = self._moved()
+        before = RoundTrips.by_thread["MainThread"]
         so = self.scheduler.schedule()
         rids = list(so.num_scheduled_tokens)
         kv = KVConnectorOutput()
@@ -307,6 +317,7 @@ class Engine:
             self.worker.start_load_kv(None)
             if self.forward_s:
                 time.sleep(self.forward_s)
+            self._wait_behind()
             sent, loaded = self.worker.get_finished(so.finished_req_ids)
             kv.finished_sending, kv.finished_recving = sent, loaded
             kv.invalid_block_ids = self.worker.get_block_ids_with_load_errors()
@@ -327,13 +338,39 @@ class Engine:
             spent |= w_spent
             calls |= w_calls
             hook_trips |= w_trips
-        behind = behind_trips() - was_behind
-        return Step(spent, calls, hook_trips, trips, len(rids), behind, self._moved() - moved)
+        self._wait_behind()
+        marks = self._marks()
+        behind, moved, spent_behind = (a - b for a, b in zip(marks, self._marked, strict=True))
+        self._marked = marks
+        return Step(
+            spent, calls, hook_trips, trips, len(rids), int(behind), int(moved), spent_behind
+        )
+
+    def _marks(self) -> tuple[float, float, float]:
+        """What the runs behind this engine's steps did so far: round trips, bytes
+        moved, seconds."""
+        return float(behind_trips(self.name)), float(self._moved()), self._behind_s()
+
+    def _side(self) -> Any:
+        """kvstate's WorkerSide (None: NIXL's connector)."""
+        from kvstate.integrations.vllm.worker import WorkerSide
+
+        side = getattr(self.worker, "worker", None)
+        return side if isinstance(side, WorkerSide) else None
+
+    def _wait_behind(self) -> None:
+        side = self._side()
+        if self.wait_behind and side is not None and not side.idle(60.0):
+            raise TimeoutError("kvstate's run behind the step outlasted 60 s")
+
+    def _behind_s(self) -> float:
+        """Seconds kvstate's runs behind the steps ran so far (0: NIXL's connector)."""
+        side = self._side()
+        return side.mgr.behind.spent if side is not None and side.mgr is not None else 0.0
 
     def _moved(self) -> int:
         """Bytes kvstate's transport moved so far (0: NIXL's connector)."""
-        side = getattr(self.worker, "worker", None)
-        transport = getattr(side, "transport", None)
+        transport = getattr(self._side(), "transport", None)
         return int(transport.stats.bytes_moved) if transport is not None else 0
 
     def close(self) -> None:

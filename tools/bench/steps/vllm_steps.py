@@ -76,6 +76,11 @@ def summary(steps: list[Step]) -> dict[str, Any]:
     out["round_trips_max"] = max(trips)
     out["round_trips_mean"] = round(statistics.fmean(trips), 2)
     out["round_trips_behind"] = sum(s.behind for s in steps)  # not waited for by the step
+    out["round_trips_behind_max"] = max(s.behind for s in steps)
+    # what kvstate's runs behind the steps ran (its worker's work: rooms made, polls,
+    # pushes, finishes, clears), on a thread of their own that shares the GIL with the
+    # engine's: the work the hooks handed over, which a forward that lets go of it hides
+    out["behind_ms_total"] = round(sum(s.behind_s for s in steps) * 1000, 2)
     pushes = [s for s in steps if s.moved]  # the prefill's steps that pushed pages
     if pushes:
         out["push_steps"] = len(pushes)
@@ -123,28 +128,40 @@ def until(
 
 
 def run_count(pair: Pair, n: int, steps: int, tag: str) -> dict[str, Any]:
-    """The phases with ``n`` requests in flight (0: only the running requests)."""
+    """The phases with ``n`` requests in flight (0: only the running requests); each
+    phase's wall time beside its steps' figures (``wall_ms``: steps, forwards and what
+    runs behind them, until the phase's end)."""
     p, d = pair.p, pair.d
     res: dict[str, list[Step]] = {k: [] for k in PHASES}
+    wall: dict[str, float] = {}
     rids = [f"{tag}-{n}-{i}" for i in range(n)]
+
+    def phase(name: str, run: Callable[[], list[Step]]) -> None:
+        t0 = time.perf_counter()
+        res[name] = run()
+        wall[name] = (time.perf_counter() - t0) * 1000
+
     for rid in rids:
         p.add(rid, 1, {"do_remote_decode": True})
-    res["prefill_admit"] = until(pair, [p], lambda: all(r in p.params for r in rids), 20)
-    res["prefill_held"] = [pair.step(p) for _ in range(steps)]
+    phase("prefill_admit", lambda: until(pair, [p], lambda: all(r in p.params for r in rids), 20))
+    phase("prefill_held", lambda: [pair.step(p) for _ in range(steps)])
     for rid in rids:
         d.add(rid, 2, p.params[rid])
-    res["decode_admit"] = [pair.step(d) for _ in range(2)]
-    res["decode_loading"] = [pair.step(d) for _ in range(steps)]
+    phase("decode_admit", lambda: [pair.step(d) for _ in range(2)])
+    phase("decode_loading", lambda: [pair.step(d) for _ in range(steps)])
     if p.worker is not None:
         sched = [p.scheduler, d.scheduler]
-        res["lifecycle"] = until(
-            pair,
-            [p, d],
-            lambda: (
-                all(r in d.finished for r in rids)
-                and not any(r in s.requests for s in sched for r in rids)
+        phase(
+            "lifecycle",
+            lambda: until(
+                pair,
+                [p, d],
+                lambda: (
+                    all(r in d.finished for r in rids)
+                    and not any(r in s.requests for s in sched for r in rids)
+                ),
+                400,
             ),
-            400,
         )
     else:  # NIXL without its worker side: its loads never conclude; aborted
         from vllm.v1.request import RequestStatus
@@ -154,7 +171,11 @@ def run_count(pair: Pair, n: int, steps: int, tag: str) -> dict[str, Any]:
         for _ in range(3):
             pair.step(p)
             pair.step(d)
-    return {k: summary(v) for k, v in res.items()}
+    out = {k: summary(v) for k, v in res.items()}
+    for k, ms in wall.items():
+        if out[k]["steps"]:
+            out[k]["wall_ms"] = round(ms, 2)
+    return out
 
 
 def measure(
