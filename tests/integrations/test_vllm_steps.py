@@ -214,3 +214,33 @@ def test_a_stalled_redis_never_stalls_a_step(rig: tuple[str, Proxy, Any]) -> Non
     finally:
         p.close()
         d.close()
+
+
+def test_what_a_run_raised_is_raised_by_the_next_hook(
+    rig: tuple[str, Proxy, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run behind the step that raises (a defect, not a Redis or transport fault, which
+    a run handles itself) is not lost on its thread: the hook that takes its outcome
+    raises it, as the step itself would have; the engine's next run goes on."""
+    from kvstate.integrations.vllm.rooms import Rooms
+
+    url, _, model = rig
+    p, d = engines(url, url, model, "raise")
+    try:
+        run = Rooms.run
+
+        def broken(self: Rooms, metas: list[Any]) -> Any:
+            raise RuntimeError("a defect in the run")
+
+        monkeypatch.setattr(Rooms, "run", broken)
+        p.add("r0", 1, {"do_remote_decode": True})
+        with pytest.raises(RuntimeError, match="a defect in the run"):
+            for _ in range(10):
+                p.step()
+        monkeypatch.setattr(Rooms, "run", run)
+        prefilled(p, ["r1"])  # later runs work
+        d.add("r1", 2, p.params["r1"])
+        settle(p, d, ["r1"])
+    finally:
+        p.close()
+        d.close()
