@@ -293,9 +293,9 @@ def test_batches_refuse_rooms_not_ready(store: Store) -> None:
 
 def test_a_step_run_behind_runs_its_calls_and_holds_the_callers(store: Store) -> None:
     """``run_behind``: a step's calls run on the manager's thread while the caller goes
-    on; a call inside the step runs at once, a call from the caller's thread waits for
-    the step to end (never two calls at once on one rank), and what the step raised is
-    its Future's, the manager usable after."""
+    on; a call inside the step runs at once (``wait=False`` too), a call from the
+    caller's thread waits for the step to end (never two calls at once on one rank),
+    and what the step raised is its Future's, the manager usable after."""
     p, d = managers(store)
     gate = threading.Event()
     ran: list[str] = []
@@ -303,6 +303,7 @@ def test_a_step_run_behind_runs_its_calls_and_holds_the_callers(store: Store) ->
     def step() -> int:
         snd = p.sender(31)  # inside: does not wait for itself
         snd.poll()  # its create, a round trip on the thread behind
+        assert p.clear_many([], wait=False).done()  # a call behind from here: at once
         gate.wait(scaled(10))
         ran.append("step")
         return snd.room

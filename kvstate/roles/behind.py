@@ -3,7 +3,7 @@ step goes on while Redis answers and pages move (``KVManager.run_behind``: the v
 worker's whole step; ``finish_many(wait=False)``, ``clear_many(wait=False)``: one
 batch). Calls stay in order: the rank's next call, from any thread, first waits for the
 one behind (it is bounded by its own deadline), so the rank's participants are never
-touched by two calls at once.
+touched by two calls at once; a ``wait=False`` call made by the call behind runs at once.
 
 The thread takes the GIL when the caller next lets go of it (or after the interpreter's
 5 ms switch interval): a vLLM worker lets go while it waits for its device, and blocks
@@ -39,7 +39,15 @@ class Behind:
         self.spent = 0.0  # seconds the calls behind ran, all told (benchmarks read it)
 
     def submit(self, fn: Callable[[], _T]) -> Future[_T]:
-        """Run ``fn`` behind, once the call before it ended."""
+        """Run ``fn`` behind, once the call before it ended; at once when this is the
+        call behind (a step run behind that makes a ``wait=False`` call)."""
+        if getattr(self._here, "on", False):
+            now: Future[_T] = Future()
+            try:
+                now.set_result(fn())
+            except BaseException as exc:  # as the pool's Future keeps it
+                now.set_exception(exc)
+            return now
         self.settle()
         if self._pool is None or self._pid != os.getpid():  # none yet, or a fork's
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)

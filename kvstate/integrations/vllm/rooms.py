@@ -223,14 +223,8 @@ class Rooms:
             if rooms:
                 self.mgr.clear_many(rooms, later=True)
             return
-        if not (rooms or self.mgr.clearing):
-            return
-        try:  # the clears still due go with these
-            failed = list(self.mgr.clear_many(rooms))
-        except KVStateError as exc:
-            log.warning("%s: clearing %d room(s) failed: %s", self.name, len(rooms), exc)
-            failed = rooms
-        self.mgr.clear_many(failed, later=True)
+        if rooms or self.mgr.clearing:  # at once (this run is behind); failed ride later
+            self.mgr.clear_many(rooms, wait=False)
 
     def _count_failure(self, snd: KVSender, out: Outcome) -> None:
         """A prefill room that failed: blocks freed because no decode came (its

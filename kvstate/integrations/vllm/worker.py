@@ -91,7 +91,6 @@ class WorkerSide:
         self.pp = int(parallel.pipeline_parallel_size)
         self.rank, self.stage = parallel_ranks()
         self.name = rank_name(engine, self.rank, self.stage, self.pp)
-        self.facts: KVFacts | None = None
         self.stats = KVStateConnectorStats()
         self.store: Store | None = None
         self.mgr: KVManager | None = None
@@ -105,7 +104,6 @@ class WorkerSide:
         self._load_errors: set[int] = set()  # reported by the next get_finished's caller
         self._failed: set[str] = set()  # loads that failed, by request
         self.rooms: Rooms | None = None  # only the runs behind the steps touch them
-        self.by_request = kv_cache_config is not None and len(groups_of(kv_cache_config)) > 1
 
     # -- start-up -------------------------------------------------------------------
     def _check_device(self, kv_caches: dict[str, Any]) -> None:
@@ -135,7 +133,6 @@ class WorkerSide:
                 "decode's layers by name; use a layer-outer layout (LBHNC, LBNHC)"
             )
         runs = buffers(kv_caches, self.kv_cache_config, layout)
-        self.facts = KVFacts.of(self.vllm_config, self.kv_cache_config)
         self.store = connect(self.settings.redis_url, self.settings.namespace)
         transport = UCXTransport()
         try:
@@ -159,7 +156,9 @@ class WorkerSide:
             transport.close()
             raise
         self.transport = transport
-        self.rooms = Rooms(self.mgr, self.store, self.facts, self.name, self.rank, self.by_request)
+        facts = KVFacts.of(self.vllm_config, self.kv_cache_config)
+        by_request = len(groups_of(self.kv_cache_config)) > 1
+        self.rooms = Rooms(self.mgr, self.store, facts, self.name, self.rank, by_request)
         g = runs[0].geometry
         log.info(
             "%s: %d KV runs registered (layout %s, %d blocks, %s heads x %s a page)",
