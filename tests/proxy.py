@@ -247,10 +247,13 @@ class ProxiedCluster:
         with self.target.client() as c:
             c.config_set("cluster-announce-bus-port", self.target.port + 10000)
             c.config_set("cluster-announce-port", self.proxy.port)
-        with self.cluster.nodes[0].client() as c:
-            assert wait_for(lambda: self.proxy.port in _slot_ports(c), 20.0), (
-                "the announced port did not spread"
-            )
+        # every node's view: a client that refreshes its slots (after a node dropped)
+        # from one still naming the node's own port would go around the proxy
+        for node in self.cluster.nodes:
+            with node.client() as c:
+                assert wait_for(lambda c=c: self.target.port not in _slot_ports(c), 20.0), (
+                    f"the announced port did not spread to {node.port}"
+                )
 
     @property
     def url(self) -> str:
