@@ -13,7 +13,13 @@ import pytest
 
 import kvstate
 from kvstate import KVPoll
-from kvstate.errors import CorruptStateError, KVStateError, NotReadyError, StateConnectionError
+from kvstate.errors import (
+    CorruptStateError,
+    InvalidArgumentError,
+    KVStateError,
+    NotReadyError,
+    StateConnectionError,
+)
 from kvstate.store import Store, command_call
 from kvstate.testing import RoundTrips
 from tests.helpers import PREFILL_ADDR, keys_of, managers
@@ -301,6 +307,43 @@ def test_clears_ride_the_next_batch(store: Store) -> None:
     assert keys_of(store) == []
 
 
+def test_abort_many_fails_every_room_in_three_round_trips_per_node(store: Store) -> None:
+    """A step that gives up on many rooms: each fails for both sides with its own
+    reason, in three round trips per node whatever their number (read the rooms'
+    participants, fail them, read the statuses back; a fourth first creates the
+    participants never written). What abort_many would refuse is refused before
+    anything is sent; nothing is left once both sides cleared."""
+    p, d = managers(store, lease=60.0)
+    with p, d, RoundTrips.installed() as rt:
+        rooms = list(range(30))
+        senders = {r: p.sender(r) for r in rooms}
+        receivers = {r: d.receiver(r, PREFILL_ADDR) for r in rooms}
+        d.init_many({r: np.arange(4) for r in rooms})
+        assert p.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.WaitingForInput)
+        fresh = p.sender(31)  # never written: the abort creates it
+
+        before = rt.count
+        with pytest.raises(KVStateError, match="no live participant"):
+            p.abort_many({99: "x"})
+        with pytest.raises(InvalidArgumentError, match="must be text"):
+            p.abort_many({0: 5})  # type: ignore[dict-item]
+        assert p.abort_many({}) == {}
+        assert rt.count == before and not store.client.exists(store.keys.aborted(0))
+
+        for group, most in ((rooms[:1], 3), (rooms[1:], 3), ([31], 4)):
+            before = rt.count
+            out = p.abort_many({r: f"stop {r}" for r in group})
+            assert rt.count - before <= most * _nodes(store), group
+            assert out == dict.fromkeys(group, KVPoll.Failed) and not out.errors
+        assert fresh.reason.startswith(f"stop 31 (by tx:{p.engine})")
+        assert all(senders[r].reason.startswith(f"stop {r} (by tx:") for r in rooms)
+        assert d.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.Failed)
+        assert all(receivers[r].reason.startswith(f"stop {r} (by tx:") for r in rooms)
+        assert p.clear_many([*rooms, 31]) == {}
+        assert d.clear_many(rooms) == {}
+    assert [k for k in keys_of(store) if ":engine" not in k and not store.keys.is_mark(k)] == []
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_cluster_batches_partial_when_a_node_stalls(tmp_path: Path) -> None:
@@ -332,6 +375,41 @@ def test_cluster_batches_partial_when_a_node_stalls(tmp_path: Path) -> None:
         p.close()
         d.close()
         assert keys_of(store) == []
+        store.close()
+    finally:
+        pc.close()
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_cluster_abort_many_partial_when_a_node_is_down(tmp_path: Path) -> None:
+    """One primary down: abort_many fails the rooms on the others and lists the down
+    node's rooms in ``.errors`` (abort them again); once it is back, they abort too and
+    nothing is left."""
+    pc = ProxiedCluster(tmp_path)
+    try:
+        opts = kvstate.Options(call_timeout=1.5)
+        store = kvstate.connect(pc.url, namespace="abortfault", options=opts)
+        p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=60.0)
+        d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=60.0)
+        rooms, bad = waiting_rooms(pc, store, p, d, 24)
+
+        pc.proxy.drop()
+        out = p.abort_many(dict.fromkeys(rooms, "engine stops"))
+        assert set(out.errors) == bad, (out, out.errors)
+        assert set(out) == set(rooms) - bad
+        assert set(out.values()) == {KVPoll.Failed}
+        assert all(isinstance(e, StateConnectionError) for e in out.errors.values())
+
+        pc.proxy.passthrough()
+        again = p.abort_many(dict.fromkeys(bad, "engine stops"))
+        assert again == dict.fromkeys(bad, KVPoll.Failed) and not again.errors
+        assert d.poll_many(rooms) == dict.fromkeys(rooms, KVPoll.Failed)
+        assert p.clear_many(rooms) == {}
+        assert d.clear_many(rooms) == {}
+        p.close()
+        d.close()
+        assert [k for k in keys_of(store) if not store.keys.is_mark(k)] == []
         store.close()
     finally:
         pc.close()

@@ -1,6 +1,7 @@
 """A model-based test of issue 17's orders (hypothesis stateful testing): a prefill and
 a decode manager driven through random interleavings of create, init, poll, begin,
-finish (alone, or with its clear: ``finish_many(clear=True)``), abort (either side, or
+finish (alone, or with its clear: ``finish_many(clear=True)``), abort (either side, alone
+or in its batch, ``abort_many``, or
 another process through the Store), clear,
 ``fail_peer``, a lease lapse and close, against real Redis (standalone and a
 3-primary Cluster). After every step, read straight from Redis:
@@ -59,6 +60,7 @@ reason = st.sampled_from(["client went away", "decode ran out of pages", "operat
 op = st.sampled_from(
     ["poll", "create_receiver", "init", "create_sender", "begin", "finish"] * 3
     + ["abort", "abort_from_elsewhere", "clear", "fail_peer", "finish_clear"] * 2
+    + ["abort_many"]
     + ["finish_behind", "clear_behind"] * 2
     + ["lease_lapse", "close"]
 )
@@ -272,6 +274,13 @@ class RoomMachine(RuleBasedStateMachine):
         part = self._participant(i, s)
         if part is not None:
             self._call(s, lambda: part.abort(why))
+
+    def op_abort_many(self, i: int, s: str, why: str) -> None:
+        """The same through the side's batch (``KVManager.abort_many``), which refuses a
+        room its manager no longer holds (cleared) before anything is sent."""
+        part = self._participant(i, s)
+        if part is not None and not part.cleared:
+            self._call(s, lambda: self._mgr(s).abort_many({part.room: why}))
 
     def op_abort_from_elsewhere(self, i: int, s: str, why: str) -> None:
         """Another process (a router, `kvstate abort`) through a Store of its own."""

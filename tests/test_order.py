@@ -339,6 +339,7 @@ def test_a_closed_manager_refuses_every_call(store: Store) -> None:
         "finish_many": lambda: p.finish_many([13]),
         "init_many": lambda: d.init_many({13: [1]}),
         "clear_many": lambda: p.clear_many([13]),
+        "abort_many": lambda: p.abort_many({13: "x"}),
         "finish_many behind": lambda: p.finish_many([13], wait=False),
         "run_behind": lambda: p.run_behind(lambda: None),
         "fail_peer": lambda: d.fail_peer(PREFILL_ADDR, "x"),

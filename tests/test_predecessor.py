@@ -10,6 +10,7 @@ import pytest
 import kvstate
 from kvstate import KVPoll
 from kvstate.store import Store, command_call
+from kvstate.testing import RoundTrips
 from tests.helpers import PREFILL_ADDR, keys_of, managers, room_keys
 
 
@@ -29,8 +30,15 @@ def test_a_restarted_decode_clears_what_its_killed_predecessor_left(store: Store
             landed.clear()  # the prefill is done with it; the decode never cleared
         left = [k for k in keys_of(store) if ":rx:" in k]
         assert len(left) == 2, "the closed decode's receivers stayed in Redis"
-        with kvstate.KVManager(store, "decode", d.engine, d.bootstrap_addr) as again:
+        with (
+            kvstate.KVManager(store, "decode", d.engine, d.bootstrap_addr) as again,
+            RoundTrips.installed() as rt,
+        ):
+            before = rt.by_thread["MainThread"]
             assert sorted(again.clear_predecessor()) == [31, 32]
+            # the SCAN, then one batch for every room: read, abort (two), clear; one room
+            # at a time it took five round trips each
+            assert rt.by_thread["MainThread"] - before <= 5 * len(store.nodes())
             assert again.clear_predecessor() == []  # nothing twice
         assert waiting.poll() == KVPoll.Failed
         with pytest.raises(kvstate.KVTransferError, match="restarted"):

@@ -7,6 +7,7 @@ import pytest
 
 from kvstate.ops.metrics import read_transfer_totals
 from kvstate.store import Store
+from kvstate.testing import RoundTrips
 from tests import workers
 from tests.helpers import keys_of, scaled
 
@@ -224,7 +225,13 @@ def test_send_many_writes_the_rooms_together_each_decided_alone(store: Store) ->
             a.send_many({1: src[1]})
         assert senders[1].status == KVPoll.WaitingForInput  # refused whole: nothing begun
         b.close()  # decode-b's registration (endpoint, layout) is gone: rooms 3 and 4 fail
-        res = p.send_many(src)
+        with RoundTrips.installed() as rt:
+            before = rt.by_thread["MainThread"]
+            res = p.send_many(src)
+            trips = rt.by_thread["MainThread"] - before
+        # a begin per room not begun yet (4), each decode engine's registration (2), and
+        # the two rooms whose transfer failed aborted together: 3 (one by one: 6)
+        assert trips == 4 + 2 + 3, trips
         assert res == {1: KVPoll.Transferring, 2: KVPoll.Transferring} | {
             3: KVPoll.Failed,
             4: KVPoll.Failed,

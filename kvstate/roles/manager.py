@@ -34,6 +34,7 @@ from kvstate.roles.clears import Clears
 from kvstate.roles.contract import Bound, LookupKey, Step
 from kvstate.roles.lease import Lease
 from kvstate.roles.notices import Notices
+from kvstate.roles.participant import Participant, abort_many
 from kvstate.roles.peers import PeerWatch
 from kvstate.roles.predecessor import clear_predecessor
 from kvstate.roles.receiver import KVReceiver
@@ -418,6 +419,24 @@ class KVManager:
         self.check_usable()
         wanted = {check_room(room): indices for room, indices in pages.items()}
         return self._many("init", wanted, wanted)
+
+    def abort_many(self, reasons: Mapping[object, str | None]) -> PollResults:
+        """``abort()`` of this manager's participants of many rooms, room -> reason, in
+        three round trips per Redis node whatever their number (``abort()`` makes three
+        each), within one call's time: a step that gives up on many rooms (a dead peer,
+        an engine shutting down) is bounded once, not per room. Each room answers its
+        status (Failed); a room whose node did not answer, or whose state is corrupt, is
+        in ``.errors`` (abort it again); StateConnectionError when no node answered in
+        the call's time. A room without a live participant here is refused before
+        anything is sent."""
+        self.check_usable()
+        parts = self._parts.resolve(reasons, "abort")
+        why: dict[Participant, str | None] = {}
+        for (_, part), reason in zip(parts, reasons.values(), strict=True):
+            assert isinstance(part, Participant)  # resolve refuses a room without one
+            why[part] = reason
+        errors = abort_many(why)
+        return PollResults(((p.room, p.status) for p in why if p.room not in errors), errors)
 
     @overload
     def clear_many(

@@ -16,7 +16,7 @@ import logging
 from kvstate.errors import KVStateError
 from kvstate.keys import Side
 from kvstate.schema import PEER_ADDR, bindings, parse_member
-from kvstate.store import Store, command_call
+from kvstate.store import Call, Store, command_call
 
 log = logging.getLogger(__name__)
 
@@ -24,42 +24,69 @@ log = logging.getLogger(__name__)
 def clear_predecessor(store: Store, side: Side, engine: str) -> list[int]:
     """Fail and clear the rooms a previous process registered as ``engine`` left on
     ``side``; returns the rooms. Run right after registering, before this rank
-    creates any room of its own."""
+    creates any room of its own. Besides the SCAN, four round trips per node whatever
+    the rooms' number: their keys and participants read, the rooms aborted (two), the
+    predecessor's part cleared. A room that fails keeps its keys' TTL (logged)."""
     k = store.keys
     rooms: list[int] = []
     for key in list(store.scan(k.participants_of(side, engine))):
         parsed = k.parse_room_key(key)
-        if parsed is None or parsed.participant != (side, engine):
+        if parsed is not None and parsed.participant == (side, engine):
+            rooms.append(parsed.room)
+    if not rooms:
+        return []
+    calls = []
+    for room in rooms:
+        calls.append(command_call("HGETALL", k.participant(room, side, engine)))
+        calls.append(command_call("HKEYS", k.room_hash(room)))
+    try:
+        read = store.execute(calls, partial=True)
+        why = f"{engine} restarted: its previous process left this room"
+        aborted = store.abort_many(dict.fromkeys(rooms, why))
+    except KVStateError as exc:  # the keys keep their TTL; start anyway
+        log.warning("%s: the %d room(s) its predecessor left: %s", engine, len(rooms), exc)
+        return []
+    clears: dict[int, list[Call]] = {}
+    for i, room in enumerate(rooms):
+        raw, members = read[2 * i], read[2 * i + 1]
+        failed = next(
+            (r for r in (raw, members, aborted[room]) if isinstance(r, KVStateError)), None
+        )
+        if failed is not None:
+            log.warning("room %s left by %s's predecessor: %s", room, engine, failed)
             continue
-        room = parsed.room
-        try:
-            raw = store.execute([command_call("HGETALL", key)])[0] or {}
-            fields = {k.decode("utf-8", "replace"): v for k, v in dict(raw).items()}
-            addr = fields.get(PEER_ADDR)
-            # a receiver's infos went to the senders it bound (peer:<engine>), whether
-            # or not they exist yet; any sender listed in the room may have been bound
-            # by a lookup whose answer was lost
-            senders = set(bindings(fields))
-            senders |= {
-                m.engine
-                for m in (parse_member(x) for x in store.members(room))
-                if m is not None and m.side == "tx"
-            }
-            store.abort(room, f"{engine} restarted: its previous process left this room")
-            calls = store.clear_calls(
-                room,
-                side,
-                engine,
-                sorted(senders) if side == "rx" else (),
-                addr.decode() if isinstance(addr, bytes) else None,
-            )
-            store.clear_many([calls], partial=False)
-            rooms.append(room)
-        except KVStateError as exc:  # the keys keep their TTL; start anyway
-            log.warning("room %s left by %s's predecessor: %s", room, engine, exc)
-    if rooms:
-        log.info("%s: cleared %d room(s) its previous process left", engine, len(rooms))
-    return rooms
+        fields = {f.decode("utf-8", "replace"): v for f, v in dict(raw or {}).items()}
+        addr = fields.get(PEER_ADDR)
+        # a receiver's infos went to the senders it bound (peer:<engine>), whether or
+        # not they exist yet; any sender listed in the room may have been bound by a
+        # lookup whose answer was lost
+        senders = set(bindings(fields))
+        senders |= {
+            m.engine
+            for m in (parse_member(x.decode("utf-8", "replace")) for x in members)
+            if m is not None and m.side == "tx"
+        }
+        clears[room] = store.clear_calls(
+            room,
+            side,
+            engine,
+            sorted(senders) if side == "rx" else (),
+            addr.decode() if isinstance(addr, bytes) else None,
+        )
+    try:
+        left = store.clear_many(list(clears.values()))
+    except KVStateError as exc:
+        log.warning("%s: clearing the room(s) its predecessor left: %s", engine, exc)
+        return []
+    done = []
+    for room, error in zip(clears, left, strict=True):
+        if error is None:
+            done.append(room)
+        else:
+            log.warning("room %s left by %s's predecessor: %s", room, engine, error)
+    if done:
+        log.info("%s: cleared %d room(s) its previous process left", engine, len(done))
+    return done
 
 
 __all__ = ["clear_predecessor"]

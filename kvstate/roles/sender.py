@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +23,7 @@ from kvstate.errors import (
 from kvstate.keys import Side
 from kvstate.poll import KVPoll, PollResults
 from kvstate.roles.contract import Bound, Lookups, Rank, StepInput
-from kvstate.roles.participant import Participant, participant_call
+from kvstate.roles.participant import Participant, abort_many, participant_call
 from kvstate.store import Call, Status, paused
 from transports.base import Heads, Target, TransportError
 
@@ -294,21 +294,6 @@ class KVSender(Participant):
         if last:
             self.finish_transfer()
 
-    def _give_up(self, exc: TransportError | KVStateError) -> KVStateError | None:
-        """The room fails with why its send did (its receivers learn it on their next
-        poll instead of waiting out their timeout for pages that will not come). What
-        the caller raises, if anything: a Redis error that stopped the send (after a
-        best-effort abort), or the abort's own after a failed transfer."""
-        try:
-            self.abort(f"transfer failed: {exc}")
-        except KVStateError as again:
-            if isinstance(exc, TransportError | InvalidIndicesError):
-                return again
-            log.warning("room %s: could not abort after %s: %s", self.room, exc, again)
-        if isinstance(exc, TransportError | InvalidIndicesError):
-            return None
-        return exc
-
     def _targets(self, infos: dict[str, TransferInfo], n: int) -> list[Target]:
         targets = []
         for info in infos.values():
@@ -361,13 +346,14 @@ def _send(jobs: list[_Send], last: bool) -> dict[int, KVStateError]:
     boundary of a send: answers the rooms whose Redis calls raised (to be raised)."""
     errors: dict[int, KVStateError] = {}
     ready = []
+    failing: dict[KVSender, TransportError | KVStateError] = {}
     for job in jobs:
         try:
             if job.sender._begin_send(job):
                 ready.append(job)
         except (TransportError, KVStateError) as exc:
-            if (raised := job.sender._give_up(exc)) is not None:
-                errors[job.sender.room] = raised
+            failing[job.sender] = exc
+    errors.update(_give_up(failing))
     writing = [j for j in ready if j.targets]
     outcomes: dict[int, int | TransportError] = {}
     took = 0.0
@@ -380,19 +366,44 @@ def _send(jobs: list[_Send], last: bool) -> dict[int, KVStateError]:
                 [(j.sender.room, j.src, j.targets) for j in writing], mgr.transfer_timeout
             )
         took = time.perf_counter() - t0
+    failing = {}
     for job in ready:
         snd, outcome = job.sender, outcomes.get(job.sender.room, 0)
         try:
             if isinstance(outcome, TransportError):
-                if (raised := snd._give_up(outcome)) is not None:
-                    errors[snd.room] = raised
+                failing[snd] = outcome
                 continue
             if job.targets and snd.mgr.recorder is not None:
                 snd.mgr.recorder.observe(outcome, took)
             snd._sent_ok(job, outcome, last)
         except KVStateError as exc:
             errors[snd.room] = exc
+    errors.update(_give_up(failing))
     return errors
+
+
+def _give_up(failing: Mapping[KVSender, TransportError | KVStateError]) -> dict[int, KVStateError]:
+    """The rooms fail with why their send did, in one batch (their receivers learn it
+    on their next poll instead of waiting out their timeout for pages that will not
+    come). What the caller raises per room, if anything: a Redis error that stopped
+    its send (after a best-effort abort), or the abort's own after a failed transfer."""
+    if not failing:
+        return {}
+    try:
+        unaborted = abort_many({s: f"transfer failed: {exc}" for s, exc in failing.items()})
+    except KVStateError as none_answered:
+        unaborted = dict.fromkeys((s.room for s in failing), none_answered)
+    out: dict[int, KVStateError] = {}
+    for snd, exc in failing.items():
+        refused = unaborted.get(snd.room)
+        if isinstance(exc, TransportError | InvalidIndicesError):
+            if refused is not None:
+                out[snd.room] = refused
+            continue
+        if refused is not None:
+            log.warning("room %s: could not abort after %s: %s", snd.room, exc, refused)
+        out[snd.room] = exc
+    return out
 
 
 __all__ = ["KVSender", "send_many"]

@@ -308,6 +308,19 @@ class Calls:
         ttl = int(self.options.trace_ttl * 1000)
         return Call((participant, self.keys.trace(room)), (-ttl,), script="trace")
 
+    def abort_call(self, room: int, reason: str, members: list[str]) -> Call:
+        """abort.lua over the room's participants as the caller read them (``members``:
+        ``member_fields``); it answers -1 when they changed since (read them again)."""
+        k = self.keys
+        keys = [k.room_hash(room), k.aborted(room)]
+        for member in members:
+            part = schema.parse_member(member)
+            if part is None:
+                raise CorruptStateError(k.room_hash(room), member, "not a tx:/rx: member")
+            keys.append(k.participant(room, *part))
+        args = [self.ttl_ms, reason, self.mark_ttl_ms, *members]
+        return self._script("abort", keys, args, room=room, follow=True)
+
     def hold(self, room: int, ms: int) -> Call:
         """hold.lua: a decode engine holds ``room`` queued for ``ms`` more (answers 1;
         0 when the room does not exist): its senders' bootstrap timeout waits."""
@@ -332,6 +345,13 @@ class Calls:
         own (the room's slot). ``context`` is a checked ``traceparent``."""
         entry = context_entry(side, engine, context)
         return self._command("RPUSHX", self.keys.trace(room), args=[entry])
+
+
+def member_fields(raw: Iterable[bytes]) -> list[str]:
+    """The participant fields of a room hash's HKEYS reply, sorted: its transfer
+    infos, acks and hold left out."""
+    fields = (m.decode("utf-8", "replace") for m in raw)
+    return sorted(f for f in fields if not f.startswith(schema.ROOM_DATA))
 
 
 def pairs(fields: dict[str, Any]) -> list[Any]:

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import redis
@@ -22,7 +22,6 @@ from redis.cluster import ClusterNode, RedisCluster
 from kvstate import schema
 from kvstate.defaults import ROOM_TTL
 from kvstate.errors import (
-    CorruptStateError,
     InvalidOptionError,
     InvalidURLError,
     KVStateError,
@@ -32,7 +31,7 @@ from kvstate.errors import (
 from kvstate.keys import Keys, Side, check_room
 from kvstate.store import embedded, functions, scripts
 from kvstate.store.admin import Admin
-from kvstate.store.calls import Call, Calls, check_reason
+from kvstate.store.calls import Call, Calls, check_reason, member_fields
 from kvstate.store.connection import (
     ENV_NAMESPACE,
     ENV_URL,
@@ -194,28 +193,59 @@ class Store(Calls, Admin):
     def members(self, room: int) -> list[str]:
         """The room hash's participant fields (``tx:<engine>`` / ``rx:<engine>``),
         sorted; its transfer infos and acks left out."""
-        raw = self.execute([self._command("HKEYS", self.keys.room_hash(room))])[0]
-        fields = (m.decode("utf-8", "replace") for m in raw)
-        return sorted(f for f in fields if not f.startswith(schema.ROOM_DATA))
+        return member_fields(self.execute([self._command("HKEYS", self.keys.room_hash(room))])[0])
 
     def abort(self, room: int, reason: str) -> int:
         """Fail every participant of the room; returns how many moved to Failed."""
-        check_reason(reason)
+        room = check_room(room)
+        moved = self.abort_many({room: reason}, partial=False)[room]
+        assert isinstance(moved, int)  # not partial: an error was raised
+        return moved
+
+    def abort_many(
+        self, reasons: Mapping[int, str], partial: bool = True
+    ) -> dict[int, int | KVStateError]:
+        """``abort()`` of many rooms, each with its reason, within one call's time: one
+        round trip per node reads their participants, one fails them (and again for a
+        room whose participants changed in between). Answers how many participants
+        each room moved to Failed; with ``partial``, a room whose node did not answer
+        or whose state is corrupt answers that error instead, the others aborted. Raises
+        StateConnectionError when no node answered, or when the call's time ran out (a
+        stalled node uses it up in the first trip: abort again)."""
+        todo: dict[int, str] = {}
+        for room, why in reasons.items():
+            check_reason(why)
+            todo[check_room(room)] = why
+        out: dict[int, int | KVStateError] = {}
         k = self.keys
-        for _ in range(20):
-            members = self.members(room)
-            keys = [k.room_hash(room), k.aborted(room)]
-            for member in members:
-                part = schema.parse_member(member)
-                if part is None:
-                    raise CorruptStateError(k.room_hash(room), member, "not a tx:/rx: member")
-                keys.append(k.participant(room, *part))
-            args = [self.ttl_ms, reason, self.mark_ttl_ms, *members]
-            call = self._script("abort", keys, args, room=room, follow=True)
-            n = self.execute([call])[0]
-            if n >= 0:
-                return int(n)
-        raise KVStateError(f"room {room} kept changing while aborting it; try again")
+        with self.bounded():
+            for _ in range(20):
+                if not todo:
+                    return out
+                rooms = list(todo)
+                listed = self.execute(
+                    [self._command("HKEYS", k.room_hash(r)) for r in rooms], partial=partial
+                )
+                calls, called = [], []
+                for room, raw in zip(rooms, listed, strict=True):
+                    try:
+                        if isinstance(raw, KVStateError):
+                            raise raw
+                        calls.append(self.abort_call(room, todo[room], member_fields(raw)))
+                        called.append(room)
+                    except KVStateError as exc:
+                        if not partial:
+                            raise
+                        out[room] = exc
+                        del todo[room]
+                for room, n in zip(called, self.execute(calls, partial=partial), strict=True):
+                    if isinstance(n, KVStateError) or n >= 0:  # -1: read them again
+                        out[room] = n if isinstance(n, KVStateError) else int(n)
+                        del todo[room]
+        changing = KVStateError(f"room(s) {sorted(todo)} kept changing while aborting; try again")
+        if not partial:
+            raise changing
+        return out | dict.fromkeys(todo, changing)
 
     def hold_many(self, rooms: Iterable[int], seconds: float) -> int:
         """A decode engine holds these rooms, whose requests wait in its queue, for
