@@ -216,6 +216,31 @@ def test_a_stalled_redis_never_stalls_a_step(rig: tuple[str, Proxy, Any]) -> Non
         d.close()
 
 
+def test_a_shutdown_with_redis_stalled_waits_once_not_once_per_room(
+    rig: tuple[str, Proxy, Any],
+) -> None:
+    """The prefill shuts down holding 8 rooms while its Redis stops answering: it fails
+    them in one ``abort_many`` and clears them in one ``clear_many``, so the shutdown
+    waits out a few calls' time whatever the number of rooms (each room's own abort
+    waited once per room: 8 trips at least), then lets go; the decode learns the
+    failure once Redis answers and clears its side, nothing of the decode left."""
+    url, proxy, model = rig
+    p, d = engines(url, proxy.url(query="call_timeout=0.5"), model, "shut")
+    try:
+        rids = [f"s{i}" for i in range(8)]
+        handed_over(p, d, rids)
+        proxy.stall()
+        before = RoundTrips.by_thread["MainThread"]
+        p.close()  # the engine's shutdown: its worker's, then its scheduler's
+        trips = RoundTrips.by_thread["MainThread"] - before
+        assert trips < len(rids), trips
+    finally:
+        proxy.passthrough()
+        d.close()
+    # the prefill's sender keys keep their TTL; the decode's receivers are gone
+    assert [k for k in room_keys(url) if ":rx:" in k] == []
+
+
 def test_what_a_run_raised_is_raised_by_the_next_hook(
     rig: tuple[str, Proxy, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

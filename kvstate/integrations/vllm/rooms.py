@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,6 @@ from kvstate.integrations.vllm.metrics import KVStateConnectorStats
 from kvstate.integrations.vllm.scheduler import KVStateConnectorMetadata
 from kvstate.poll import KVPoll, PollResults
 from kvstate.roles import KVManager, KVReceiver, KVSender
-from kvstate.store import Store
 
 log = logging.getLogger(__name__)
 DONE = (KVPoll.Success, KVPoll.Failed)
@@ -61,13 +61,12 @@ class Rooms:
     def __init__(
         self,
         mgr: KVManager,
-        store: Store,
         facts: KVFacts,
         name: str,
         rank: int,
         by_request: bool,
     ) -> None:
-        self.mgr, self.store, self.facts = mgr, store, facts
+        self.mgr, self.facts = mgr, facts
         self.name, self.rank = name, rank
         self.producer = mgr.side == "tx"
         # vLLM takes failed blocks from one KV cache group only; with several, a failed
@@ -110,12 +109,12 @@ class Rooms:
         done: list[int] = []
         unclear: list[int] = []  # of those, the rooms whose clear is still to make
         self._push([self.sending[q] for q in reqs if q in self.sending], bad, out)
+        if bad:
+            self._give_up({p: bad[p.room] for p in self._held(reqs) if p.room in bad})
         for req_id in reqs:
             if req_id not in self.sending:
                 continue
             snd = self.sending[req_id][0]
-            if snd.room in bad:
-                self._give_up(snd, bad[snd.room])
             # cleared by its finish: concluded, even where the reply was lost
             if snd.room in bad or snd.status in DONE or snd.cleared:
                 self.written.pop(snd.room, None)
@@ -132,8 +131,6 @@ class Rooms:
             if req_id not in self.loading:
                 continue
             rcv, pages = self.loading[req_id]
-            if rcv.room in bad:
-                self._give_up(rcv, bad[rcv.room])
             if rcv.room in bad or rcv.status in DONE:
                 if rcv.room in bad or rcv.status == KVPoll.Failed:
                     self._fail_load(req_id, pages, out)
@@ -180,15 +177,14 @@ class Rooms:
             self.reqs[rcv.room] = req_id
             self.look.add(rcv.room)
             pages[load.room] = np.asarray(load.blocks, dtype=np.int64)
+        aborts: dict[KVSender | KVReceiver, str] = {}
         for req_id, reason in meta.abort.items():
             if req_id in self.loading:
                 self.dropped.add(req_id)
                 rcv = self.loading[req_id][0]
                 self.look.add(rcv.room)
-                try:
-                    rcv.abort(reason)
-                except KVStateError as exc:  # its timeouts stay the backstop
-                    log.warning("room %s: abort failed: %s", rcv.room, exc)
+                aborts[rcv] = reason
+        self._abort(aborts, "aborting")
         if pages:
             try:  # a room not published now is published by its next poll's binding
                 self.mgr.init_many(pages)
@@ -301,7 +297,7 @@ class Rooms:
         except StateConnectionError as exc:  # the room stays; its timeouts stay the bound
             log.warning("room %s: send interrupted: %s", snd.room, exc)
         except KVStateError as exc:  # e.g. a receiver's infos kvstate cannot read
-            self._give_up(snd, exc)
+            self._give_up({snd: exc})
         return None
 
     def _write(self, pushing: dict[int, tuple[KVSender, np.ndarray]]) -> None:
@@ -311,21 +307,49 @@ class Rooms:
         t0 = time.perf_counter()
         res = self.mgr.send_many({room: src for room, (_, src) in pushing.items()})
         took = time.perf_counter() - t0
+        failed: dict[KVSender | KVReceiver, KVStateError] = {}
         for room, exc in res.errors.items():
             if isinstance(exc, StateConnectionError):  # the room stays, to push again
                 log.warning("room %s: send interrupted: %s", room, exc)
             else:
-                self._give_up(pushing[room][0], exc)
+                failed[pushing[room][0]] = exc
+        self._give_up(failed)
         for room, status in res.items():
             if status == KVPoll.Transferring:
                 self.written[room] = (took, pushing[room][0].moved - before[room])
 
-    def _give_up(self, p: KVSender | KVReceiver, exc: KVStateError) -> None:
-        log.warning("room %s: failing its request: %s", p.room, exc)
+    def _held(self, reqs: list[str]) -> list[KVSender | KVReceiver]:
+        """The participants of these requests that this rank still holds."""
+        held: list[KVSender | KVReceiver] = []
+        for req_id in reqs:
+            if req_id in self.sending:
+                held.append(self.sending[req_id][0])
+            elif req_id in self.loading:
+                held.append(self.loading[req_id][0])
+        return held
+
+    def _give_up(self, failed: Mapping[KVSender | KVReceiver, KVStateError]) -> None:
+        """Fail these rooms' requests, each with why, in one batch."""
+        for p, exc in failed.items():
+            log.warning("room %s: failing its request: %s", p.room, exc)
+        why = {p: f"{self.name} cannot use this room: {exc}" for p, exc in failed.items()}
+        self._abort(why, "failing")
+
+    def _abort(self, reasons: Mapping[KVSender | KVReceiver, str], what: str) -> None:
+        """``abort_many`` of rooms this rank holds (those cleared meanwhile left out);
+        what it could not abort is logged: their timeouts stay the backstop."""
+        rooms: dict[object, str | None] = {
+            p.room: why for p, why in reasons.items() if not p.cleared
+        }
+        if not rooms:
+            return
         try:
-            self.store.abort(p.room, f"{self.name} cannot use this room: {exc}")
-        except KVStateError as again:
-            log.warning("room %s: abort failed: %s", p.room, again)
+            res = self.mgr.abort_many(rooms)
+        except KVStateError as exc:
+            log.warning("%s: %s %d room(s) failed: %s", self.name, what, len(rooms), exc)
+            return
+        for room, error in res.errors.items():
+            log.warning("room %s: %s it failed: %s", room, what, error)
 
     def _fail_load(self, req_id: str, pages: list[int], out: Outcome) -> None:
         if self.by_request:
@@ -338,11 +362,8 @@ class Rooms:
         poll): the engine shuts down."""
         live = [s for s, _ in self.sending.values()] + [r for r, _ in self.loading.values()]
         live = [p for p in live if not p.cleared]
-        for p in live:
-            try:
-                p.abort(reason)
-            except KVStateError as exc:
-                log.warning("room %s: abort at shutdown failed: %s", p.room, exc)
+        # one batch: a stalled Redis bounds the shutdown once, not once per room
+        self._abort(dict.fromkeys(live, reason), "aborting at shutdown")
         try:  # these and the clears still due
             self.mgr.clear_many([p.room for p in live])
         except KVStateError as exc:

@@ -158,7 +158,7 @@ class WorkerSide:
         self.transport = transport
         facts = KVFacts.of(self.vllm_config, self.kv_cache_config)
         by_request = len(groups_of(self.kv_cache_config)) > 1
-        self.rooms = Rooms(self.mgr, self.store, facts, self.name, self.rank, by_request)
+        self.rooms = Rooms(self.mgr, facts, self.name, self.rank, by_request)
         g = runs[0].geometry
         log.info(
             "%s: %d KV runs registered (layout %s, %d blocks, %s heads x %s a page)",
