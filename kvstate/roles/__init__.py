@@ -3,8 +3,9 @@
 
 One concept a module: ``contract`` (what a rank and its participants may ask of each
 other), ``participant`` (what both sides share, the one clear), ``sender``,
-``receiver`` and its ``binding``, ``manager`` (the rank), its ``lease``, its ``peers``
-watch and its ``batch`` planning. docs/design.md, "Layers".
+``receiver`` and its ``binding``, ``manager`` (the rank), its ``steps`` (a scheduler
+step's calls), its ``lease``, its ``peers`` watch and its ``batch`` planning.
+docs/design.md, "Layers".
 """
 
 from kvstate.roles.contract import Bound, LookupKey, Lookups, Rank, Step, StepInput
