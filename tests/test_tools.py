@@ -373,6 +373,24 @@ def test_bench_state_pairs_smoke() -> None:
     }
 
 
+# -- tools/bench_aborts.py --------------------------------------------------------------------
+@pytest.mark.redis
+def test_bench_aborts_smoke() -> None:
+    """abort_many makes the same round trips for 1 room and for 4 (an abort() each, 3
+    a room), and a restarted rank clears what its predecessor left in as many trips
+    whatever their number; every room it made was failed and cleared."""
+    doc, _ = run_tool("bench_aborts.py", "--smoke", "--json")
+    assert doc["command"] == "python tools/bench_aborts.py --smoke" and doc["reps"] == 1
+    rows = {r["rooms"]: r for r in doc["aborts"]}
+    assert set(rows) == {1, 4}
+    for n, r in rows.items():
+        assert_positive(r, "one_by_one_ms", "abort_many_ms", "one_by_one_over_abort_many")
+        assert r["one_by_one_round_trips"] == 3 * n and r["abort_many_round_trips"] == 3
+    cleared = {r["rooms"]: r for r in doc["predecessor"]}
+    assert all(r["cleared"] == n for n, r in cleared.items())
+    assert cleared[1]["round_trips"] == cleared[4]["round_trips"]
+
+
 # -- tools/bench_plan.py ----------------------------------------------------------------------
 def test_bench_plan_smoke() -> None:
     """Every shape's plan (kept and first room) and the copy it plans, which moved the
