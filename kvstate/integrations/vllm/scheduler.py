@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.request import RequestStatus
 
 from kvstate.errors import KVStateError, LayoutRefusedError
 from kvstate.integrations.vllm.groups import flatten, groups_of, transfer_ids, wanted
@@ -41,6 +42,9 @@ from kvstate.trace import traceparent
 log = logging.getLogger(__name__)
 HOLD_EVERY = 2.0  # s between two renewals of the decode queue's holds
 HOLD_FOR = 8.0  # s each renewal holds the queued rooms for
+#: how a prefill request ends when its KV goes to a decode (any other end: aborted or
+#: failed on the prefill, nothing handed over)
+HANDED_OVER = frozenset({RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED})
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,9 @@ class SchedulerSide:
     def _traced(self, request: Any) -> None:
         """Keep the request's trace context (its ``traceparent`` header, if a valid one)
         for this step's workers: a traced room links to the serving request's trace."""
-        headers = getattr(request, "trace_headers", None) or {}
+        headers = getattr(request, "trace_headers", None)
+        if not headers:  # most requests: no trace context
+            return
         found = next((v for k, v in headers.items() if str(k).lower() == "traceparent"), None)
         context = traceparent(found)
         if context is not None:
@@ -318,10 +324,7 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode") or not any(block_ids):
             return False, None
-        if not request.is_finished() or request.status.name not in (
-            "FINISHED_LENGTH_CAPPED",
-            "FINISHED_STOPPED",
-        ):
+        if request.status not in HANDED_OVER:
             return False, None  # aborted (or failed) on prefill: nothing to hand over
         assert self._facts_params is not None
         try:

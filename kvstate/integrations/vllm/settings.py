@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -92,8 +91,10 @@ def rank_name(engine: str, rank: int, stage: int = 0, stages: int = 1) -> str:
 def new_nonce() -> str:
     """A per-request nonce: a request id used again (after an abort of the earlier
     request, or with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1) gets a new room, so the
-    earlier room's failure mark is not its own."""
-    return secrets.token_hex(8)
+    earlier room's failure mark is not its own. The system's random bytes, as
+    ``secrets.token_hex`` reads them, without its frames: a prefill step makes one for
+    every request it hands over."""
+    return os.urandom(8).hex()
 
 
 def room_of(engine_id: str, request_id: str, nonce: str = "") -> int:
