@@ -344,6 +344,19 @@ def test_abort_many_fails_every_room_in_three_round_trips_per_node(store: Store)
     assert [k for k in keys_of(store) if ":engine" not in k and not store.keys.is_mark(k)] == []
 
 
+def proxied_pair(
+    pc: ProxiedCluster, namespace: str
+) -> tuple[Store, kvstate.KVManager, kvstate.KVManager, list[int], set[int]]:
+    """A prefill and a decode manager on ``pc`` (``call_timeout`` 1.5 s), 24 rooms
+    WaitingForInput, and which of them live on the proxied primary."""
+    opts = kvstate.Options(call_timeout=1.5)
+    store = kvstate.connect(pc.url, namespace=namespace, options=opts)
+    p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=60.0)
+    d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=60.0)
+    rooms, bad = waiting_rooms(pc, store, p, d, 24)
+    return store, p, d, rooms, bad
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_cluster_batches_partial_when_a_node_stalls(tmp_path: Path) -> None:
@@ -352,12 +365,7 @@ def test_cluster_batches_partial_when_a_node_stalls(tmp_path: Path) -> None:
     the rest live, and clears them once the node is back: nothing left."""
     pc = ProxiedCluster(tmp_path)
     try:
-        opts = kvstate.Options(call_timeout=1.5)
-        store = kvstate.connect(pc.url, namespace="batchfault", options=opts)
-        p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=60.0)
-        d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=60.0)
-        rooms, bad = waiting_rooms(pc, store, p, d, 24)
-
+        store, p, d, rooms, bad = proxied_pair(pc, "batchfault")
         pc.proxy.stall()
         begun = p.begin_many(rooms)
         assert set(begun.errors) == bad and set(begun) == set(rooms) - bad
@@ -388,12 +396,7 @@ def test_cluster_abort_many_partial_when_a_node_is_down(tmp_path: Path) -> None:
     nothing is left."""
     pc = ProxiedCluster(tmp_path)
     try:
-        opts = kvstate.Options(call_timeout=1.5)
-        store = kvstate.connect(pc.url, namespace="abortfault", options=opts)
-        p = kvstate.KVManager(store, "prefill", "p0", PREFILL_ADDR, lease=60.0)
-        d = kvstate.KVManager(store, "decode", "d0", "10.0.0.2:1", lease=60.0)
-        rooms, bad = waiting_rooms(pc, store, p, d, 24)
-
+        store, p, d, rooms, bad = proxied_pair(pc, "abortfault")
         pc.proxy.drop()
         out = p.abort_many(dict.fromkeys(rooms, "engine stops"))
         assert set(out.errors) == bad, (out, out.errors)

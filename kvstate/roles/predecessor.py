@@ -16,7 +16,7 @@ import logging
 from kvstate.errors import KVStateError
 from kvstate.keys import Side
 from kvstate.schema import PEER_ADDR, bindings, parse_member
-from kvstate.store import Call, Store, command_call
+from kvstate.store import Call, Store, command_call, member_fields
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def clear_predecessor(store: Store, side: Side, engine: str) -> list[int]:
         senders = set(bindings(fields))
         senders |= {
             m.engine
-            for m in (parse_member(x.decode("utf-8", "replace")) for x in members)
+            for m in map(parse_member, member_fields(members))
             if m is not None and m.side == "tx"
         }
         clears[room] = store.clear_calls(
